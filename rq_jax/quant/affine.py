@@ -1,0 +1,205 @@
+"""Affine group quantization along the last axis (INT1/2/3/4/8).
+
+A vector ``x [..., D]`` is split into ``G = D // g`` groups of ``g`` consecutive channels. Each group
+gets its own metadata, stored in a low-precision float (``meta_dtype``: float8_e4m3fn by default,
+bfloat16, float16 or float32), and every channel an unsigned ``b``-bit code kept *unpacked* in a
+uint8 (``packing.pack`` packs them).
+
+Asymmetric (the ResidualQuant quantizer, spec §5; all ``2**b`` levels used)::
+
+    lo, hi = min(group), max(group)
+    mid    = (hi + lo) / 2 ;  rad = (hi - lo) / 2 * clip          # clip: 0.9 at 2 bits, else 1.0
+    offset = meta(clamp(mid - rad, -M, M))                       # M: finite max of meta dtype
+    scale  = meta(min(2 * rad / (2**b - 1), M))
+    u      = (x - offset) / (scale if scale > 0 else 1)
+    code   = clamp(floor(u) + (u - floor(u) > 0.5), 0, 2**b - 1)  # round half DOWN
+    x_hat  = offset + scale * code
+
+Symmetric (baselines; the signed grid ``{-qmax..qmax} * scale``, ``qmax = 2**(b-1) - 1``, so INT2
+uses three levels; needs ``b >= 2``)::
+
+    scale  = meta(min(max|group| * clip / qmax, M))
+    code   = clamp(round_half_down(x / (scale if scale > 0 else 1)), -qmax, qmax) + 2**(b-1)
+    x_hat  = scale * (code - 2**(b-1))
+
+For symmetric configs ``Quantized.offset`` is ``None``: the offset ``-2**(b-1) * scale`` is implied
+and not stored (it would overflow fp8 at 8 bits).
+
+All arithmetic is float32, with the metadata cast to ``meta_dtype`` and back before the codes are
+computed, so ``dequantize`` is the exact inverse arithmetic of the encoder. Midpoint and radius are
+formed as ``hi/2 ± lo/2`` (equal to the spec's formulas, but no float32 overflow for huge inputs).
+A group whose scale underflows to zero in the metadata dtype (e.g. a range below 2**-10 in fp8)
+reconstructs to its offset: never NaN. Finite inputs give finite outputs; inf/NaN inputs are out of
+scope (codes stay defined, reconstructions may not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+VALID_BITS = (1, 2, 3, 4, 8)
+META_DTYPES = (
+    np.dtype(jnp.float8_e4m3fn),
+    np.dtype(jnp.bfloat16),
+    np.dtype(jnp.float16),
+    np.dtype(jnp.float32),
+)
+
+
+def default_clip(bits: int) -> float:
+    """The spec's clipping factor for a bit width: 0.9 at INT2, 1.0 otherwise."""
+    return 0.9 if bits == 2 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """One affine quantizer: bit width, group size, symmetry, metadata dtype and clip factor.
+
+    Frozen and hashable, so it can be a static argument of ``jax.jit``. ``meta_dtype`` is normalised
+    to a ``numpy.dtype``; ``clip=None`` means the spec default (``default_clip(bits)``).
+    """
+
+    bits: int
+    group_size: int
+    symmetric: bool = False
+    meta_dtype: object = jnp.float8_e4m3fn
+    clip: float | None = None
+
+    def __post_init__(self):
+        if self.bits not in VALID_BITS:
+            raise ValueError(f"invalid bit width {self.bits!r}: expected one of {VALID_BITS}")
+        if not isinstance(self.group_size, (int, np.integer)) or self.group_size <= 0:
+            raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}")
+        if self.symmetric and self.bits < 2:
+            raise ValueError("symmetric quantization needs bits >= 2 (INT1 symmetric has one level)")
+        try:
+            dt = np.dtype(self.meta_dtype)
+        except TypeError as e:
+            raise ValueError(f"unsupported meta dtype {self.meta_dtype!r}") from e
+        if dt not in META_DTYPES:
+            raise ValueError(
+                f"unsupported meta dtype {dt}: expected one of {[str(d) for d in META_DTYPES]}"
+            )
+        object.__setattr__(self, "meta_dtype", dt)
+        if self.clip is not None and not (0.0 < float(self.clip) <= 1.0):
+            raise ValueError(f"clip must lie in (0, 1], got {self.clip!r}")
+
+    @property
+    def clip_factor(self) -> float:
+        """The clip factor actually applied (``clip`` or the per-bit default)."""
+        return default_clip(self.bits) if self.clip is None else float(self.clip)
+
+    @property
+    def levels(self) -> int:
+        """Number of code values, ``2**bits``."""
+        return 1 << self.bits
+
+    @property
+    def meta_max(self) -> float:
+        """Largest finite value of the metadata dtype (448 for float8_e4m3fn)."""
+        return float(jnp.finfo(self.meta_dtype).max)
+
+    @property
+    def meta_bits(self) -> int:
+        """Bits of one metadata value."""
+        return self.meta_dtype.itemsize * 8
+
+
+class Quantized(NamedTuple):
+    """Codes and metadata of an affine-quantized tensor (a pytree).
+
+    codes:  uint8 ``[..., D]``, unpacked, values in ``[0, 2**bits)``.
+    scale:  ``[..., D // g]`` in ``meta_dtype``.
+    offset: ``[..., D // g]`` in ``meta_dtype``; ``None`` for symmetric configs (implied).
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None
+
+
+def _groups(x: jax.Array, g: int) -> jax.Array:
+    d = x.shape[-1]
+    if d % g != 0:
+        raise ValueError(f"last dimension D={d} is not divisible by group size g={g}")
+    return x.reshape(*x.shape[:-1], d // g, g)
+
+
+def round_half_down(u: jax.Array) -> jax.Array:
+    """Round to nearest, ties toward -inf: ``floor(u) + (u - floor(u) > 0.5)`` (elementwise)."""
+    f = jnp.floor(u)
+    return f + (u - f > 0.5).astype(u.dtype)
+
+
+def _to_meta(v: jax.Array, cfg: QuantConfig) -> jax.Array:
+    m = cfg.meta_max
+    return jnp.clip(v, -m, m).astype(cfg.meta_dtype)
+
+
+def quantize(x: jax.Array, cfg: QuantConfig) -> Quantized:
+    """Quantize ``x [..., D]`` group-wise along the last axis.
+
+    Returns ``Quantized(codes uint8 [..., D], scale [..., D//g], offset [..., D//g] | None)``.
+    Raises ValueError when ``D % cfg.group_size != 0``.
+    """
+    xg = _groups(jnp.asarray(x, jnp.float32), cfg.group_size)  # [..., G, g]
+    clip = cfg.clip_factor
+    if cfg.symmetric:
+        qmax = (1 << (cfg.bits - 1)) - 1
+        zp = 1 << (cfg.bits - 1)
+        amax = jnp.max(jnp.abs(xg), axis=-1) * clip
+        scale = _to_meta(amax / qmax, cfg)
+        s = scale.astype(jnp.float32)
+        u = xg / jnp.where(s > 0, s, 1.0)[..., None]
+        u = jnp.nan_to_num(u, nan=0.0)
+        c = jnp.clip(round_half_down(u), -qmax, qmax) + zp
+        return Quantized(c.astype(jnp.uint8).reshape(x.shape), scale, None)
+    lo = jnp.min(xg, axis=-1)
+    hi = jnp.max(xg, axis=-1)
+    mid = hi / 2 + lo / 2
+    rad = (hi / 2 - lo / 2) * clip
+    offset = _to_meta(mid - rad, cfg)
+    scale = _to_meta(2 * rad / (cfg.levels - 1), cfg)
+    o = offset.astype(jnp.float32)[..., None]
+    s = scale.astype(jnp.float32)[..., None]
+    u = (xg - o) / jnp.where(s > 0, s, 1.0)
+    u = jnp.nan_to_num(u, nan=0.0)
+    c = jnp.clip(round_half_down(u), 0, cfg.levels - 1)
+    return Quantized(c.astype(jnp.uint8).reshape(x.shape), scale, offset)
+
+
+def dequantize(q: Quantized, cfg: QuantConfig, dtype=jnp.float32) -> jax.Array:
+    """Reconstruct ``[..., D]`` from ``Quantized``: ``offset + scale * code`` in float32, then cast."""
+    c = _groups(q.codes, cfg.group_size).astype(jnp.float32)  # [..., G, g]
+    s = q.scale.astype(jnp.float32)[..., None]
+    if cfg.symmetric:
+        xh = s * (c - float(1 << (cfg.bits - 1)))
+    else:
+        xh = q.offset.astype(jnp.float32)[..., None] + s * c
+    return xh.reshape(q.codes.shape).astype(dtype)
+
+
+def fake_quant(x: jax.Array, cfg: QuantConfig, dtype=jnp.float32) -> jax.Array:
+    """``dequantize(quantize(x))``: ``[..., D] -> [..., D]``."""
+    return dequantize(quantize(x, cfg), cfg, dtype)
+
+
+def clip_range(x: jax.Array, cfg: QuantConfig) -> tuple[jax.Array, jax.Array]:
+    """Float32 clipping interval per group, before metadata rounding: ``([..., G], [..., G])``.
+
+    Asymmetric: ``mid ± rad``; symmetric: ``±clip * max|x|``. Used by the STE to mask gradients.
+    """
+    xg = _groups(jnp.asarray(x, jnp.float32), cfg.group_size)
+    if cfg.symmetric:
+        a = jnp.max(jnp.abs(xg), axis=-1) * cfg.clip_factor
+        return -a, a
+    lo = jnp.min(xg, axis=-1)
+    hi = jnp.max(xg, axis=-1)
+    mid = hi / 2 + lo / 2
+    rad = (hi / 2 - lo / 2) * cfg.clip_factor
+    return mid - rad, mid + rad

@@ -1,0 +1,78 @@
+"""Bit packing of unpacked uint8 codes along the channel axis (planar layout).
+
+For ``bits`` in {1, 2, 4, 8} a byte holds ``P = 8 // bits`` codes. With ``D`` channels and
+``J = D // P`` bytes, byte ``j`` holds channels ``j, j + J, j + 2J, ..., j + (P-1)J``; channel
+``j + kJ`` sits in bits ``[k*bits, (k+1)*bits)`` (least significant first)::
+
+    packed[..., j] = sum_k codes[..., j + k*J] << (k*bits)
+    codes[..., k*J : (k+1)*J] = (packed >> (k*bits)) & (2**bits - 1)
+
+Unpacking is therefore ``P`` shift-and-mask ops on the whole packed row, each producing a contiguous
+slice of channels: no interleave/transpose, which is what a fused attention kernel wants (it can also
+split the query into the same ``P`` contiguous slices and never reassemble the keys).
+
+3 bits are stored as two planes: the low two bits of every channel packed as the 2-bit layout above
+(``D // 4`` bytes), followed by the high bit packed as the 1-bit layout (``D // 8`` bytes)::
+
+    packed = concat(pack(codes & 3, 2), pack(codes >> 2, 1))        # [..., 3D/8]
+    codes  = unpack(packed[..., :D/4], 2) | (unpack(packed[..., D/4:], 1) << 2)
+
+No padding anywhere: ``D`` must be divisible by ``P`` (by 8 for 3 bits), else ValueError.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_PER_BYTE = {1: 8, 2: 4, 4: 2, 8: 1}
+
+
+def packed_dim(dim: int, bits: int) -> int:
+    """Bytes per packed row of ``dim`` ``bits``-bit codes (``dim * bits // 8``); validates ``dim``."""
+    if bits == 3:
+        if dim % 8:
+            raise ValueError(f"3-bit packing needs dim divisible by 8, got dim={dim}")
+        return dim * 3 // 8
+    if bits not in _PER_BYTE:
+        raise ValueError(f"invalid bit width {bits!r}: expected one of (1, 2, 3, 4, 8)")
+    p = _PER_BYTE[bits]
+    if dim % p:
+        raise ValueError(f"{bits}-bit packing needs dim divisible by {p}, got dim={dim}")
+    return dim // p
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+    """Pack uint8 codes ``[..., D]`` (values < 2**bits) into uint8 ``[..., packed_dim(D, bits)]``."""
+    d = codes.shape[-1]
+    packed_dim(d, bits)
+    codes = codes.astype(jnp.uint8)
+    if bits == 3:
+        return jnp.concatenate([pack(codes & 3, 2), pack(codes >> 2, 1)], axis=-1)
+    if bits == 8:
+        return codes
+    p = _PER_BYTE[bits]
+    j = d // p
+    mask = (1 << bits) - 1
+    out = jnp.zeros(codes.shape[:-1] + (j,), jnp.uint8)
+    for k in range(p):
+        out = out | ((codes[..., k * j : (k + 1) * j] & mask) << (k * bits))
+    return out
+
+
+def unpack(packed: jax.Array, bits: int, dim: int) -> jax.Array:
+    """Inverse of ``pack``: uint8 ``[..., packed_dim(dim, bits)]`` -> uint8 codes ``[..., dim]``."""
+    n = packed_dim(dim, bits)
+    if packed.shape[-1] != n:
+        raise ValueError(f"packed last dim {packed.shape[-1]} != packed_dim({dim}, {bits}) = {n}")
+    packed = packed.astype(jnp.uint8)
+    if bits == 3:
+        lo = unpack(packed[..., : dim // 4], 2, dim)
+        hi = unpack(packed[..., dim // 4 :], 1, dim)
+        return lo | (hi << 2)
+    if bits == 8:
+        return packed
+    mask = jnp.uint8((1 << bits) - 1)
+    return jnp.concatenate(
+        [(packed >> (k * bits)) & mask for k in range(_PER_BYTE[bits])], axis=-1
+    )
