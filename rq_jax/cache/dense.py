@@ -1,0 +1,62 @@
+"""The `dense` format: K/V stored as they are, in bfloat16 or float32."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from rq_jax.cache import base
+
+
+class DenseState(NamedTuple):
+    """Stored keys and values, [L, N, B, K, S, D] each."""
+
+    k: Float[Array, "l n b k s d"]
+    v: Float[Array, "l n b k s d"]
+
+
+@base.register("dense")
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """Full-precision storage; `dtype` is "bfloat16" or "float32"."""
+
+    dtype: str = "bfloat16"
+    name: str = dataclasses.field(default="dense", init=False)
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dense cache dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+
+    def init(self, num_loops, num_layers, batch, max_len, num_kv_heads, head_dim) -> DenseState:
+        """Zeroed [L, N, B, K, S, D] keys and values."""
+        shape = (num_loops, num_layers, batch, num_kv_heads, max_len, head_dim)
+        return DenseState(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+    def attend(self, state: DenseState, q, loop: int, layer: int, lengths: Int[Array, "b"], calib) -> base.Partial:
+        """Partial attention to the stored tokens of slot (loop, layer)."""
+        k, v = state.k[loop, layer], state.v[loop, layer]
+        return base.dense_partial(q, k, v, base.past_mask(lengths, q.shape[1], k.shape[2]))
+
+    def write(self, state: DenseState, k, v, lengths, num_new, calib) -> DenseState:
+        """Store new K/V [L, N, B, K, T, D] at positions lengths[b] + t, t < num_new[b]."""
+        return DenseState(*(scatter_tokens(old, new, lengths, num_new) for old, new in ((state.k, k), (state.v, v))))
+
+    def nbytes(self, state: DenseState) -> int:
+        """Bytes of the stored arrays."""
+        return base.tree_nbytes(state)
+
+
+def scatter_tokens(store: Array, new: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
+    """Write `new` [L, N, B, K, T, ...] into `store` [L, N, B, K, S, ...] along the token axis.
+
+    Token t of row b goes to position lengths[b] + t when t < num_new[b]; the rest are dropped.
+    """
+    b, t, s = new.shape[2], new.shape[4], store.shape[4]
+    pos = base.scatter_positions(lengths, num_new, t, s)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    # Advanced indices on axes 2 and 4 move to the front: values are [B, T, L, N, K, ...].
+    values = jnp.moveaxis(new, (2, 4), (0, 1)).astype(store.dtype)
+    return store.at[:, :, rows, :, pos].set(values, mode="drop")

@@ -1,0 +1,122 @@
+"""Hugging Face checkpoints (Ouro, Huginn) → Flax NNX models.
+
+Names map mechanically: our parameter path joined with dots, under the family's prefix, with
+`kernel` → `weight` (transposed: HF linears are [out, in]) and `embedding` → `weight`. Every tensor is
+checked: a missing, unexpected or mis-shaped one raises an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from rq_jax.config import ModelConfig, from_hf_config
+from rq_jax.nn.layers import rope_angles
+
+_PREFIX = {"ouro": "model.", "huginn": "transformer."}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config: missing, unexpected or mis-shaped tensors."""
+
+
+def resolve(path_or_id: str | os.PathLike) -> str:
+    """A local folder, or a hub model id already in the local Hugging Face cache (never the network)."""
+    path = os.fspath(path_or_id)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise FileNotFoundError(f"{path} is a file; expected a checkpoint folder with config.json")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(path, local_files_only=True)
+    except Exception as err:  # the hub library raises several types for "not cached" / bad ids
+        raise FileNotFoundError(f"{path!r} is neither a local folder nor a model in the local Hugging Face "
+                                f"cache ({type(err).__name__}: {err})") from None
+
+
+def read_tensors(folder: str) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+    tensors = {}
+    for name in files:
+        with safe_open(os.path.join(folder, name), framework="numpy") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def hf_name(config: ModelConfig, path: tuple[Any, ...]) -> tuple[str, bool]:
+    """The HF tensor name of our parameter `path`, and whether it is stored transposed."""
+    *parts, leaf = (str(p) for p in path)
+    transpose = leaf == "kernel"
+    leaf = "weight" if leaf in ("kernel", "embedding") else leaf
+    prefix = "" if parts[:1] == ["lm_head"] else _PREFIX[config.family]
+    return prefix + ".".join([*parts, leaf]), transpose
+
+
+def _check_huginn_rope(config: ModelConfig, freqs_cis: np.ndarray) -> None:
+    """Our RoPE table is computed from rope_base; the stored buffer must agree with it."""
+    angles = rope_angles(jnp.arange(freqs_cis.shape[1])[None], config.head_dim, config.rope_theta)[0]
+    ours = np.stack([np.cos(angles), np.sin(angles)], axis=-1)
+    stored = np.asarray(freqs_cis, np.float32).reshape(ours.shape)
+    err = float(np.max(np.abs(ours - stored)))
+    if err > 1e-4:
+        raise CheckpointError(f"freqs_cis differs from RoPE with rope_base={config.rope_theta} (max error {err:.2e})")
+
+
+def load_model(path_or_id: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32,
+               config: ModelConfig | None = None):
+    """Load an HF Ouro or Huginn checkpoint as an NNX model computing in `dtype`.
+
+    Returns (model, config). Raises CheckpointError naming any missing, unexpected or mis-shaped
+    tensor; Huginn's `lm_head.weight` may be present or absent when embeddings are tied.
+    """
+    from rq_jax.models import model_class
+
+    folder = resolve(path_or_id)
+    config = config or from_hf_config(folder)
+    tensors = read_tensors(folder)
+    abstract = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                                           param_dtype=param_dtype))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    used = set()
+    leaves = []
+    for path, var in flat:
+        name, transpose = hf_name(config, path)
+        if name not in tensors:
+            raise CheckpointError(f"checkpoint {folder} is missing tensor {name!r}")
+        value = tensors[name].T if transpose else tensors[name]
+        if value.shape != var.value.shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tensors[name].shape}, expected "
+                                  f"{var.value.shape[::-1] if transpose else var.value.shape}")
+        used.add(name)
+        leaves.append(var.replace(jnp.asarray(value, param_dtype)))
+    if config.family == "huginn":
+        if "freqs_cis" in tensors:
+            _check_huginn_rope(config, tensors["freqs_cis"])
+            used.add("freqs_cis")
+        if config.tie_word_embeddings:
+            used.add("lm_head.weight")  # the hub checkpoint stores the tied copy too
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise CheckpointError(f"checkpoint {folder} has unexpected tensors {unexpected[:5]}"
+                              f"{' ...' if len(unexpected) > 5 else ''}")
+    state = nnx.from_flat_state([(path, leaf) for (path, _), leaf in zip(flat, leaves)])
+    return nnx.merge(graphdef, state), config

@@ -1,0 +1,54 @@
+"""Primitives shared by Ouro and Huginn: RMSNorm, both RoPE variants, projections and MLPs.
+
+Parameters live in `param_dtype`; each module computes in `dtype` (float32 or bfloat16), independent
+of the checkpoint's dtype. Linear kernels are [in, out] (the HF converter transposes).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32; output `weight * normed.astype(x.dtype)` as both references do."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... e"]) -> Float[Array, "... e"]:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def linear(din: int, dout: int, *, rngs: nnx.Rngs, dtype, param_dtype, std: float, bias: bool = False):
+    """A bias-free (unless `bias`) `nnx.Linear` initialised N(0, std²)."""
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+def rope_angles(positions: Int[Array, "b t"], head_dim: int, theta: float) -> Float[Array, "b t d2"]:
+    """RoPE angles pos·θ^(−2i/D) in float32 for i < D/2 (both families use this frequency table)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    return positions.astype(jnp.float32)[..., None] * inv_freq
+
+
+def rope_half(x: Float[Array, "b t h d"], angles: Float[Array, "b t d2"]) -> Float[Array, "b t h d"]:
+    """Llama-style RoPE on halves (`rotate_half`), as Ouro uses; cos/sin cast to x's dtype."""
+    ang = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def rope_interleaved(x: Float[Array, "b t h d"], angles: Float[Array, "b t d2"]) -> Float[Array, "b t h d"]:
+    """RoPE on interleaved pairs (2i, 2i+1), computed in float32, as Huginn does."""
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    re, im = pairs[..., 0], pairs[..., 1]
+    out = jnp.stack([re * cos - im * sin, im * cos + re * sin], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
