@@ -29,8 +29,9 @@ All arithmetic is float32, with the metadata cast to ``meta_dtype`` and back bef
 computed, so ``dequantize`` is the exact inverse arithmetic of the encoder. Midpoint and radius are
 formed as ``hi/2 ± lo/2`` (equal to the spec's formulas, but no float32 overflow for huge inputs).
 A group whose scale underflows to zero in the metadata dtype (e.g. a range below 2**-10 in fp8)
-reconstructs to its offset: never NaN. Finite inputs give finite outputs; inf/NaN inputs are out of
-scope (codes stay defined, reconstructions may not).
+reconstructs to its offset: never NaN. Inputs with ``|x| <= 1e38`` give finite outputs for every
+metadata dtype (beyond that, float32 and bfloat16 metadata can overflow ``scale * code``); inf/NaN
+inputs are out of scope (codes stay defined, reconstructions may not).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ residuals, each against a *reconstructed* reference so the decoder can rebuild i
 Reference policies ``p(r)``: "last" (anchor L-1, p = L-1), "first" (anchor 0, p = 0), "previous"
 (anchor 0, p = r-1, chained), "next" (anchor L-1, p = r+1, chained). ``mu`` are optional per-loop
 key means (pass None for values). All reconstruction arithmetic is float32 (the paper's kernels use a
-BF16 predictor; float32 here keeps encoder and decoder bit-identical on every backend).
+BF16 predictor). Encoder and decoder run the same operations in the same order, with alpha rounded to
+``alpha_dtype`` first, so they agree bit for bit when evaluated op by op; under separate ``jit``
+compilations XLA may contract ``a * b + c`` into a fused multiply-add differently, which can move a
+reconstruction by one float32 ulp (harmless: the error does not grow along a chain).
 
 Storage: per loop one ``affine.Quantized``; ``alpha [L-1, ...]`` in ``alpha_dtype`` for the
 non-anchor loops in increasing loop order (the anchor has no alpha), or ``None`` when least squares
@@ -156,7 +159,7 @@ def encode_decode_group(
 ) -> tuple[EncodedGroup, jax.Array]:
     """Encode ``z [L, ..., D]`` and also return the encoder's reconstruction ``[L, ..., D]`` f32.
 
-    The reconstruction is bit-identical to ``decode_group`` of the returned code.
+    The reconstruction is what ``decode_group`` returns for the code (see the module note on FMA).
     """
     z = jnp.asarray(z, jnp.float32)
     n = cfg.num_loops

@@ -1,0 +1,175 @@
+"""Affine group quantizer: arithmetic of the spec, error bounds, robustness, jit/vmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rq_jax.quant import affine
+from rq_jax.quant.affine import QuantConfig, dequantize, fake_quant, quantize
+
+from ._data import BITS, META, SHAPES, data_args, make_data
+
+FAST = settings(max_examples=25, deadline=None)
+
+
+_quantize = jax.jit(quantize, static_argnums=1)
+_dequantize = jax.jit(dequantize, static_argnums=(1, 2))
+_fake_quant = jax.jit(fake_quant, static_argnums=(1, 2))
+
+
+def _bound_check(x, cfg, q, xh):
+    """|x - x_hat| <= s/2 + distance of x to the representable range (per group, float32)."""
+    g = cfg.group_size
+    xg = x.reshape(*x.shape[:-1], -1, g).astype(np.float64)
+    s = np.asarray(q.scale.astype(jnp.float32), np.float64)[..., None]
+    if cfg.symmetric:
+        qmax = 2 ** (cfg.bits - 1) - 1
+        lo, hi = -qmax * s, qmax * s
+    else:
+        lo = np.asarray(q.offset.astype(jnp.float32), np.float64)[..., None]
+        hi = lo + s * (2**cfg.bits - 1)
+    dist = np.maximum(lo - xg, 0) + np.maximum(xg - hi, 0)
+    err = np.abs(np.asarray(xh, np.float64).reshape(xg.shape) - xg)
+    tol = 1e-5 * (np.abs(xg) + np.abs(lo) + np.abs(hi)) + 1e-30
+    assert np.all(err <= dist + s / 2 + tol)
+
+
+@FAST
+@given(
+    bits=st.sampled_from(BITS),
+    shape=st.sampled_from(SHAPES),
+    meta=st.sampled_from(META),
+    symmetric=st.booleans(),
+    **data_args,
+)
+def test_codes_and_error_bound(bits, shape, meta, symmetric, seed, kind, scale):
+    if symmetric and bits == 1:
+        return
+    g, d = shape
+    cfg = QuantConfig(bits, g, symmetric=symmetric, meta_dtype=jnp.dtype(meta))
+    x = make_data(seed, (3, d), kind, scale)
+    q = _quantize(x, cfg)
+    assert q.codes.shape == x.shape and q.codes.dtype == jnp.uint8
+    assert q.scale.shape == (3, d // g) and q.scale.dtype == jnp.dtype(meta)
+    assert int(q.codes.max()) < 2**bits
+    if symmetric:
+        assert q.offset is None and int(q.codes.min()) >= 1
+    else:
+        assert q.offset.shape == q.scale.shape
+    xh = np.asarray(_dequantize(q, cfg))
+    assert np.all(np.isfinite(xh))
+    _bound_check(x, cfg, q, xh)
+
+
+@FAST
+@given(bits=st.sampled_from(BITS), shape=st.sampled_from(SHAPES), clip=st.sampled_from([1.0, 0.9, 0.5]),
+       **data_args)
+def test_half_step_with_exact_metadata(bits, shape, clip, seed, kind, scale):
+    """float32 metadata: error <= half a step + what the clip factor cut off."""
+    g, d = shape
+    cfg = QuantConfig(bits, g, meta_dtype=jnp.float32, clip=clip)
+    x = make_data(seed, (2, d), kind, scale).astype(np.float64)
+    xh = np.asarray(_fake_quant(x.astype(np.float32), cfg), np.float64)
+    xg = x.reshape(2, -1, g)
+    lo, hi = xg.min(-1, keepdims=True), xg.max(-1, keepdims=True)
+    rad = (hi - lo) / 2
+    step = 2 * rad * clip / (2**bits - 1)
+    err = np.abs(xh.reshape(xg.shape) - xg)
+    assert np.all(err <= step / 2 + rad * (1 - clip) + 1e-5 * np.abs(xg).max(-1, keepdims=True) + 1e-30)
+
+
+@FAST
+@given(shape=st.sampled_from(SHAPES), bits=st.sampled_from(BITS), meta=st.sampled_from(META),
+       seed=st.integers(0, 2**31 - 1))
+def test_constant_groups_exact(shape, bits, meta, seed):
+    """A constant group representable in the metadata dtype is reconstructed exactly."""
+    g, d = shape
+    cfg = QuantConfig(bits, g, meta_dtype=jnp.dtype(meta))
+    rng = np.random.default_rng(seed)
+    vals = rng.standard_normal(d // g) * 10.0 ** rng.integers(-2, 3, d // g)
+    vals = np.asarray(jnp.asarray(vals, jnp.float32).astype(meta).astype(jnp.float32))
+    x = np.repeat(vals, g)[None]
+    np.testing.assert_array_equal(np.asarray(_fake_quant(x, cfg)), x)
+
+
+def test_round_half_down_and_levels():
+    cfg = QuantConfig(2, 8, meta_dtype=jnp.float32, clip=1.0)
+    x = jnp.array([[0.0, 3.0, 0.5, 1.5, 2.5, 0.51, 1.49, 2.99]])
+    q = _quantize(x, cfg)
+    np.testing.assert_array_equal(np.asarray(q.codes), [[0, 3, 0, 1, 2, 1, 1, 3]])
+    assert float(q.scale[0, 0]) == 1.0 and float(q.offset[0, 0]) == 0.0
+
+
+def test_int2_default_clip_is_0p9():
+    assert QuantConfig(2, 32).clip_factor == 0.9
+    assert QuantConfig(4, 32).clip_factor == 1.0
+    cfg = QuantConfig(2, 4, meta_dtype=jnp.float32)
+    q = _quantize(jnp.array([[0.0, 1.0, 2.0, 10.0]]), cfg)
+    assert float(q.offset[0, 0]) == pytest.approx(0.5)  # mid 5 - rad 5 * 0.9
+    assert float(q.scale[0, 0]) == pytest.approx(9.0 / 3)
+
+
+@pytest.mark.parametrize("meta", META)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_no_nan_on_extremes(meta, bits, symmetric):
+    if symmetric and bits == 1:
+        pytest.skip("symmetric INT1 is invalid")
+    cfg = QuantConfig(bits, 8, symmetric=symmetric, meta_dtype=jnp.dtype(meta))
+    big = 1e38  # documented finite-output domain: |x| <= 1e38
+    rows = [
+        [0.0] * 8,
+        [1.5] * 8,
+        [big, -big, big, 0, 1, -1, big / 2, -big],
+        [1e30, 1e29, -1e30, 5, 1e30, 1e30, 1e30, 1e30],
+        [1e-30, 2e-30, 0, 1e-45, -1e-45, 1e-38, 0, 0],
+        [448, -448, 449, 2.0**-9, 2.0**-10, 464, -500, 0],
+        [1e-4, 1e-4 + 1e-6, 1e-4, 1e-4, 1e-4, 1e-4, 1e-4, 1e-4 + 2e-6],
+        [1e30, 1e-30, -1e-30, 0, 0, 0, 0, 0],
+    ]
+    x = jnp.array(rows, jnp.float32)
+    q = _quantize(x, cfg)
+    assert np.all(np.isfinite(np.asarray(q.scale.astype(jnp.float32))))
+    xh = np.asarray(_dequantize(q, cfg))
+    assert np.all(np.isfinite(xh))
+    np.testing.assert_array_equal(xh[0], 0.0)
+
+
+def test_fp8_underflow_collapses_to_offset():
+    cfg = QuantConfig(2, 8)  # fp8: smallest subnormal 2^-9, range 1e-6 -> scale 0
+    x = jnp.full((1, 8), 0.25) + jnp.linspace(0, 1e-6, 8)
+    q = _quantize(x, cfg)
+    assert float(q.scale[0, 0]) == 0.0
+    np.testing.assert_array_equal(np.asarray(_dequantize(q, cfg)), float(q.offset[0, 0].astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("d,g", [(96, 32), (24, 8)])
+def test_jit_vmap_and_head_dims(d, g):
+    cfg = QuantConfig(4, g, meta_dtype=jnp.bfloat16)
+    x = make_data(0, (5, 2, d), "heavy")
+    q = _quantize(x, cfg)
+    qv = jax.jit(jax.vmap(lambda t: quantize(t, cfg)))(x)
+    for a, b in zip(q, qv):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    out = _dequantize(q, cfg, jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16 and out.shape == x.shape
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="invalid bit width"):
+        QuantConfig(5, 32)
+    with pytest.raises(ValueError, match="group_size"):
+        QuantConfig(2, 0)
+    with pytest.raises(ValueError, match="unsupported meta dtype"):
+        QuantConfig(2, 32, meta_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="symmetric"):
+        QuantConfig(1, 32, symmetric=True)
+    with pytest.raises(ValueError, match="clip"):
+        QuantConfig(2, 32, clip=1.5)
+    with pytest.raises(ValueError, match="D=96.*g=64"):
+        quantize(jnp.zeros((2, 96)), QuantConfig(2, 64))
+    assert hash(QuantConfig(2, 32)) == hash(QuantConfig(2, 32, meta_dtype=jnp.float8_e4m3fn))
+    assert affine.default_clip(2) == 0.9
