@@ -130,7 +130,8 @@ def _ouro(raw: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=_require(raw, "max_position_embeddings"),
         rope_theta=float(raw.get("rope_theta", 10000.0)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        early_exit_threshold=1.0 if threshold is None else float(threshold))
+        early_exit_threshold=1.0 if threshold is None else float(threshold),
+        init_std=float(raw.get("initializer_range", 0.02)))
 
 
 def _huginn(raw: dict[str, Any]) -> ModelConfig:

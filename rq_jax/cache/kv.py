@@ -7,8 +7,10 @@ per row. The formats are static fields, so a jitted function retraces only when 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int
@@ -108,3 +110,13 @@ class CallContext:
                              f"(loop, layer) {missing[:3]}...; run as many loops as the cache was built for")
         kv = [[self.inflight[group, l, n] for n in layers] for l in range(num_loops)]
         return tuple(jnp.stack([jnp.stack([pair[i] for pair in row]) for row in kv]) for i in (0, 1))
+
+
+def dense_equivalent_nbytes(config: ModelConfig, cache: KVCache, dtype: str = "bfloat16") -> int:
+    """Bytes a dense cache of `dtype` with the same batch, length and loops would take (nothing allocated)."""
+    from rq_jax.cache.dense import Dense
+
+    shapes = jax.eval_shape(lambda: init_cache(config, cache.lengths.shape[0], cache.max_len, Dense(dtype),
+                                               num_loops=cache.num_loops))
+    leaves = jax.tree_util.tree_leaves((shapes.looped, shapes.plain))
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves))

@@ -102,10 +102,10 @@ def load_model(path_or_id: str | os.PathLike, *, dtype=jnp.float32, param_dtype=
         name, transpose = hf_name(config, path)
         if name not in tensors:
             raise CheckpointError(f"checkpoint {folder} is missing tensor {name!r}")
-        value = tensors[name].T if transpose else tensors[name]
-        if value.shape != var.value.shape:
+        value, shape = (tensors[name].T if transpose else tensors[name]), var.get_value().shape
+        if value.shape != shape:
             raise CheckpointError(f"tensor {name!r} has shape {tensors[name].shape}, expected "
-                                  f"{var.value.shape[::-1] if transpose else var.value.shape}")
+                                  f"{shape[::-1] if transpose else shape}")
         used.add(name)
         leaves.append(var.replace(jnp.asarray(value, param_dtype)))
     if config.family == "huginn":
@@ -120,3 +120,44 @@ def load_model(path_or_id: str | os.PathLike, *, dtype=jnp.float32, param_dtype=
                               f"{' ...' if len(unexpected) > 5 else ''}")
     state = nnx.from_flat_state([(path, leaf) for (path, _), leaf in zip(flat, leaves)])
     return nnx.merge(graphdef, state), config
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    """The HF `config.json` contents that `from_hf_config` reads back as `config`."""
+    c = config
+    if c.family == "ouro":
+        return dict(
+            model_type="ouro", architectures=["OuroForCausalLM"], vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+            total_ut_steps=c.num_loops, max_position_embeddings=c.max_position_embeddings,
+            rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+            early_exit_threshold=c.early_exit_threshold, hidden_act="silu", initializer_range=c.init_std)
+    return dict(
+        model_type="huginn_raven", architectures=["RavenForCausalLM"], vocab_size=c.vocab_size,
+        padded_vocab_size=c.vocab_size, n_embd=c.hidden_size, n_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, n_layers=c.num_prelude + c.num_layers + c.num_coda,
+        n_layers_in_prelude=c.num_prelude, n_layers_in_recurrent_block=c.num_layers,
+        n_layers_in_coda=c.num_coda, intermediate_size=c.intermediate_size, mean_recurrence=c.num_loops,
+        block_size=c.max_position_embeddings, rope_base=c.rope_theta, norm_eps=c.rms_norm_eps,
+        tie_embeddings=c.tie_word_embeddings, qk_bias=c.qk_bias, bias=False, injection_type="linear",
+        init_values=dict(embed_scale=c.embed_scale, std=c.init_std))
+
+
+def save_hf(model, folder: str | os.PathLike, *, dtype=np.float32, extra_config: dict | None = None) -> None:
+    """Write `model` as an HF checkpoint folder (config.json + model.safetensors) that `load_model` reads.
+
+    Tensors are stored in `dtype`; `extra_config` entries are added to config.json.
+    """
+    from safetensors.numpy import save_file
+
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    tensors = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transpose = hf_name(model.config, path)
+        value = np.asarray(var.get_value()).astype(dtype)
+        tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**hf_config(model.config), **(extra_config or {})}, f, indent=2)

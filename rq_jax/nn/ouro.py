@@ -130,13 +130,15 @@ class Ouro(nnx.Module):
 
     def __call__(self, tokens: Int[Array, "b t"], cache: KVCache | None = None, *,
                  num_new: Int[Array, "b"] | None = None, num_loops: int | None = None,
-                 exit: ExitRule | None = None, last_only: bool = False, calib: Any = None) -> common.ModelOutput:
+                 exit: ExitRule | None = None, last_only: bool = False, calib: Any = None,
+                 rng: jax.Array | None = None) -> common.ModelOutput:
         """Run `num_loops` loops (default the config's) over tokens [B, T].
 
         With a cache, token t of row b sits at position cache.lengths[b] + t and the first num_new[b]
         tokens are written to the cache. Returns logits [B, T, V] ([B, V] at each row's last real
         token with `last_only`) under `exit` (default: the config's threshold), the new cache, and
-        extras `hidden_steps` [L, B, T, E], `gate_logits` [L, B, T], `exit_steps` [B, T].
+        extras `hidden_steps` [L, B, T, E], `gate_logits` [L, B, T], `exit_steps` [B, T]. Ouro is
+        deterministic: `rng` is accepted for a signature shared with Huginn and unused.
         """
         c = self.config
         num_loops = num_loops or c.num_loops

@@ -1,0 +1,174 @@
+"""Batched generation: one jitted prefill, then a `jax.lax.while_loop` decode with no Python per token.
+
+Prompts of different lengths are right-padded; each row's positions and masks follow its own length.
+The compiled functions are cached on the `Sampler`, so later calls with the same shapes do not retrace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int
+
+from rq_jax.cache.base import CacheFormat
+from rq_jax.cache.kv import KVCache, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_tokens: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need top_k ≥ 0 and 0 < top_p ≤ 1, got top_k={self.top_k}, top_p={self.top_p}")
+
+
+def choose_tokens(logits: Float[Array, "b v"], rng: jax.Array, cfg: SamplingConfig) -> Int[Array, "b"]:
+    """Greedy argmax, or a sample from softmax(logits / T) restricted by top-k then top-p."""
+    if cfg.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / cfg.temperature
+    if cfg.top_k:
+        kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if cfg.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        keep_sorted = jnp.cumsum(probs, axis=-1) - probs < cfg.top_p  # always keeps the top token
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+@struct.dataclass
+class DecodeState:
+    """Carry of the decode loop."""
+
+    tokens: Int[Array, "b n"]
+    logits: Float[Array, "b n v"] | None
+    num_generated: Int[Array, "b"]
+    done: Bool[Array, "b"]
+    cache: KVCache
+    rng: jax.Array
+    step: Int[Array, ""]
+
+
+class Generation(NamedTuple):
+    """Generated tokens [B, N] (pad after a row stops), how many per row, optional logits [B, N, V],
+    the final cache, and wall seconds of prefill and decode (compilation included on the first call
+    with a new shape)."""
+
+    tokens: np.ndarray
+    num_generated: np.ndarray
+    logits: np.ndarray | None
+    cache: KVCache
+    prefill_seconds: float
+    decode_seconds: float
+
+
+class Sampler:
+    """Generate from a model with a cache of format `fmt` (default dense bf16).
+
+    `model_kwargs` go to every model call (e.g. `num_loops`, `exit` for Ouro; `num_steps`,
+    `init_scale` for Huginn). Each call gets its own PRNG stream from the seed.
+    """
+
+    def __init__(self, model, cfg: SamplingConfig, fmt: CacheFormat | None = None, *,
+                 return_logits: bool = False, calib: Any = None, **model_kwargs):
+        self.graphdef, self.params = nnx.split(model)
+        self.model_config = model.config
+        self.cfg, self.fmt, self.return_logits, self.calib = cfg, fmt, return_logits, calib
+        self.model_kwargs = model_kwargs
+        self.num_loops = model_kwargs.get("num_loops") or model_kwargs.get("num_steps") or model.config.num_loops
+        self.trace_count = 0
+        self._prefill = jax.jit(self._prefill_fn)
+        self._decode = jax.jit(self._decode_fn)
+
+    def _apply(self, params, tokens, cache, num_new, rng):
+        model = nnx.merge(self.graphdef, params)
+        return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, calib=self.calib, **self.model_kwargs)
+
+    def _prefill_fn(self, params, tokens, lengths, cache, rng):
+        self.trace_count += 1
+        rng, model_rng, pick_rng = jax.random.split(rng, 3)
+        out = self._apply(params, tokens, cache, lengths, model_rng)
+        first = choose_tokens(out.logits, pick_rng, self.cfg)
+        n, b = self.cfg.max_new_tokens, tokens.shape[0]
+        logits = None
+        if self.return_logits:
+            logits = jnp.zeros((b, n, out.logits.shape[-1]), jnp.float32).at[:, 0].set(out.logits)
+        return DecodeState(
+            tokens=jnp.full((b, n), self.cfg.pad_id, jnp.int32).at[:, 0].set(first), logits=logits,
+            num_generated=jnp.ones((b,), jnp.int32), done=self._stops(first), cache=out.cache, rng=rng,
+            step=jnp.int32(1))
+
+    def _stops(self, tokens):
+        return jnp.isin(tokens, jnp.asarray(self.cfg.stop_tokens, jnp.int32)) if self.cfg.stop_tokens else \
+            jnp.zeros(tokens.shape, bool)
+
+    def _decode_fn(self, params, state: DecodeState) -> DecodeState:
+        self.trace_count += 1
+
+        def cond(s: DecodeState):
+            return (s.step < self.cfg.max_new_tokens) & ~jnp.all(s.done)
+
+        def body(s: DecodeState):
+            rng, model_rng, pick_rng = jax.random.split(s.rng, 3)
+            active = ~s.done
+            last = s.tokens[:, s.step - 1][:, None]
+            out = self._apply(params, last, s.cache, active.astype(jnp.int32), model_rng)
+            new = jnp.where(active, choose_tokens(out.logits, pick_rng, self.cfg), self.cfg.pad_id)
+            logits = s.logits
+            if logits is not None:
+                logits = logits.at[:, s.step].set(jnp.where(active[:, None], out.logits, 0.0))
+            return DecodeState(
+                tokens=s.tokens.at[:, s.step].set(new), logits=logits,
+                num_generated=s.num_generated + active, done=s.done | (active & self._stops(new)),
+                cache=out.cache, rng=rng, step=s.step + 1)
+
+        return jax.lax.while_loop(cond, body, state)
+
+    def __call__(self, prompts: Sequence[Sequence[int]], *, seed: int = 0, max_len: int | None = None) -> Generation:
+        """Generate for a batch of token-id prompts (lists of different lengths allowed).
+
+        The cache holds `max_len` tokens (default: longest prompt + max_new_tokens); raises ValueError
+        if a prompt is empty or prompt plus generation does not fit.
+        """
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        if len(prompts) == 0 or lengths.min() == 0:
+            raise ValueError("every prompt needs at least one token")
+        need = int(lengths.max()) + self.cfg.max_new_tokens - 1  # the last token is never fed back
+        max_len = max_len or need + 1
+        if need > max_len:
+            raise ValueError(f"prompt of {lengths.max()} tokens plus {self.cfg.max_new_tokens} new tokens "
+                             f"needs a cache of {need}, but max_len is {max_len}")
+        tokens = np.full((len(prompts), lengths.max()), self.cfg.pad_id, np.int32)
+        for row, p in enumerate(prompts):
+            tokens[row, : len(p)] = p
+        cache = init_cache(self.model_config, len(prompts), max_len, self.fmt, num_loops=self.num_loops)
+        start = time.perf_counter()
+        state = jax.block_until_ready(self._prefill(self.params, tokens, lengths, cache, jax.random.key(seed)))
+        mid = time.perf_counter()
+        state = jax.block_until_ready(self._decode(self.params, state))
+        end = time.perf_counter()
+        logits = None if state.logits is None else np.asarray(state.logits)
+        return Generation(np.asarray(state.tokens), np.asarray(state.num_generated), logits, state.cache,
+                          mid - start, end - mid)

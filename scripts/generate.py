@@ -1,0 +1,80 @@
+"""Generate text with a looped model (Ouro or Huginn) and a chosen KV-cache format.
+
+    python scripts/generate.py --model huginn --prompt "The capital of France is"
+
+Without --checkpoint it runs the small model shipped in checkpoints/. Prints the text, prefill and
+decode tokens/s (a warm-up call compiles first), and the KV cache's bytes.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import jax.numpy as jnp
+
+from rq_jax import checkpoint
+from rq_jax.cache import available_formats, dense_equivalent_nbytes, get_format
+from rq_jax.sampling import Sampler, SamplingConfig
+from rq_jax.tokenizer import load_tokenizer
+
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints")
+STOP_STRINGS = ("<|endoftext|>", "<|end_text|>", "<|end_turn|>", "<|im_end|>")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("huginn", "ouro"), required=True)
+    p.add_argument("--checkpoint", help="checkpoint folder or cached hub id (default: the shipped small model)")
+    p.add_argument("--prompt", default="The looped transformer")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--loops", "--num-steps", dest="loops", type=int,
+                   help="loops (Ouro) or recurrence steps (Huginn); default the config's")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    p.add_argument("--cache", choices=available_formats(), default="dense")
+    p.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="storage dtype of the dense cache")
+    p.add_argument("--init-state", choices=("zeros", "random"), default="random",
+                   help="Huginn's initial latent state (random is seeded by --seed)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    source = args.checkpoint or os.path.relpath(os.path.join(SHIPPED, f"{args.model}-small"))
+    model, folder = checkpoint.load(source, dtype=jnp.dtype(args.dtype))
+    if model.config.family != args.model:
+        sys.exit(f"--model {args.model} but {source} holds a {model.config.family} model")
+    with open(os.path.join(folder, "config.json")) as f:
+        note = json.load(f).get("rq_jax", {}).get("weights")
+    tokenizer = load_tokenizer(folder)
+    stops = tuple(i for i in map(tokenizer.token_to_id, STOP_STRINGS) if i is not None)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, stop_tokens=stops)
+    if args.model == "ouro":
+        kwargs = dict(num_loops=args.loops)
+    else:
+        kwargs = dict(num_steps=args.loops, init_scale=1.0 if args.init_state == "random" else 0.0)
+    fmt = get_format(args.cache, dtype=args.cache_dtype)
+    sampler = Sampler(model, sampling, fmt, **kwargs)
+    prompt = tokenizer.encode(args.prompt).ids
+    sampler([prompt], seed=args.seed)  # compile
+    out = sampler([prompt], seed=args.seed)
+    n = int(out.num_generated[0])
+    dense_bytes = dense_equivalent_nbytes(model.config, out.cache)
+
+    print(f"model: {args.model} from {source}" + (f"  [{note}]" if note else ""))
+    print(f"prompt: {args.prompt!r}")
+    print(f"generated: {tokenizer.decode(out.tokens[0, :n].tolist())!r}")
+    print(f"prefill: {len(prompt) / out.prefill_seconds:,.1f} tok/s ({len(prompt)} tokens)   "
+          f"decode: {max(n - 1, 1) / out.decode_seconds:,.1f} tok/s ({n} tokens)   [{args.dtype} compute]")
+    print(f"KV cache ({args.cache}): {out.cache.nbytes():,} bytes for {out.cache.max_len} positions "
+          f"(dense bf16 would take {dense_bytes:,})")
+
+
+if __name__ == "__main__":
+    main()

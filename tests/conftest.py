@@ -1,0 +1,33 @@
+"""Shared test fixtures: the PyTorch-reference checkpoints in ../shared/fixtures."""
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = pathlib.Path(os.environ.get("RQ_JAX_FIXTURES", REPO.parent / "shared" / "fixtures"))
+
+
+def fixture_dir(name: str) -> pathlib.Path:
+    path = FIXTURES / name
+    if not path.is_dir():
+        pytest.fail(f"parity fixtures not found at {path} (set RQ_JAX_FIXTURES)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def ouro():
+    from rq_jax.convert.hf import load_model
+
+    model, _ = load_model(fixture_dir("ouro-tiny"))
+    return model, dict(np.load(fixture_dir("ouro-tiny") / "reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def huginn():
+    from rq_jax.convert.hf import load_model
+
+    model, _ = load_model(fixture_dir("huginn-tiny"))
+    return model, dict(np.load(fixture_dir("huginn-tiny") / "reference.npz"))

@@ -1,0 +1,89 @@
+"""The sampler: one compilation per shape, sampling filters, stop tokens, batches, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
+
+
+def test_no_retrace_for_same_shapes(ouro):
+    model, ref = ouro
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=4, temperature=0.7))
+    sampler(ref["input_ids"].tolist(), seed=0)
+    assert sampler.trace_count == 2  # prefill + decode loop
+    sampler(ref["input_ids"][::-1].tolist(), seed=1)
+    assert sampler.trace_count == 2
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(huginn):
+    model, ref = huginn
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=8, temperature=1.5), num_steps=2)
+    prompts = ref["input_ids"].tolist()
+    a, b, c = sampler(prompts, seed=3), sampler(prompts, seed=3), sampler(prompts, seed=4)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_random_initial_state_changes_huginn_output(huginn):
+    model, ref = huginn
+    zeros = Sampler(model, SamplingConfig(max_new_tokens=3), num_steps=2, init_scale=0.0, return_logits=True)
+    rand = Sampler(model, SamplingConfig(max_new_tokens=3), num_steps=2, init_scale=1.0, return_logits=True)
+    prompts = ref["input_ids"].tolist()
+    assert not np.allclose(zeros(prompts).logits, rand(prompts).logits)
+    np.testing.assert_array_equal(rand(prompts, seed=5).logits, rand(prompts, seed=5).logits)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = jax.random.normal(jax.random.key(0), (16, 50))
+    greedy = choose_tokens(logits, jax.random.key(1), SamplingConfig())
+    for cfg in (SamplingConfig(temperature=1.0, top_k=1), SamplingConfig(temperature=1.0, top_p=1e-6)):
+        np.testing.assert_array_equal(choose_tokens(logits, jax.random.key(2), cfg), greedy)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    keys = jax.random.split(jax.random.key(0), 400)
+    draw = lambda cfg: np.array([int(choose_tokens(logits, k, cfg)[0]) for k in keys[:200]])  # noqa: E731
+    assert set(draw(SamplingConfig(temperature=1.0, top_k=2))) == {0, 1}
+    assert set(draw(SamplingConfig(temperature=1.0, top_p=0.85))) == {0, 1, 2}  # 0.5 + 0.3 < 0.85
+
+
+def test_stop_tokens_end_rows_independently(ouro):
+    model, ref = ouro
+    greedy = Sampler(model, SamplingConfig(max_new_tokens=6))(ref["input_ids"].tolist())
+    stop = int(greedy.tokens[0, 1])  # row 0 emits it at step 1
+    out = Sampler(model, SamplingConfig(max_new_tokens=6, stop_tokens=(stop,), pad_id=-1))(ref["input_ids"].tolist())
+    first_stop = [int(np.argmax(row == stop)) if stop in row else 6 for row in greedy.tokens]
+    for row in range(2):
+        n = min(first_stop[row] + 1, 6)
+        assert out.num_generated[row] == n
+        np.testing.assert_array_equal(out.tokens[row, :n], greedy.tokens[row, :n])
+        assert np.all(out.tokens[row, n:] == -1)
+
+
+def test_batch_of_different_prompt_lengths_matches_single_rows(huginn):
+    model, ref = huginn
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=5), num_steps=2, init_scale=0.0)
+    prompts = [ref["input_ids"][0, :3].tolist(), ref["input_ids"][1].tolist()]
+    batch = sampler(prompts)
+    for row, prompt in enumerate(prompts):
+        np.testing.assert_array_equal(batch.tokens[row], sampler([prompt]).tokens[0])
+
+
+def test_generation_that_does_not_fit_is_rejected(ouro):
+    model, _ = ouro
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=8))
+    with pytest.raises(ValueError, match="needs a cache of 12, but max_len is 10"):
+        sampler([[1, 2, 3, 4, 5]], max_len=10)
+    with pytest.raises(ValueError, match="at least one token"):
+        sampler([[1, 2], []])
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(max_new_tokens=0), "max_new_tokens"),
+                                          (dict(temperature=-1.0), "temperature"),
+                                          (dict(top_p=0.0), "top_p")])
+def test_bad_sampling_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
