@@ -201,6 +201,8 @@ def clip_range(x: jax.Array, cfg: QuantConfig) -> tuple[jax.Array, jax.Array]:
         return -a, a
     lo = jnp.min(xg, axis=-1)
     hi = jnp.max(xg, axis=-1)
+    if cfg.clip_factor == 1.0:
+        return lo, hi  # exact: mid ± rad can round inside [lo, hi]
     mid = hi / 2 + lo / 2
     rad = (hi / 2 - lo / 2) * cfg.clip_factor
     return mid - rad, mid + rad
