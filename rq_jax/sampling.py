@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int
 
 from rq_jax.cache.base import CacheFormat
-from rq_jax.cache.kv import KVCache, init_cache
+from rq_jax.cache.dense import Dense
+from rq_jax.cache.kv import CacheCalib, KVCache, calibrate, init_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,29 +88,41 @@ class Generation(NamedTuple):
 class Sampler:
     """Generate from a model with a cache of format `fmt` (default dense bf16).
 
-    `model_kwargs` go to every model call (e.g. `num_loops`, `exit` for Ouro; `num_steps`,
-    `init_scale` for Huginn). Each call gets its own PRNG stream from the seed.
+    `plain_fmt` stores Huginn's prelude/coda (default `fmt`). `calib` is the formats' calibration; when
+    None, formats that need data are fitted on each batch's prompts (a dense prefill first), the others
+    use their defaults. `model_kwargs` go to every model call (e.g. `num_loops`, `exit` for Ouro;
+    `num_steps`, `init_scale` for Huginn). Each call gets its own PRNG stream from the seed.
     """
 
     def __init__(self, model, cfg: SamplingConfig, fmt: CacheFormat | None = None, *,
-                 return_logits: bool = False, calib: Any = None, **model_kwargs):
+                 plain_fmt: CacheFormat | None = None, return_logits: bool = False,
+                 calib: CacheCalib | None = None, **model_kwargs):
         self.graphdef, self.params = nnx.split(model)
         self.model_config = model.config
-        self.cfg, self.fmt, self.return_logits, self.calib = cfg, fmt, return_logits, calib
+        self.cfg, self.return_logits, self.calib = cfg, return_logits, calib
+        self.fmt = fmt or Dense()
+        self.plain_fmt = plain_fmt or self.fmt
         self.model_kwargs = model_kwargs
         self.num_loops = model_kwargs.get("num_loops") or model_kwargs.get("num_steps") or model.config.num_loops
         self.trace_count = 0
+        self._calibrate = jax.jit(self._calibrate_fn)
         self._prefill = jax.jit(self._prefill_fn)
         self._decode = jax.jit(self._decode_fn)
 
-    def _apply(self, params, tokens, cache, num_new, rng):
+    def _apply(self, params, calib, tokens, cache, num_new, rng):
         model = nnx.merge(self.graphdef, params)
-        return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, calib=self.calib, **self.model_kwargs)
+        return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, calib=calib, **self.model_kwargs)
 
-    def _prefill_fn(self, params, tokens, lengths, cache, rng):
+    def _calibrate_fn(self, params, tokens, lengths, rng):
+        dense = init_cache(self.model_config, tokens.shape[0], tokens.shape[1], Dense("float32"),
+                           num_loops=self.num_loops)
+        out = self._apply(params, None, tokens, dense, lengths, rng)
+        return calibrate(out.cache, self.fmt, self.plain_fmt)
+
+    def _prefill_fn(self, params, calib, tokens, lengths, cache, rng):
         self.trace_count += 1
         rng, model_rng, pick_rng = jax.random.split(rng, 3)
-        out = self._apply(params, tokens, cache, lengths, model_rng)
+        out = self._apply(params, calib, tokens, cache, lengths, model_rng)
         first = choose_tokens(out.logits, pick_rng, self.cfg)
         n, b = self.cfg.max_new_tokens, tokens.shape[0]
         logits = None
@@ -124,7 +137,7 @@ class Sampler:
         return jnp.isin(tokens, jnp.asarray(self.cfg.stop_tokens, jnp.int32)) if self.cfg.stop_tokens else \
             jnp.zeros(tokens.shape, bool)
 
-    def _decode_fn(self, params, state: DecodeState) -> DecodeState:
+    def _decode_fn(self, params, calib, state: DecodeState) -> DecodeState:
         self.trace_count += 1
 
         def cond(s: DecodeState):
@@ -134,7 +147,7 @@ class Sampler:
             rng, model_rng, pick_rng = jax.random.split(s.rng, 3)
             active = ~s.done
             last = s.tokens[:, s.step - 1][:, None]
-            out = self._apply(params, last, s.cache, active.astype(jnp.int32), model_rng)
+            out = self._apply(params, calib, last, s.cache, active.astype(jnp.int32), model_rng)
             new = jnp.where(active, choose_tokens(out.logits, pick_rng, self.cfg), self.cfg.pad_id)
             logits = s.logits
             if logits is not None:
@@ -163,11 +176,16 @@ class Sampler:
         tokens = np.full((len(prompts), lengths.max()), self.cfg.pad_id, np.int32)
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = p
-        cache = init_cache(self.model_config, len(prompts), max_len, self.fmt, num_loops=self.num_loops)
+        cache = init_cache(self.model_config, len(prompts), max_len, self.fmt, num_loops=self.num_loops,
+                           plain_fmt=self.plain_fmt)
+        rng = jax.random.key(seed)
         start = time.perf_counter()
-        state = jax.block_until_ready(self._prefill(self.params, tokens, lengths, cache, jax.random.key(seed)))
+        calib = self.calib
+        if calib is None and (self.fmt.needs_data or self.plain_fmt.needs_data):
+            calib = self._calibrate(self.params, tokens, lengths, jax.random.fold_in(rng, 1))
+        state = jax.block_until_ready(self._prefill(self.params, calib, tokens, lengths, cache, rng))
         mid = time.perf_counter()
-        state = jax.block_until_ready(self._decode(self.params, state))
+        state = jax.block_until_ready(self._decode(self.params, calib, state))
         end = time.perf_counter()
         logits = None if state.logits is None else np.asarray(state.logits)
         return Generation(np.asarray(state.tokens), np.asarray(state.num_generated), logits, state.cache,

@@ -2,7 +2,7 @@
 
 from rq_jax.cache.base import CacheFormat, Partial, available_formats, finalize, get_format, merge
 from rq_jax.cache.dense import Dense
-from rq_jax.cache.kv import KVCache, dense_equivalent_nbytes, init_cache
+from rq_jax.cache.kv import CacheCalib, KVCache, calibrate, dense_equivalent_nbytes, init_cache
 
-__all__ = ["CacheFormat", "Dense", "KVCache", "Partial", "available_formats", "dense_equivalent_nbytes",
+__all__ = ["CacheCalib", "CacheFormat", "Dense", "KVCache", "Partial", "available_formats", "calibrate", "dense_equivalent_nbytes",
            "finalize", "get_format", "init_cache", "merge"]

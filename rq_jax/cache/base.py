@@ -12,6 +12,7 @@ D head dim. A format's state holds one slot per (loop, layer): arrays with leadi
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -90,19 +91,33 @@ def past_mask(lengths: Int[Array, "b"], num_queries: int, max_len: int) -> Bool[
 class CacheFormat(Protocol):
     """A KV storage format: a frozen, hashable policy object whose methods are pure functions.
 
-    `State` is the format's own pytree with one slot per (loop, layer); `calib` is static calibration
-    state (rotations, key means, codebooks) passed alongside, or None.
+    `State` is the format's own pytree with one slot per (loop, layer). `calib` is the format's static
+    calibration state (rotations, key means, codebooks) passed alongside the cache, never stored in it:
+    `default_calib` builds it without data; formats with `needs_data` fit it on dense K/V with
+    `calibrate` when none is given.
     """
 
     name: str
+    needs_data: bool
 
     def init(self, num_loops: int, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
              head_dim: int) -> Any:
         """An empty state for [num_loops, num_layers] slots of [batch, kv heads, max_len, head_dim]."""
 
+    def default_calib(self, num_loops: int, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
+        """Calibration state used when none is given (e.g. Hadamard rotations, zero means), or None."""
+
+    def calibrate(self, k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"],
+                  lengths: Int[Array, "b"]) -> Any:
+        """Calibration state fitted on dense K/V (tokens s < lengths[b])."""
+
     def attend(self, state: Any, q: Float[Array, "b t h d"], loop: int, layer: int,
                lengths: Int[Array, "b"], calib: Any) -> Partial:
         """Partial attention of queries to the stored tokens s < lengths[b] of slot (loop, layer)."""
+
+    def reconstruct(self, state: Any, loop: int, layer: int, calib: Any
+                    ) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
+        """The stored K and V of slot (loop, layer) decoded to float32: the semantic reference."""
 
     def write(self, state: Any, k: Float[Array, "l n b k t d"], v: Float[Array, "l n b k t d"],
               lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: Any) -> Any:
@@ -110,6 +125,16 @@ class CacheFormat(Protocol):
 
     def nbytes(self, state: Any) -> int:
         """Bytes the state occupies, from its arrays' own sizes."""
+
+    def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
+        """Stored bits per cached K or V element (codes + metadata + α), by the toolbox's accounting."""
+
+
+def reference_attend(fmt: CacheFormat, state: Any, q: Float[Array, "b t h d"], loop: int, layer: int,
+                     lengths: Int[Array, "b"], calib: Any) -> Partial:
+    """"Decode the stored slot, then dense attention": the reference every format's `attend` must equal."""
+    k, v = fmt.reconstruct(state, loop, layer, calib)
+    return dense_partial(q, k, v, past_mask(lengths, q.shape[1], k.shape[2]))
 
 
 _REGISTRY: dict[str, type] = {}

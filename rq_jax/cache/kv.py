@@ -8,7 +8,7 @@ per row. The formats are static fields, so a jitted function retraces only when 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,23 @@ class KVCache:
         """Bytes of the stored K/V and metadata (the `lengths` counter excluded)."""
         plain = self.plain_fmt.nbytes(self.plain) if self.plain is not None else 0
         return self.fmt.nbytes(self.looped) + plain
+
+
+class CacheCalib(NamedTuple):
+    """Static calibration state for the looped slots and for the plain (prelude/coda) slots.
+
+    Either part may be None: the format then uses its `default_calib` (e.g. Hadamard rotations).
+    """
+
+    looped: Any = None
+    plain: Any = None
+
+
+def calibrate(dense: KVCache, fmt: base.CacheFormat, plain_fmt: base.CacheFormat | None = None) -> CacheCalib:
+    """Fit `fmt` (and `plain_fmt`, default `fmt`) on the K/V stored in a dense cache."""
+    plain_fmt = plain_fmt or fmt
+    plain = None if dense.plain is None else plain_fmt.calibrate(dense.plain.k, dense.plain.v, dense.lengths)
+    return CacheCalib(fmt.calibrate(dense.looped.k, dense.looped.v, dense.lengths), plain)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFormat | None = None, *,
@@ -69,8 +86,9 @@ class CallContext:
     mask restricted to t < num_new[b]; `finish` encodes every slot's in-flight K/V into the cache.
     """
 
-    def __init__(self, cache: KVCache | None, num_new: Int[Array, "b"], num_tokens: int, calib: Any = None):
-        self.cache, self.num_new, self.calib = cache, num_new, calib
+    def __init__(self, cache: KVCache | None, num_new: Int[Array, "b"], num_tokens: int,
+                 calib: CacheCalib | None = None):
+        self.cache, self.num_new, self.calib = cache, num_new, calib or CacheCalib()
         t = jnp.arange(num_tokens)
         self.self_mask = (t[None, :, None] >= t[None, None, :]) & (t[None, None, :] < num_new[:, None, None])
         self.inflight: dict[tuple[Group, int, int], tuple[Array, Array]] = {}
@@ -86,9 +104,9 @@ class CallContext:
         self.inflight[group, loop, layer] = (k, v)
         out = base.dense_partial(q, k, v, self.self_mask)
         if self.cache is not None:
-            fmt, state = ((self.cache.fmt, self.cache.looped) if group == "looped"
-                          else (self.cache.plain_fmt, self.cache.plain))
-            out = base.merge(fmt.attend(state, q, loop, layer, self.cache.lengths, self.calib), out)
+            fmt, state, calib = ((self.cache.fmt, self.cache.looped, self.calib.looped) if group == "looped"
+                                 else (self.cache.plain_fmt, self.cache.plain, self.calib.plain))
+            out = base.merge(fmt.attend(state, q, loop, layer, self.cache.lengths, calib), out)
         return base.finalize(out).astype(q.dtype)
 
     def finish(self) -> KVCache | None:
@@ -96,10 +114,11 @@ class CallContext:
         c = self.cache
         if c is None:
             return None
-        looped = c.fmt.write(c.looped, *self._stack("looped", c.num_loops), c.lengths, self.num_new, self.calib)
+        looped = c.fmt.write(c.looped, *self._stack("looped", c.num_loops), c.lengths, self.num_new,
+                             self.calib.looped)
         plain = c.plain
         if plain is not None:
-            plain = c.plain_fmt.write(plain, *self._stack("plain", 1), c.lengths, self.num_new, self.calib)
+            plain = c.plain_fmt.write(plain, *self._stack("plain", 1), c.lengths, self.num_new, self.calib.plain)
         return c.replace(looped=looped, plain=plain, lengths=c.lengths + self.num_new)
 
     def _stack(self, group: Group, num_loops: int) -> tuple[Array, Array]:
