@@ -162,11 +162,26 @@ def available_formats() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def scatter_positions(lengths: Int[Array, "b"], num_new: Int[Array, "b"], num_tokens: int,
-                      max_len: int) -> Int[Array, "b t"]:
-    """Write positions lengths[b] + t for t < num_new[b]; other tokens map to `max_len` (dropped)."""
-    t = jnp.arange(num_tokens)[None, :]
-    return jnp.where(t < num_new[:, None], lengths[:, None] + t, max_len)
+def scatter_tokens(store: Any, new: Any, lengths: Int[Array, "b"], num_new: Int[Array, "b"], *,
+                   token_axis: int) -> Any:
+    """Write every leaf of `new` into the same leaf of `store` along the token axis.
+
+    Leaves are laid out [..., B, K, S, ...] with S at `token_axis` and B two axes before it (`new` has T
+    in place of S). Token t of row b goes to position lengths[b] + t when t < num_new[b]; the rest,
+    and anything past S, are dropped — never wrapped around.
+    """
+
+    def one(old, val):
+        b, t, s = val.shape[token_axis - 2], val.shape[token_axis], old.shape[token_axis]
+        steps = jnp.arange(t)[None, :]
+        pos = jnp.where(steps < num_new[:, None], lengths[:, None] + steps, s)
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        index = (slice(None),) * (token_axis - 2) + (rows, slice(None), pos)
+        # The two advanced indices are split by a slice, so their [B, T] dims lead the update.
+        return old.at[index].set(jnp.moveaxis(val, (token_axis - 2, token_axis), (0, 1)).astype(old.dtype),
+                                 mode="drop")
+
+    return jax.tree_util.tree_map(one, store, new)
 
 
 def tree_nbytes(tree: Any) -> int:

@@ -55,7 +55,7 @@ class Dense:
 
     def write(self, state: DenseState, k, v, lengths, num_new, calib) -> DenseState:
         """Store new K/V [L, N, B, K, T, D] at positions lengths[b] + t, t < num_new[b]."""
-        return DenseState(*(scatter_tokens(old, new, lengths, num_new) for old, new in ((state.k, k), (state.v, v))))
+        return base.scatter_tokens(state, DenseState(k, v), lengths, num_new, token_axis=4)
 
     def nbytes(self, state: DenseState) -> int:
         """Bytes of the stored arrays."""
@@ -64,16 +64,3 @@ class Dense:
     def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
         """16 or 32."""
         return Fraction(jnp.dtype(self.dtype).itemsize * 8)
-
-
-def scatter_tokens(store: Array, new: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
-    """Write `new` [L, N, B, K, T, ...] into `store` [L, N, B, K, S, ...] along the token axis.
-
-    Token t of row b goes to position lengths[b] + t when t < num_new[b]; the rest are dropped.
-    """
-    b, t, s = new.shape[2], new.shape[4], store.shape[4]
-    pos = base.scatter_positions(lengths, num_new, t, s)
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    # Advanced indices on axes 2 and 4 move to the front: values are [B, T, L, N, K, ...].
-    values = jnp.moveaxis(new, (2, 4), (0, 1)).astype(store.dtype)
-    return store.at[:, :, rows, :, pos].set(values, mode="drop")
