@@ -2,6 +2,7 @@
 
 from fractions import Fraction as F
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,7 +90,7 @@ def test_real_bytes_match_accounting(sched, g2, d, extra):
     cfg = _res(sched, g2, g4=32 if d % 32 == 0 else 8, **extra)
     t, h = 8, 2
     z = make_data(0, (len(sched), t, h, d))
-    enc = residual.encode_group(z, cfg)
+    enc = jax.jit(residual.encode_group, static_argnums=1)(z, cfg)
     want = bits.bits_per_element(cfg, head_dim=d) * z.size / 8
     assert want.denominator == 1
     assert bits.stored_nbytes(enc, cfg) == want
@@ -98,7 +99,7 @@ def test_real_bytes_match_accounting(sched, g2, d, extra):
 def test_ouro_bytes_per_token_head():
     """Spec §5: 198 B per layer/head/K-or-V for [2,2,2,4] g32 (vs 1024 B BF16)."""
     cfg = _res([2, 2, 2, 4], 32)
-    enc = residual.encode_group(make_data(1, (4, 1, 128)), cfg)
+    enc = jax.jit(residual.encode_group, static_argnums=1)(make_data(1, (4, 1, 128)), cfg)
     assert bits.stored_nbytes(enc, cfg) == 198
 
 
@@ -106,6 +107,6 @@ def test_ouro_bytes_per_token_head():
 def test_direct_bytes(b):
     cfg = QuantConfig(b, 32, symmetric=b == 8)
     x = make_data(b, (3, 96))
-    q = affine.quantize(x, cfg)
+    q = jax.jit(affine.quantize, static_argnums=1)(x, cfg)
     assert bits.stored_nbytes(q, cfg) == bits.bits_per_element(cfg) * x.size / 8
     assert bits.stored_nbytes(np.zeros((2, 3), np.uint8)) == 6

@@ -46,11 +46,11 @@ def test_random_orthogonal_seeded():
 
 def test_learned_rotation():
     base = hadamard(24)
-    np.testing.assert_allclose(np.asarray(learned_rotation(jnp.zeros((24, 24)), base)), np.asarray(base), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.jit(learned_rotation)(jnp.zeros((24, 24)), base)), np.asarray(base), atol=1e-6)
     a = 0.3 * jax.random.normal(jax.random.key(0), (24, 24))
-    t = learned_rotation(a, base)
+    t = jax.jit(learned_rotation)(a, base)
     _assert_orthogonal(t)
-    g = jax.grad(lambda a: jnp.sum(learned_rotation(a, base)[0] ** 3))(a)
+    g = jax.jit(jax.grad(lambda a: jnp.sum(learned_rotation(a, base)[0] ** 3)))(a)
     assert np.all(np.isfinite(np.asarray(g))) and np.abs(np.asarray(g)).max() > 0
 
 
