@@ -132,8 +132,8 @@ class LoopQuant:
             cfg = self.group_config(len(g), g.start)
             for r in range(len(g)):
                 q = cfg.quant_config(r)
-                meta = jnp.zeros(lead + (head_dim // q.group_size,), q.meta_dtype)
-                k.append(LoopCodes(jnp.zeros(lead + (packing.packed_dim(head_dim, q.bits),), jnp.uint8), meta, meta))
+                proto = jax.eval_shape(lambda: _stored(affine.quantize(jnp.zeros(head_dim), q), q.bits))
+                k.append(LoopCodes(*(jnp.zeros(lead + p.shape, p.dtype) for p in proto)))
                 has_alpha = cfg.least_squares and r != cfg.anchor
                 alpha.append(jnp.zeros(lead, cfg.alpha_dtype) if has_alpha else None)
         return ResidualState(tuple(k), tuple(k), tuple(alpha), tuple(alpha))
@@ -167,7 +167,7 @@ class LoopQuant:
                 mean = None if kind == "v" or calib.key_mean is None else _mean(calib.key_mean[g.start : g.stop])
                 enc = residual.encode_group(z, cfg, mean)
                 for r, q in enumerate(enc.loops):
-                    new[kind].append(LoopCodes(packing.pack(q.codes, cfg.bits[r]), q.scale, q.offset))
+                    new[kind].append(_stored(q, cfg.bits[r]))
                     new[kind + "_alpha"].append(
                         enc.alpha[cfg.alpha_index(r)] if cfg.least_squares and r != cfg.anchor else None)
         update = ResidualState(*(tuple(new[f]) for f in ResidualState._fields))
@@ -177,8 +177,9 @@ class LoopQuant:
         """The toolbox's EncodedGroup of one layer (codes unpacked), leaves [B, K, S, ...]."""
         codes = getattr(state, kind)
         loops = tuple(
-            affine.Quantized(packing.unpack(codes[r].codes[layer], cfg.bits[j], codes[r].scale.shape[-1] *
-                                            cfg.group_sizes[j]), codes[r].scale[layer], codes[r].offset[layer])
+            affine.Quantized(packing.unpack(codes[r].codes[layer], cfg.bits[j],
+                                            packing.unpacked_dim(codes[r].codes.shape[-1], cfg.bits[j])),
+                             codes[r].scale[layer], codes[r].offset[layer])
             for j, r in enumerate(g))
         alphas = [getattr(state, kind + "_alpha")[r] for r in g if getattr(state, kind + "_alpha")[r] is not None]
         return residual.EncodedGroup(loops, jnp.stack([a[layer] for a in alphas]) if alphas else None)
@@ -187,7 +188,7 @@ class LoopQuant:
         """Decode slot (loop, layer): anchor, references and α per the toolbox, then un-rotate. [B,K,S,D]."""
         num_loops = len(state.k)
         i, g, cfg = self._loop(num_loops, loop)
-        dim = state.k[loop].scale.shape[-1] * cfg.group_sizes[loop - g.start]
+        dim = packing.unpacked_dim(state.k[loop].codes.shape[-1], cfg.bits[loop - g.start])
         calib = self._calib(calib, num_loops, state.k[0].codes.shape[0], state.k[0].scale.shape[2], dim)
         out = []
         for kind, u in (("k", calib.key_rot), ("v", calib.value_rot)):
@@ -241,6 +242,11 @@ class LoopQuant:
         total = sum((qbits.residual_bits(self.group_config(len(g), g.start), head_dim) * len(g)
                      for g in self.groups(num_loops)), Fraction(0))
         return total / num_loops
+
+
+def _stored(q: affine.Quantized, bits: int) -> LoopCodes:
+    """What a loop stores: its codes packed, and its metadata."""
+    return LoopCodes(packing.pack(q.codes, bits), q.scale, q.offset)
 
 
 def _rotate_kv(x: Float[Array, "l n b k t d"], u: Float[Array, "n k d d"]) -> Float[Array, "l n b k t d"]:

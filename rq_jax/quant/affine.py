@@ -25,6 +25,10 @@ uses three levels; needs ``b >= 2``)::
 For symmetric configs ``Quantized.offset`` is ``None``: the offset ``-2**(b-1) * scale`` is implied
 and not stored (it would overflow fp8 at 8 bits).
 
+``bits=16`` is the identity setting: ``codes`` hold the values in bfloat16 and there is no metadata
+(``scale``/``offset`` have ``G = 0`` columns), so schemes built on this module (residual groups,
+cache formats) can run losslessly up to bfloat16 rounding.
+
 All arithmetic is float32, with the metadata cast to ``meta_dtype`` and back before the codes are
 computed, so ``dequantize`` is the exact inverse arithmetic of the encoder. Midpoint and radius are
 formed as ``hi/2 ± lo/2`` (equal to the spec's formulas, but no float32 overflow for huge inputs).
@@ -43,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-VALID_BITS = (1, 2, 3, 4, 8)
+VALID_BITS = (1, 2, 3, 4, 8, 16)
+PASSTHROUGH_BITS = 16  # "16 bits": no quantization, values kept in bfloat16 with no metadata
 META_DTYPES = (
     np.dtype(jnp.float8_e4m3fn),
     np.dtype(jnp.bfloat16),
@@ -145,10 +150,14 @@ def _to_meta(v: jax.Array, cfg: QuantConfig) -> jax.Array:
 def quantize(x: jax.Array, cfg: QuantConfig) -> Quantized:
     """Quantize ``x [..., D]`` group-wise along the last axis.
 
-    Returns ``Quantized(codes uint8 [..., D], scale [..., D//g], offset [..., D//g] | None)``.
-    Raises ValueError when ``D % cfg.group_size != 0``.
+    Returns ``Quantized(codes uint8 [..., D], scale [..., D//g], offset [..., D//g] | None)``
+    (16 bits: bfloat16 codes and empty ``[..., 0]`` metadata). Raises ValueError when
+    ``D % cfg.group_size != 0``.
     """
     xg = _groups(jnp.asarray(x, jnp.float32), cfg.group_size)  # [..., G, g]
+    if cfg.bits == PASSTHROUGH_BITS:
+        empty = jnp.zeros(x.shape[:-1] + (0,), cfg.meta_dtype)
+        return Quantized(xg.reshape(x.shape).astype(jnp.bfloat16), empty, None if cfg.symmetric else empty)
     clip = cfg.clip_factor
     if cfg.symmetric:
         qmax = (1 << (cfg.bits - 1)) - 1
@@ -176,6 +185,8 @@ def quantize(x: jax.Array, cfg: QuantConfig) -> Quantized:
 
 def dequantize(q: Quantized, cfg: QuantConfig, dtype=jnp.float32) -> jax.Array:
     """Reconstruct ``[..., D]`` from ``Quantized``: ``offset + scale * code`` in float32, then cast."""
+    if cfg.bits == PASSTHROUGH_BITS:
+        return q.codes.astype(jnp.float32).astype(dtype)
     c = _groups(q.codes, cfg.group_size).astype(jnp.float32)  # [..., G, g]
     s = q.scale.astype(jnp.float32)[..., None]
     if cfg.symmetric:

@@ -18,8 +18,8 @@ from rq_jax.quant import affine, packing, residual, rvq
 
 
 def affine_bits(cfg: affine.QuantConfig) -> Fraction:
-    """Bits per element of one affine quantizer: ``b + n_meta * meta_bits / g``."""
-    n_meta = 1 if cfg.symmetric else 2
+    """Bits per element of one affine quantizer: ``b + n_meta * meta_bits / g`` (16 bits: no metadata)."""
+    n_meta = 0 if cfg.bits == affine.PASSTHROUGH_BITS else 1 if cfg.symmetric else 2
     return cfg.bits + Fraction(n_meta * cfg.meta_bits, cfg.group_size)
 
 

@@ -17,6 +17,8 @@ split the query into the same ``P`` contiguous slices and never reassemble the k
     packed = concat(pack(codes & 3, 2), pack(codes >> 2, 1))        # [..., 3D/8]
     codes  = unpack(packed[..., :D/4], 2) | (unpack(packed[..., D/4:], 1) << 2)
 
+16-bit "codes" (bfloat16 values, the identity setting of ``affine``) are stored as they are.
+
 No padding anywhere: ``D`` must be divisible by ``P`` (by 8 for 3 bits), else ValueError.
 """
 
@@ -29,23 +31,33 @@ _PER_BYTE = {1: 8, 2: 4, 4: 2, 8: 1}
 
 
 def packed_dim(dim: int, bits: int) -> int:
-    """Bytes per packed row of ``dim`` ``bits``-bit codes (``dim * bits // 8``); validates ``dim``."""
+    """Elements per packed row of ``dim`` ``bits``-bit codes (``dim * bits // 8`` bytes; ``dim`` bfloat16
+    values at 16 bits); validates ``dim``."""
+    if bits == 16:
+        return dim
     if bits == 3:
         if dim % 8:
             raise ValueError(f"3-bit packing needs dim divisible by 8, got dim={dim}")
         return dim * 3 // 8
     if bits not in _PER_BYTE:
-        raise ValueError(f"invalid bit width {bits!r}: expected one of (1, 2, 3, 4, 8)")
+        raise ValueError(f"invalid bit width {bits!r}: expected one of (1, 2, 3, 4, 8, 16)")
     p = _PER_BYTE[bits]
     if dim % p:
         raise ValueError(f"{bits}-bit packing needs dim divisible by {p}, got dim={dim}")
     return dim // p
 
 
+def unpacked_dim(packed: int, bits: int) -> int:
+    """Inverse of ``packed_dim``: channels in a packed row of ``packed`` elements."""
+    return packed if bits == 16 else packed * 8 // bits
+
+
 def pack(codes: jax.Array, bits: int) -> jax.Array:
     """Pack uint8 codes ``[..., D]`` (values < 2**bits) into uint8 ``[..., packed_dim(D, bits)]``."""
     d = codes.shape[-1]
     packed_dim(d, bits)
+    if bits == 16:
+        return codes
     codes = codes.astype(jnp.uint8)
     if bits == 3:
         return jnp.concatenate([pack(codes & 3, 2), pack(codes >> 2, 1)], axis=-1)
@@ -65,6 +77,8 @@ def unpack(packed: jax.Array, bits: int, dim: int) -> jax.Array:
     n = packed_dim(dim, bits)
     if packed.shape[-1] != n:
         raise ValueError(f"packed last dim {packed.shape[-1]} != packed_dim({dim}, {bits}) = {n}")
+    if bits == 16:
+        return packed
     packed = packed.astype(jnp.uint8)
     if bits == 3:
         lo = unpack(packed[..., : dim // 4], 2, dim)

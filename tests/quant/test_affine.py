@@ -179,3 +179,15 @@ def test_config_validation():
         quantize(jnp.zeros((2, 96)), QuantConfig(2, 64))
     assert hash(QuantConfig(2, 32)) == hash(QuantConfig(2, 32, meta_dtype=jnp.float8_e4m3fn))
     assert affine.default_clip(2) == 0.9
+
+
+def test_16_bit_passthrough_is_bfloat16_storage():
+    from rq_jax.quant import bits, packing
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 32)), jnp.float32)
+    cfg = QuantConfig(16, 8)
+    q = quantize(x, cfg)
+    assert q.codes.dtype == jnp.bfloat16 and q.scale.shape == (3, 0)
+    np.testing.assert_array_equal(dequantize(q, cfg), x.astype(jnp.bfloat16).astype(jnp.float32))
+    assert packing.pack(q.codes, 16) is q.codes and packing.unpacked_dim(32, 16) == 32
+    assert bits.bits_per_element(cfg) == 16

@@ -1,0 +1,1 @@
+"""Evaluation: cache-format reconstruction error (more metrics arrive with later issues)."""
