@@ -35,12 +35,30 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_argument("--cache", choices=available_formats(), default="dense")
+    p.add_argument("--cache", choices=available_formats(), default="dense", help="KV cache format")
+    p.add_argument("--bits", help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi)")
+    p.add_argument("--group-size", type=int, help="channel group size of the quantizers")
+    p.add_argument("--rotation", choices=("identity", "hadamard", "random"), help="uniform/rotated/residual")
     p.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="storage dtype of the dense cache")
     p.add_argument("--init-state", choices=("zeros", "random"), default="random",
                    help="Huginn's initial latent state (random is seeded by --seed)")
     return p.parse_args(argv)
+
+
+def cache_policy(args) -> dict:
+    """Keyword arguments of the chosen cache format from the command line (only those given)."""
+    if args.cache == "dense":
+        return dict(dtype=args.cache_dtype)
+    policy = {}
+    if args.bits:
+        bits = tuple(int(b) for b in args.bits.split(","))
+        policy["bits"] = bits[0] if args.cache == "kivi" and len(bits) == 1 else bits
+    if args.group_size:
+        policy["group_size"] = args.group_size
+    if args.rotation:
+        policy["rotation"] = args.rotation
+    return policy
 
 
 def main(argv=None):
@@ -59,7 +77,11 @@ def main(argv=None):
         kwargs = dict(num_loops=args.loops)
     else:
         kwargs = dict(num_steps=args.loops, init_scale=1.0 if args.init_state == "random" else 0.0)
-    fmt = get_format(args.cache, dtype=args.cache_dtype)
+    try:
+        fmt = get_format(args.cache, **cache_policy(args))
+        fmt.bits_per_element(model.config.num_loops, model.config.head_dim)
+    except ValueError as err:
+        sys.exit(f"generate.py: bad --cache policy: {err}")
     sampler = Sampler(model, sampling, fmt, **kwargs)
     prompt = tokenizer.encode(args.prompt).ids
     sampler([prompt], seed=args.seed)  # compile
@@ -72,8 +94,10 @@ def main(argv=None):
     print(f"generated: {tokenizer.decode(out.tokens[0, :n].tolist())!r}")
     print(f"prefill: {len(prompt) / out.prefill_seconds:,.1f} tok/s ({len(prompt)} tokens)   "
           f"decode: {max(n - 1, 1) / out.decode_seconds:,.1f} tok/s ({n} tokens)   [{args.dtype} compute]")
-    print(f"KV cache ({args.cache}): {out.cache.nbytes():,} bytes for {out.cache.max_len} positions "
-          f"(dense bf16 would take {dense_bytes:,})")
+    bits = float(fmt.bits_per_element(out.cache.num_loops, model.config.head_dim))
+    print(f"KV cache ({args.cache}, looped layers at {bits:.4g} bits/element): {out.cache.nbytes():,} bytes for "
+          f"{out.cache.max_len} positions (dense bf16 would take {dense_bytes:,}: "
+          f"{out.cache.nbytes() / dense_bytes:.1%})")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,20 @@ def test_generate_prints_text_speed_and_bytes(model, extra, capsys):
     out = capsys.readouterr().out
     assert f"checkpoints/{model}-small" in out and "random initialisation" in out
     assert "generated:" in out and "tok/s" in out
-    assert "KV cache (dense):" in out and "dense bf16 would take" in out
+    assert "KV cache (dense, looped layers at 16 bits/element):" in out and "dense bf16 would take" in out
+
+
+@pytest.mark.parametrize("cache", [["--cache", "residual"], ["--cache", "uniform", "--bits", "2", "--group-size", "16"],
+                                   ["--cache", "rotated", "--rotation", "random"]])
+def test_generate_with_compressed_caches(cache, capsys):
+    load_script().main(["--model", "ouro", "--max-new-tokens", "3", *cache])
+    out = capsys.readouterr().out
+    assert f"KV cache ({cache[1]}, looped layers at" in out and "generated:" in out
+
+
+def test_bad_cache_policy_is_reported():
+    with pytest.raises(SystemExit, match="bad --cache policy: invalid bit width 7"):
+        load_script().main(["--model", "ouro", "--cache", "residual", "--bits", "2,7"])
 
 
 def test_wrong_family_for_checkpoint(capsys):
