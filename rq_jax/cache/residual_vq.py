@@ -1,0 +1,235 @@
+"""The `residual_vq` format: two-stage residual vector quantization of cached K/V (RVQ.md), 2 bits/element.
+
+Layout. Each stored head vector x [D] is divided by its slot's per-channel scale, split into D / group
+groups of `group` (= 4) consecutive channels (D % group == 0, so a group never crosses a head), and
+coded by two 4-bit indices: stage 1 the nearest of `n_codes` (≤ 16) codewords of C1, stage 2 the
+nearest codeword of C2 for the stage-1 residual. The two indices share one byte, `i1 | i2 << 4`
+(`rq_jax.quant.rvq.encode`), so the state is
+
+    RVQState.k, RVQState.v: uint8 [L, N, B, K, S, D // group]      (8 bits / group = 2 bits / element)
+
+and decoding is x̂ = (C1[i1] + C2[i2]) · scale (`rq_jax.quant.rvq.decode`). Nothing else is stored.
+
+Calibration (static state passed alongside the cache, never in it): `RVQCalib(k, v)`, one
+`rq_jax.quant.rvq.RVQCodebooks` each for keys and values with leading [L, N] slot axes:
+
+    c1, c2: float32 [L, N, n_codes, group]   one codebook pair per (loop, layer) slot, shared by its heads
+    scale:  float32 [L, N, K, D]             per-channel RMS per (loop, layer, kv head)
+
+Per-slot codebooks (rather than one per layer shared by loops) cost 2·n_codes·group floats per slot,
+which is negligible side data, and follow the states' drift across loops; scales are per
+(loop, layer, head) as RVQ.md asks. Codebooks and scales are side data: `bits_per_element` counts the
+indices only, like every format's accounting in `rq_jax.quant.bits`.
+
+Calibration policy. There is no data-free default: `default_calib` raises, and `attend`/`write`/
+`reconstruct` raise the same ValueError when given `calib=None`. Pass a fitted `RVQCalib` (e.g. from
+`rq_jax.cache.calibrate` on a dense cache of representative prompts), or let `rq_jax.sampling.Sampler`
+fit one on each batch's own prompts (a dense prefill first, then `calibrate`). `calibrate` uses only
+tokens s < lengths[b]: it picks `calib_tokens` (at most B·S) positions evenly spaced over the valid
+tokens of the batch — a strided subsample when there are more, an even repetition when there are
+fewer — so padding never reaches the fit and shapes stay fixed (it jits). Each slot is fitted with
+`rq_jax.quant.rvq.fit_rvq` (k-means++ with `restarts`, `iters` Lloyd steps, C2 fitted on stage-1
+residuals with C1 frozen, seed `seed` folded with the slot index).
+
+Attention (`attend`) works from the indices. Scores use a per-query look-up table over the byte:
+q·x̂ = Σ_groups LUT[group, byte] with LUT[g, i1 | i2 << 4] = (q∘scale)_g·C1[i1] + (q∘scale)_g·C2[i2],
+one gather per group and query instead of decoding K. Values decode V (two 16-row look-ups and an add
+per group) and contract with the probabilities; the "probability-weighted codebook counts" alternative
+needs a one-hot [S, D/group, 16] per stage (8× the decoded values) or a scatter-add, so it is not
+cheaper in XLA. Building the table costs R·(D/group)·256 entries for R = T·H/K query rows per kv head;
+decoding K costs S·D. `attend_path="auto"` takes the table when it is the cheaper one (S > 64·R, i.e.
+decode steps over a long cache) and otherwise decodes K too ("decode": exactly `base.reference_attend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, UInt8
+
+from rq_jax.cache import base
+from rq_jax.quant import bits, rvq
+
+_PATHS = ("auto", "lut", "decode")
+_NIBBLE = 16  # codes per stage addressable by a 4-bit index
+
+
+class RVQState(NamedTuple):
+    """Packed index bytes (i1 | i2 << 4) of keys and values, uint8 [L, N, B, K, S, D // group] each."""
+
+    k: UInt8[Array, "l n b k s g"]
+    v: UInt8[Array, "l n b k s g"]
+
+
+class RVQCalib(NamedTuple):
+    """Static calibration: codebooks c1, c2 [L, N, n_codes, group] and scales [L, N, K, D] for K and V."""
+
+    k: rvq.RVQCodebooks
+    v: rvq.RVQCodebooks
+
+
+def _need_calib(calib) -> None:
+    if calib is None:
+        raise ValueError(
+            "the residual_vq cache format needs calibration (codebooks and per-channel scales fitted on "
+            "data) and has no data-free default: pass calib=CacheCalib(looped=fmt.calibrate(k, v, lengths), "
+            "...) (e.g. rq_jax.cache.calibrate on a dense cache of representative prompts), or generate "
+            "with rq_jax.sampling.Sampler without calib, which fits the codebooks on each batch's prompt")
+
+
+def _slot_books(books: rvq.RVQCodebooks, loop: int, layer: int) -> rvq.RVQCodebooks:
+    """The (loop, layer) slot's codebooks with scale [K, 1, D], broadcastable to [B, K, S, D]."""
+    return rvq.RVQCodebooks(books.c1[loop, layer], books.c2[loop, layer], books.scale[loop, layer][:, None, :])
+
+
+def _pad_codes(codebook: Float[Array, "c g"]) -> Float[Array, "16 g"]:
+    """A codebook padded with zero rows to the 16 entries a 4-bit index can address."""
+    return jnp.zeros((_NIBBLE, codebook.shape[-1]), jnp.float32).at[: codebook.shape[0]].set(codebook)
+
+
+def _encode_slots(x: Float[Array, "l n b k t d"], books: rvq.RVQCodebooks) -> UInt8[Array, "l n b k t g"]:
+    """Encode every (loop, layer) slot of x with its own codebooks ([L, N]-leading `books`)."""
+    def one(x, c1, c2, scale):
+        return rvq.encode(x, rvq.RVQCodebooks(c1, c2, scale[:, None, :]))
+
+    return jax.vmap(jax.vmap(one))(x, books.c1, books.c2, books.scale)
+
+
+def calib_token_index(lengths: Int[Array, "b"], max_len: int, count: int) -> Int[Array, "m"]:
+    """`count` flat indices into [B, max_len], evenly spaced over the valid tokens s < lengths[b].
+
+    Valid tokens are taken in (row, position) order; index i picks valid token
+    floor((2i + 1)·n_valid / (2·count)). Depends only on `lengths`, so padding never enters. With no
+    valid token at all it returns position 0 of row 0.
+    """
+    valid = (jnp.arange(max_len)[None, :] < lengths[:, None]).reshape(-1)
+    order = jnp.argsort(~valid, stable=True)  # valid positions first, in order
+    n_valid = jnp.maximum(jnp.sum(valid), 1)
+    pick = ((2 * jnp.arange(count) + 1) * n_valid) // (2 * count)
+    return order[pick]
+
+
+@base.register("residual_vq")
+@dataclasses.dataclass(frozen=True)
+class ResidualVQ:
+    """Two-stage RVQ storage (2 bits/element by default) with codebooks fitted by `calibrate`.
+
+    Policy: `n_codes` (≤ 16) codewords of `group` channels per stage; k-means with `restarts` k-means++
+    restarts of `iters` Lloyd steps, seeded by `seed`; `calib_tokens` calibration tokens per slot (at
+    most B·S of the calibration batch); `attend_path` "auto" | "lut" | "decode" (see module docstring).
+    """
+
+    n_codes: int = 16
+    group: int = 4
+    iters: int = 25
+    restarts: int = 4
+    seed: int = 0
+    calib_tokens: int = 4096
+    attend_path: str = "auto"
+    name: str = dataclasses.field(default="residual_vq", init=False)
+    needs_data: bool = dataclasses.field(default=True, init=False)
+
+    def __post_init__(self):
+        if not 1 <= self.n_codes <= _NIBBLE:
+            raise ValueError(f"residual_vq n_codes must be in [1, 16] (4-bit indices), got {self.n_codes}")
+        for field in ("group", "iters", "restarts", "calib_tokens"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"residual_vq {field} must be ≥ 1, got {getattr(self, field)}")
+        if self.attend_path not in _PATHS:
+            raise ValueError(f"residual_vq attend_path must be one of {_PATHS}, got {self.attend_path!r}")
+
+    def _check_dim(self, head_dim: int) -> None:
+        if head_dim % self.group:
+            raise ValueError(f"residual_vq group {self.group} must divide the head dim {head_dim}: a group "
+                             "never crosses a head boundary")
+
+    def init(self, num_loops, num_layers, batch, max_len, num_kv_heads, head_dim) -> RVQState:
+        """Zeroed index bytes, uint8 [L, N, B, K, S, D // group] for K and for V."""
+        self._check_dim(head_dim)
+        shape = (num_loops, num_layers, batch, num_kv_heads, max_len, head_dim // self.group)
+        return RVQState(jnp.zeros(shape, jnp.uint8), jnp.zeros(shape, jnp.uint8))
+
+    def default_calib(self, num_loops, num_layers, num_kv_heads, head_dim):
+        """Always raises ValueError: residual_vq has no data-free calibration."""
+        _need_calib(None)
+
+    def calibrate(self, k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"],
+                  lengths: Int[Array, "b"]) -> RVQCalib:
+        """Fit per-slot codebooks [L, N, n_codes, group] and scales [L, N, K, D] on tokens s < lengths[b].
+
+        Jit-able (fixed shapes); slots are fitted one after another (`lax.map`) to bound memory.
+        """
+        num_loops, num_layers, batch, heads, max_len, head_dim = k.shape
+        self._check_dim(head_dim)
+        index = calib_token_index(lengths, max_len, min(self.calib_tokens, batch * max_len))
+
+        def tokens(x):  # [L, N, B, K, S, D] -> [L·N, M, K, D], valid tokens only
+            x = jnp.moveaxis(x, 4, 3).reshape(num_loops * num_layers, batch * max_len, heads, head_dim)
+            return x[:, index].astype(jnp.float32)
+
+        points = jnp.concatenate([tokens(k), tokens(v)])  # [2·L·N, M, K, D]: keys' slots, then values'
+        base_key = jax.random.key(self.seed)
+
+        def fit(args):
+            slot, x = args
+            return rvq.fit_rvq(jax.random.fold_in(base_key, slot), x, self.n_codes, self.group,
+                               self.restarts, self.iters)
+
+        books = jax.lax.map(fit, (jnp.arange(points.shape[0]), points))
+        books = jax.tree_util.tree_map(lambda a: a.reshape(2, num_loops, num_layers, *a.shape[1:]), books)
+        return RVQCalib(*(jax.tree_util.tree_map(lambda a, i=i: a[i], books) for i in (0, 1)))
+
+    def reconstruct(self, state: RVQState, loop: int, layer: int, calib: RVQCalib
+                    ) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
+        """The stored K, V of slot (loop, layer) decoded to float32 [B, K, S, D]."""
+        _need_calib(calib)
+        return (rvq.decode(state.k[loop, layer], _slot_books(calib.k, loop, layer)),
+                rvq.decode(state.v[loop, layer], _slot_books(calib.v, loop, layer)))
+
+    def attend(self, state: RVQState, q: Float[Array, "b t h d"], loop: int, layer: int,
+               lengths: Int[Array, "b"], calib: RVQCalib) -> base.Partial:
+        """Partial attention of q [B, T, H, D] to the stored tokens s < lengths[b] of slot (loop, layer).
+
+        Equals `base.reference_attend` to float tolerance; scores come from per-query byte tables.
+        """
+        _need_calib(calib)
+        b, t, h, d = q.shape
+        heads, max_len, groups = state.k.shape[3:]
+        rows = t * (h // heads)
+        use_lut = self.attend_path == "lut" or (self.attend_path == "auto" and max_len * self.group > _NIBBLE**2 * rows)
+        if not use_lut:
+            return base.reference_attend(self, state, q, loop, layer, lengths, calib)
+        books = calib.k
+        # Per-query tables: qs[b, t, k, g, G, j] = q·scale/sqrt(D) over group G; LUT over the code byte.
+        qs = base.group_queries(q.astype(jnp.float32), heads) * books.scale[loop, layer][:, None, :] * d**-0.5
+        qs = qs.reshape(b, t, heads, h // heads, groups, self.group)
+        lut1, lut2 = (jnp.einsum("btkhGj,cj->bktGhc", qs, _pad_codes(c[loop, layer])) for c in (books.c1, books.c2))
+        lut = (lut2[..., :, None] + lut1[..., None, :]).reshape(b, heads, t, groups, -1, _NIBBLE**2)
+        # scores[b, k, t, h, s] = Σ_G lut[b, k, t, G, h, byte[b, k, s, G]]
+        codes = jnp.moveaxis(state.k[loop, layer].astype(jnp.int32), -1, 2)  # [B, K, G, S]
+        gathered = jnp.take_along_axis(lut, codes[:, :, None, :, None, :], axis=-1)  # [B, K, T, G, Hg, S]
+        scores = jnp.moveaxis(jnp.sum(gathered, axis=3), 1, 2).reshape(b, t, h, max_len)
+        p, m, l = base.softmax_partial(scores, base.past_mask(lengths, t, max_len))
+        values = rvq.decode(state.v[loop, layer], _slot_books(calib.v, loop, layer))  # [B, K, S, D]
+        acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, heads, -1, max_len), values)
+        return base.Partial(acc.reshape(b, t, h, d), m, l)
+
+    def write(self, state: RVQState, k: Float[Array, "l n b k t d"], v: Float[Array, "l n b k t d"],
+              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: RVQCalib) -> RVQState:
+        """Encode the new K/V [L, N, B, K, T, D] of every slot at once; store t < num_new[b] at lengths[b] + t."""
+        _need_calib(calib)
+        new = RVQState(_encode_slots(k, calib.k), _encode_slots(v, calib.v))
+        return base.scatter_tokens(state, new, lengths, num_new, token_axis=4)
+
+    def nbytes(self, state: RVQState) -> int:
+        """Bytes of the stored index arrays."""
+        return base.tree_nbytes(state)
+
+    def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
+        """Two 4-bit indices per group: 8 / group bits (2 for groups of 4); codebooks/scales excluded."""
+        self._check_dim(head_dim)
+        return bits.rvq_bits(self.n_codes, self.group, 2)
