@@ -70,12 +70,19 @@ class DecodeState:
     cache: KVCache
     rng: jax.Array
     step: Int[Array, ""]
+    steps_used: Int[Array, "b"]  # core steps summed over the row's decode-step tokens (adaptive exit)
 
 
 class Generation(NamedTuple):
     """Generated tokens [B, N] (pad after a row stops), how many per row, optional logits [B, N, V],
     the final cache, and wall seconds of prefill and decode (compilation included on the first call
-    with a new shape)."""
+    with a new shape).
+
+    `mean_steps`: average core steps per token fed through a decode step (Huginn with
+    `decode_kwargs=dict(adaptive=AdaptiveExit(...))`, whose model calls report `steps_used`); None
+    when the decode calls report no steps (Ouro, Huginn without adaptive exit) or no decode step ran
+    (max_new_tokens 1). Prefill always runs every step and is not counted.
+    """
 
     tokens: np.ndarray
     num_generated: np.ndarray
@@ -83,6 +90,7 @@ class Generation(NamedTuple):
     cache: KVCache
     prefill_seconds: float
     decode_seconds: float
+    mean_steps: float | None = None
 
 
 class Sampler:
@@ -91,27 +99,33 @@ class Sampler:
     `plain_fmt` stores Huginn's prelude/coda (default `fmt`). `calib` is the formats' calibration; when
     None, formats that need data are fitted on each batch's prompts (a dense prefill first), the others
     use their defaults. `model_kwargs` go to every model call (e.g. `num_loops`, `exit` for Ouro;
-    `num_steps`, `init_scale` for Huginn). Each call gets its own PRNG stream from the seed.
+    `num_steps`, `init_scale` for Huginn); `decode_kwargs` are added to (and override) them in decode
+    steps only, e.g. `decode_kwargs=dict(adaptive=AdaptiveExit("kl", 5e-4))` for Huginn's per-token
+    early exit (prefill then runs every step, as the reference does). Each call gets its own PRNG
+    stream from the seed.
     """
 
     def __init__(self, model, cfg: SamplingConfig, fmt: CacheFormat | None = None, *,
                  plain_fmt: CacheFormat | None = None, return_logits: bool = False,
-                 calib: CacheCalib | None = None, **model_kwargs):
+                 calib: CacheCalib | None = None, decode_kwargs: dict | None = None, **model_kwargs):
         self.graphdef, self.params = nnx.split(model)
         self.model_config = model.config
         self.cfg, self.return_logits, self.calib = cfg, return_logits, calib
         self.fmt = fmt or Dense()
         self.plain_fmt = plain_fmt or self.fmt
         self.model_kwargs = model_kwargs
+        self.decode_kwargs = {**model_kwargs, **(decode_kwargs or {})}
+        self._reports_steps = False  # set when the decode loop is traced
         self.num_loops = model_kwargs.get("num_loops") or model_kwargs.get("num_steps") or model.config.num_loops
         self.trace_count = 0
         self._calibrate = jax.jit(self._calibrate_fn)
         self._prefill = jax.jit(self._prefill_fn)
         self._decode = jax.jit(self._decode_fn)
 
-    def _apply(self, params, calib, tokens, cache, num_new, rng):
+    def _apply(self, params, calib, tokens, cache, num_new, rng, decode: bool = False):
         model = nnx.merge(self.graphdef, params)
-        return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, calib=calib, **self.model_kwargs)
+        kwargs = self.decode_kwargs if decode else self.model_kwargs
+        return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, calib=calib, **kwargs)
 
     def _calibrate_fn(self, params, tokens, lengths, rng):
         dense = init_cache(self.model_config, tokens.shape[0], tokens.shape[1], Dense("float32"),
@@ -131,7 +145,7 @@ class Sampler:
         return DecodeState(
             tokens=jnp.full((b, n), self.cfg.pad_id, jnp.int32).at[:, 0].set(first), logits=logits,
             num_generated=jnp.ones((b,), jnp.int32), done=self._stops(first), cache=out.cache, rng=rng,
-            step=jnp.int32(1))
+            step=jnp.int32(1), steps_used=jnp.zeros((b,), jnp.int32))
 
     def _stops(self, tokens):
         return jnp.isin(tokens, jnp.asarray(self.cfg.stop_tokens, jnp.int32)) if self.cfg.stop_tokens else \
@@ -147,7 +161,11 @@ class Sampler:
             rng, model_rng, pick_rng = jax.random.split(s.rng, 3)
             active = ~s.done
             last = s.tokens[:, s.step - 1][:, None]
-            out = self._apply(params, calib, last, s.cache, active.astype(jnp.int32), model_rng)
+            out = self._apply(params, calib, last, s.cache, active.astype(jnp.int32), model_rng, decode=True)
+            steps_used = s.steps_used
+            self._reports_steps = "steps_used" in out.extras
+            if self._reports_steps:
+                steps_used = steps_used + jnp.where(active, out.extras["steps_used"][:, 0], 0)
             new = jnp.where(active, choose_tokens(out.logits, pick_rng, self.cfg), self.cfg.pad_id)
             logits = s.logits
             if logits is not None:
@@ -155,7 +173,7 @@ class Sampler:
             return DecodeState(
                 tokens=s.tokens.at[:, s.step].set(new), logits=logits,
                 num_generated=s.num_generated + active, done=s.done | (active & self._stops(new)),
-                cache=out.cache, rng=rng, step=s.step + 1)
+                cache=out.cache, rng=rng, step=s.step + 1, steps_used=steps_used)
 
         return jax.lax.while_loop(cond, body, state)
 
@@ -188,5 +206,9 @@ class Sampler:
         state = jax.block_until_ready(self._decode(self.params, calib, state))
         end = time.perf_counter()
         logits = None if state.logits is None else np.asarray(state.logits)
+        num_decoded = int(np.sum(np.asarray(state.num_generated) - 1))  # tokens fed through decode steps
+        mean_steps = None
+        if self._reports_steps and num_decoded:
+            mean_steps = float(np.sum(np.asarray(state.steps_used))) / num_decoded
         return Generation(np.asarray(state.tokens), np.asarray(state.num_generated), logits, state.cache,
-                          mid - start, end - mid)
+                          mid - start, end - mid, mean_steps)
