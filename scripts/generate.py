@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from rq_jax import checkpoint
 from rq_jax.cache import available_formats, dense_equivalent_nbytes, get_format
+from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, AdaptiveExit
 from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer
 
@@ -43,6 +44,9 @@ def parse_args(argv=None):
                    help="storage dtype of the dense cache")
     p.add_argument("--init-state", choices=("zeros", "random"), default="random",
                    help="Huginn's initial latent state (random is seeded by --seed)")
+    p.add_argument("--exit-criterion", choices=sorted(DEFAULT_THRESHOLDS),
+                   help="Huginn: per-token adaptive exit while decoding")
+    p.add_argument("--exit-threshold", type=float, help="threshold of --exit-criterion (default: its own)")
     return p.parse_args(argv)
 
 
@@ -74,9 +78,13 @@ def main(argv=None):
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, stop_tokens=stops)
     if args.model == "ouro":
+        if args.exit_criterion:
+            sys.exit("generate.py: --exit-criterion is for Huginn")
         kwargs = dict(num_loops=args.loops)
     else:
         kwargs = dict(num_steps=args.loops, init_scale=1.0 if args.init_state == "random" else 0.0)
+        if args.exit_criterion:
+            kwargs["decode_kwargs"] = dict(adaptive=AdaptiveExit(args.exit_criterion, args.exit_threshold))
     try:
         fmt = get_format(args.cache, **cache_policy(args))
         fmt.bits_per_element(model.config.num_loops, model.config.head_dim)
@@ -94,6 +102,9 @@ def main(argv=None):
     print(f"generated: {tokenizer.decode(out.tokens[0, :n].tolist())!r}")
     print(f"prefill: {len(prompt) / out.prefill_seconds:,.1f} tok/s ({len(prompt)} tokens)   "
           f"decode: {max(n - 1, 1) / out.decode_seconds:,.1f} tok/s ({n} tokens)   [{args.dtype} compute]")
+    if out.mean_steps is not None:
+        print(f"adaptive exit ({args.exit_criterion}): {out.mean_steps:.2f} of {out.cache.num_loops} steps "
+              f"per decoded token on average")
     bits = float(fmt.bits_per_element(out.cache.num_loops, model.config.head_dim))
     print(f"KV cache ({args.cache}, looped layers at {bits:.4g} bits/element): {out.cache.nbytes():,} bytes for "
           f"{out.cache.max_len} positions (dense bf16 would take {dense_bytes:,}: "

@@ -41,3 +41,10 @@ def test_wrong_family_for_checkpoint(capsys):
     shipped = SCRIPT.parents[1] / "checkpoints" / "ouro-small"
     with pytest.raises(SystemExit, match="holds a ouro model"):
         load_script().main(["--model", "huginn", "--checkpoint", str(shipped)])
+
+
+def test_huginn_adaptive_exit_reports_mean_steps(capsys):
+    load_script().main(["--model", "huginn", "--max-new-tokens", "3", "--num-steps", "8", "--cache", "residual",
+                        "--exit-criterion", "kl", "--exit-threshold", "10"])
+    out = capsys.readouterr().out
+    assert "adaptive exit (kl): 1.00 of 8 steps per decoded token on average" in out
