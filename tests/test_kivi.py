@@ -104,7 +104,7 @@ def test_nbytes_and_bits_per_element():
     counter = L * N * B * 4
     assert fmt.nbytes(state) == bpe * elements / 8 + tail + counter
     assert Kivi().bits_per_element(4, 128) == 2.5  # KIVI-2, g = 32, fp8 metadata
-    assert get_format("kivi", bits=4) == Kivi(bits=4)
+    assert get_format("kivi", bits=4, group_size=8) == Kivi(bits=4, key_group=8, value_group=8)
 
 
 def run_three_calls(model, fmt, ids, kw):
@@ -144,7 +144,7 @@ def test_end_to_end_close_to_dense(family, cases, request):
 
 @pytest.mark.parametrize("policy,field", [
     (dict(bits=5), "bits"), (dict(key_group=0), "key_group"), (dict(value_group=2.0), "value_group"),
-    (dict(window=-1), "window"), (dict(meta_dtype="int8"), "meta_dtype"),
+    (dict(window=-1), "window"), (dict(group_size=-4), "group_size"), (dict(meta_dtype="int8"), "meta_dtype"),
     (dict(residual_dtype="float8_e4m3fn"), "residual_dtype"), (dict(clip=0.0), "clip"),
 ])
 def test_bad_policy_raises(policy, field):

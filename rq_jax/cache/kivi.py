@@ -81,7 +81,8 @@ class Kivi:
     (per channel); `value_group` channels per value group (per token, must divide head_dim);
     `meta_dtype` of scales/offsets ("float8_e4m3fn", "bfloat16", "float16", "float32"); `residual_dtype`
     of the full-precision tail and window ("bfloat16", "float16", "float32"); `window` recent tokens kept
-    in full precision (0 = none); `clip` range factor in (0, 1] (1 = KIVI's plain min/max)."""
+    in full precision (0 = none); `clip` range factor in (0, 1] (1 = KIVI's plain min/max).
+    `group_size`, if given, sets both groups (it is then folded into them and reads None)."""
 
     bits: int = 2
     key_group: int = 32
@@ -90,6 +91,7 @@ class Kivi:
     residual_dtype: str = "bfloat16"
     window: int = 0
     clip: float = 1.0
+    group_size: int | None = None
     name: str = dataclasses.field(default="kivi", init=False)
     needs_data: bool = dataclasses.field(default=False, init=False)
 
@@ -98,6 +100,10 @@ class Kivi:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
                 raise ValueError(f"kivi {field} must be an integer >= {minimum}, got {value!r}")
 
+        if self.group_size is not None:
+            positive_int("group_size", self.group_size)
+            for field in ("key_group", "value_group", "group_size"):
+                object.__setattr__(self, field, None if field == "group_size" else self.group_size)
         if self.bits not in affine.VALID_BITS:
             raise ValueError(f"kivi bits must be one of {affine.VALID_BITS}, got {self.bits!r}")
         positive_int("key_group", self.key_group)
