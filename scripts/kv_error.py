@@ -13,14 +13,16 @@ from rq_jax import checkpoint
 from rq_jax.cache import get_format
 from rq_jax.eval.kv_error import dense_kv, reconstruction_error
 
-SCHEMES = {  # label: (format, policy)
-    "uniform INT2": ("uniform", {}),
-    "rotated INT2": ("rotated", {}),
-    "direct [2,2,2,4]": ("uniform", dict(bits=(2, 2, 2, 4))),
-    "rotated [2,2,2,4]": ("rotated", dict(bits=(2, 2, 2, 4))),
-    "residual INT2 (α=1, no rot)": ("residual", dict(bits=(2, 2, 2, 2), least_squares=False, rotation="identity")),
-    "residual INT2": ("residual", dict(bits=(2, 2, 2, 2))),
-    "residual [2,2,2,4]": ("residual", {}),
+SCHEMES = {  # label: format for a channel group size g
+    "uniform INT2": lambda g: get_format("uniform", group_size=g),
+    "rotated INT2": lambda g: get_format("rotated", group_size=g),
+    "direct [2,2,2,4]": lambda g: get_format("uniform", bits=(2, 2, 2, 4), group_size=g),
+    "rotated [2,2,2,4]": lambda g: get_format("rotated", bits=(2, 2, 2, 4), group_size=g),
+    "residual INT2 (α=1, no rot)": lambda g: get_format("residual", bits=(2, 2, 2, 2), least_squares=False,
+                                                        rotation="identity", group_size=g),
+    "residual INT2": lambda g: get_format("residual", bits=(2, 2, 2, 2), group_size=g),
+    "residual [2,2,2,4]": lambda g: get_format("residual", group_size=g),
+    "residual_vq (2x16x4)": lambda g: get_format("residual_vq"),
 }
 
 
@@ -40,8 +42,8 @@ def main(argv=None):
     k, v = dense_kv(model, tokens, loops)
     rows = []
     print(f"{'scheme':30s} {'bits/elem':>9s} {'K NMSE':>9s} {'V NMSE':>9s}")
-    for label, (name, policy) in SCHEMES.items():
-        fmt = get_format(name, group_size=args.group_size, **policy)
+    for label, make in SCHEMES.items():
+        fmt = make(args.group_size)
         err = reconstruction_error(fmt, k, v)
         row = dict(scheme=label, bits=float(fmt.bits_per_element(loops, k.shape[-1])),
                    k_nmse=float(err["k"].mean()), v_nmse=float(err["v"].mean()),

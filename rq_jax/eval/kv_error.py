@@ -29,12 +29,15 @@ def dense_kv(model, tokens: Int[Array, "b t"], num_loops: int, **model_kwargs):
 def reconstruction_error(fmt: CacheFormat, k: Array, v: Array, calib: Any = None) -> dict[str, np.ndarray]:
     """Normalised squared error ‖X̂ − X‖² / ‖X‖² per loop for K and V [L, N, B, K, S, D].
 
-    Returns {"k": [L], "v": [L]} (numpy), each summed over layers, batch, heads and tokens.
+    Returns {"k": [L], "v": [L]} (numpy), each summed over layers, batch, heads and tokens. A format
+    that needs data is calibrated on these K/V when `calib` is None.
     """
     num_loops, num_layers, batch, heads, seq, dim = k.shape
     state = fmt.init(num_loops, num_layers, batch, seq, heads, dim)
-    lengths = jnp.zeros((batch,), jnp.int32)
-    state = fmt.write(state, k, v, lengths, jnp.full((batch,), seq, jnp.int32), calib)
+    lengths = jnp.full((batch,), seq, jnp.int32)
+    if calib is None and fmt.needs_data:
+        calib = fmt.calibrate(k, v, lengths)
+    state = fmt.write(state, k, v, jnp.zeros_like(lengths), lengths, calib)
     err = {"k": np.zeros(num_loops), "v": np.zeros(num_loops)}
     for loop in range(num_loops):
         for layer in range(num_layers):

@@ -236,19 +236,19 @@ class Huginn(nnx.Module):
             s = self.adapter(jnp.concatenate([s, e], axis=-1))
             for j, block in enumerate(self.core_block):
                 s = block(s, angles, ctx, "looped", step, j)
-        x = latents = self.ln_f(s)
-        for i, block in enumerate(self.coda):
-            x = block(x, angles, ctx, "plain", 0, c.num_prelude + i)
-        if last_only:
-            x = common.take_last(x, ctx.num_new)
-        return common.ModelOutput(self.head(x), ctx.finish(), dict(latents=latents))
+        logits = self.predict_from_latents(s, angles, ctx, ctx.num_new if last_only else None)
+        return common.ModelOutput(logits, ctx.finish(), dict(latents=self.ln_f(s)))
 
-    def predict_from_latents(self, s: Float[Array, "b t e"], angles, ctx) -> Float[Array, "b t v"]:
-        """Logits [B, T, V] float32 from core states [B, T, E]: ln_f → coda → ln_f → head."""
+    def predict_from_latents(self, s: Float[Array, "b t e"], angles, ctx,
+                             last_of: Int[Array, "b"] | None = None) -> Float[Array, "b t v"]:
+        """Logits [B, T, V] float32 from core states [B, T, E]: ln_f → coda → ln_f → head.
+
+        With `last_of` (tokens per row), only each row's last real token goes through the head: [B, V].
+        """
         x = self.ln_f(s)
         for i, block in enumerate(self.coda):
             x = block(x, angles, ctx, "plain", 0, self.config.num_prelude + i)
-        return self.head(x)
+        return self.head(x if last_of is None else common.take_last(x, last_of))
 
     def _adaptive_steps(self, e: Float[Array, "b t e"], s: Float[Array, "b t e"], angles, ctx: CallContext,
                         num_steps: int, rule: AdaptiveExit):
