@@ -25,7 +25,8 @@ def test_generate_prints_text_speed_and_bytes(model, extra, capsys):
 
 
 @pytest.mark.parametrize("cache", [["--cache", "residual"], ["--cache", "uniform", "--bits", "2", "--group-size", "16"],
-                                   ["--cache", "rotated", "--rotation", "random"]])
+                                   ["--cache", "rotated", "--rotation", "random"], ["--cache", "kivi"],
+                                   ["--cache", "residual_vq"]])
 def test_generate_with_compressed_caches(cache, capsys):
     load_script().main(["--model", "ouro", "--max-new-tokens", "3", *cache])
     out = capsys.readouterr().out

@@ -104,8 +104,9 @@ class Kivi:
             positive_int("group_size", self.group_size)
             for field in ("key_group", "value_group", "group_size"):
                 object.__setattr__(self, field, None if field == "group_size" else self.group_size)
-        if self.bits not in affine.VALID_BITS:
-            raise ValueError(f"kivi bits must be one of {affine.VALID_BITS}, got {self.bits!r}")
+        quantized_bits = tuple(b for b in affine.VALID_BITS if b != affine.PASSTHROUGH_BITS)
+        if self.bits not in quantized_bits:
+            raise ValueError(f"kivi bits must be one of {quantized_bits}, got {self.bits!r}")
         positive_int("key_group", self.key_group)
         positive_int("value_group", self.value_group)
         positive_int("window", self.window, minimum=0)
