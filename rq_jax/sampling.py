@@ -76,7 +76,7 @@ class DecodeState:
 class Generation(NamedTuple):
     """Generated tokens [B, N] (pad after a row stops), how many per row, optional logits [B, N, V],
     the final cache, and wall seconds of prefill and decode (compilation included on the first call
-    with a new shape).
+    with a new shape; prefill includes fitting the calibration on the prompt when a format needs it).
 
     `mean_steps`: average core steps per token fed through a decode step (Huginn with
     `decode_kwargs=dict(adaptive=AdaptiveExit(...))`, whose model calls report `steps_used`); None

@@ -14,7 +14,7 @@ import sys
 import jax.numpy as jnp
 
 from rq_jax import checkpoint
-from rq_jax.cache import available_formats, dense_equivalent_nbytes, get_format
+from rq_jax.cache import available_formats, cache_nbytes, dense_equivalent_nbytes, get_format
 from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, AdaptiveExit
 from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer
@@ -71,9 +71,14 @@ def main(argv=None):
     model, folder = checkpoint.load(source, dtype=jnp.dtype(args.dtype))
     if model.config.family != args.model:
         sys.exit(f"--model {args.model} but {source} holds a {model.config.family} model")
-    with open(os.path.join(folder, "config.json")) as f:
-        note = json.load(f).get("rq_jax", {}).get("weights")
-    tokenizer = load_tokenizer(folder)
+    note = None
+    if os.path.exists(os.path.join(folder, "config.json")):
+        with open(os.path.join(folder, "config.json")) as f:
+            note = json.load(f).get("rq_jax", {}).get("weights")
+    try:
+        tokenizer = load_tokenizer(folder)
+    except FileNotFoundError as err:
+        sys.exit(f"generate.py: {err} (the checkpoint needs its tokenizer.json)")
     stops = tuple(i for i in map(tokenizer.token_to_id, STOP_STRINGS) if i is not None)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, stop_tokens=stops)
@@ -106,9 +111,9 @@ def main(argv=None):
         print(f"adaptive exit ({args.exit_criterion}): {out.mean_steps:.2f} of {out.cache.num_loops} steps "
               f"per decoded token on average")
     bits = float(fmt.bits_per_element(out.cache.num_loops, model.config.head_dim))
-    print(f"KV cache ({args.cache}, looped layers at {bits:.4g} bits/element): {out.cache.nbytes():,} bytes for "
-          f"{out.cache.max_len} positions (dense bf16 would take {dense_bytes:,}: "
-          f"{out.cache.nbytes() / dense_bytes:.1%})")
+    nbytes = cache_nbytes(out.cache)
+    print(f"KV cache ({args.cache}, looped layers at {bits:.4g} bits/element): {nbytes:,} bytes for "
+          f"{out.cache.max_len} positions (dense bf16 would take {dense_bytes:,}: {nbytes / dense_bytes:.1%})")
 
 
 if __name__ == "__main__":

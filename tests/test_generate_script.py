@@ -49,3 +49,19 @@ def test_huginn_adaptive_exit_reports_mean_steps(capsys):
                         "--exit-criterion", "kl", "--exit-threshold", "10"])
     out = capsys.readouterr().out
     assert "adaptive exit (kl): 1.00 of 8 steps per decoded token on average" in out
+
+
+def test_convert_then_generate_from_the_orbax_checkpoint(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("convert_script", SCRIPT.parent / "convert.py")
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    convert.main([str(SCRIPT.parents[1] / "checkpoints" / "ouro-small"), str(tmp_path / "ouro")])
+    load_script().main(["--model", "ouro", "--checkpoint", str(tmp_path / "ouro"), "--max-new-tokens", "2"])
+    assert "generated:" in capsys.readouterr().out
+
+
+def test_checkpoint_without_tokenizer_is_reported():
+    from tests.conftest import fixture_dir
+
+    with pytest.raises(SystemExit, match="no tokenizer.json"):
+        load_script().main(["--model", "ouro", "--checkpoint", str(fixture_dir("ouro-tiny"))])

@@ -33,10 +33,11 @@ class KVCache:
     num_loops: int = struct.field(pytree_node=False)
     max_len: int = struct.field(pytree_node=False)
 
-    def nbytes(self) -> int:
-        """Bytes of the stored K/V and metadata (the `lengths` counter excluded)."""
-        plain = self.plain_fmt.nbytes(self.plain) if self.plain is not None else 0
-        return self.fmt.nbytes(self.looped) + plain
+
+def cache_nbytes(cache: KVCache) -> int:
+    """Bytes of the stored K/V and metadata, from the arrays themselves (the `lengths` counter excluded)."""
+    plain = cache.plain_fmt.nbytes(cache.plain) if cache.plain is not None else 0
+    return cache.fmt.nbytes(cache.looped) + plain
 
 
 class CacheCalib(NamedTuple):
