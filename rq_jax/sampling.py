@@ -98,7 +98,7 @@ class Sampler:
 
     `plain_fmt` stores Huginn's prelude/coda (default `fmt`). `calib` is the formats' calibration; when
     None, formats that need data are fitted on each batch's prompts (a dense prefill first), the others
-    use their defaults. `model_kwargs` go to every model call (e.g. `num_loops`, `exit` for Ouro;
+    use their `default_calib`, built once here and passed to the compiled steps as an argument. `model_kwargs` go to every model call (e.g. `num_loops`, `exit` for Ouro;
     `num_steps`, `init_scale` for Huginn); `decode_kwargs` are added to (and override) them in decode
     steps only, e.g. `decode_kwargs=dict(adaptive=AdaptiveExit("kl", 5e-4))` for Huginn's per-token
     early exit (prefill then runs every step, as the reference does). Each call gets its own PRNG
@@ -110,17 +110,25 @@ class Sampler:
                  calib: CacheCalib | None = None, decode_kwargs: dict | None = None, **model_kwargs):
         self.graphdef, self.params = nnx.split(model)
         self.model_config = model.config
-        self.cfg, self.return_logits, self.calib = cfg, return_logits, calib
+        self.cfg, self.return_logits = cfg, return_logits
         self.fmt = fmt or Dense()
         self.plain_fmt = plain_fmt or self.fmt
         self.model_kwargs = model_kwargs
         self.decode_kwargs = {**model_kwargs, **(decode_kwargs or {})}
         self._reports_steps = False  # set when the decode loop is traced
         self.num_loops = model_kwargs.get("num_loops") or model_kwargs.get("num_steps") or model.config.num_loops
+        self.needs_data = self.fmt.needs_data or self.plain_fmt.needs_data
+        self.calib = calib if calib is not None or self.needs_data else self._default_calib()
         self.trace_count = 0
         self._calibrate = jax.jit(self._calibrate_fn)
         self._prefill = jax.jit(self._prefill_fn)
         self._decode = jax.jit(self._decode_fn)
+
+    def _default_calib(self) -> CacheCalib:
+        c = self.model_config
+        dims = (c.num_kv_heads, c.head_dim)
+        plain = self.plain_fmt.default_calib(1, c.num_plain_layers, *dims) if c.num_plain_layers else None
+        return CacheCalib(self.fmt.default_calib(self.num_loops, c.num_layers, *dims), plain)
 
     def _apply(self, params, calib, tokens, cache, num_new, rng, decode: bool = False):
         model = nnx.merge(self.graphdef, params)
@@ -199,7 +207,7 @@ class Sampler:
         rng = jax.random.key(seed)
         start = time.perf_counter()
         calib = self.calib
-        if calib is None and (self.fmt.needs_data or self.plain_fmt.needs_data):
+        if calib is None:
             calib = self._calibrate(self.params, tokens, lengths, jax.random.fold_in(rng, 1))
         state = jax.block_until_ready(self._prefill(self.params, calib, tokens, lengths, cache, rng))
         mid = time.perf_counter()
