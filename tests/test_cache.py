@@ -125,3 +125,14 @@ def test_dense_nbytes_counts_the_arrays():
     per_slot = 3 * 4 * 32 * 24 * 2 * 2  # batch · heads · positions · head_dim · (K, V) · bf16
     assert cache_nbytes(cache) == per_slot * (8 * 2 + 2)
     assert cache_nbytes(cache) == base.tree_nbytes((cache.looped, cache.plain))
+
+
+def test_forward_jits_with_a_cache(ouro):
+    from flax import nnx
+
+    model, ref = ouro
+    ids = jnp.asarray(ref["input_ids"])
+    step = nnx.jit(lambda m, t, c: m(t, c))
+    out = step(model, ids[:, :6], model.init_cache(2, 8, Dense("float32")))
+    np.testing.assert_allclose(out.logits, model(ids[:, :6]).logits, atol=TOL)
+    np.testing.assert_array_equal(out.cache.lengths, [6, 6])

@@ -39,10 +39,12 @@ def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Ar
             raise ValueError(f"cache was built for {cache.num_loops} loops, this call runs {num_loops}")
         if t > cache.max_len:
             raise ValueError(f"{t} tokens do not fit in a cache of max_len {cache.max_len}")
-        if not isinstance(cache.lengths, jax.core.Tracer) and not isinstance(num_new, jax.core.Tracer):
+        try:  # checkable only outside jit; inside, `scatter_tokens` drops what does not fit
             end = int(jnp.max(cache.lengths + num_new))
-            if end > cache.max_len:
-                raise ValueError(f"prompt plus cached tokens ({end}) exceed the cache's max_len {cache.max_len}")
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+            end = 0
+        if end > cache.max_len:
+            raise ValueError(f"prompt plus cached tokens ({end}) exceed the cache's max_len {cache.max_len}")
     return CallContext(cache, num_new, t, calib)
 
 
