@@ -1,7 +1,6 @@
 """HF converter: shards, tied heads, corrupted checkpoints, the local hub cache, orbax round trip."""
 
 import json
-import os
 import shutil
 
 import jax.numpy as jnp

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from rq_jax.cache import base
 from rq_jax.quant import affine, bits as qbits, packing, residual, rotation

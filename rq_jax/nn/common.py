@@ -8,7 +8,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from rq_jax.cache.kv import CallContext, Group, KVCache
+from flax import nnx
+
+from rq_jax.cache.kv import CallContext, Group, KVCache, init_cache
+from rq_jax.config import ModelConfig
+from rq_jax.nn.layers import linear
 
 
 class ModelOutput(NamedTuple):
@@ -17,6 +21,31 @@ class ModelOutput(NamedTuple):
     logits: Float[Array, "b t v"] | Float[Array, "b v"]
     cache: KVCache | None
     extras: dict[str, Array]
+
+
+class LoopedModule(nnx.Module):
+    """Base of Ouro and Huginn: `config` and `init_cache`."""
+
+    config: ModelConfig
+
+    def init_cache(self, batch: int, max_len: int, fmt=None, *, num_loops: int | None = None,
+                   plain_fmt=None) -> KVCache:
+        """An empty cache for this model run with `num_loops` loops (see `rq_jax.cache.init_cache`)."""
+        return init_cache(self.config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt)
+
+
+def embedding_and_head(c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype) -> tuple[nnx.Embed, nnx.Linear | None]:
+    """The token embedding N(0, init_std²) and the output projection (None when tied to the embedding)."""
+    embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                      embedding_init=nnx.initializers.normal(c.init_std), rngs=rngs)
+    head = None if c.tie_word_embeddings else linear(c.hidden_size, c.vocab_size, std=c.init_std, rngs=rngs,
+                                                     dtype=dtype, param_dtype=param_dtype)
+    return embed, head
+
+
+def output_logits(embed: nnx.Embed, head: nnx.Linear | None, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
+    """Logits in float32 through `head`, or the embedding's transpose when tied."""
+    return (embed.attend(x) if head is None else head(x)).astype(jnp.float32)
 
 
 def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Array, "b"] | None,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from rq_jax.cache.kv import CallContext, Group, KVCache, init_cache
+from rq_jax.cache.kv import CallContext, Group, KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_interleaved
@@ -163,7 +163,7 @@ class SandwichBlock(nnx.Module):
         return self.norm_4(x + self.mlp(self.norm_3(x)))
 
 
-class Huginn(nnx.Module):
+class Huginn(common.LoopedModule):
     """Huginn causal LM. Call it with tokens [B, T] and an optional cache; see `__call__`."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
@@ -171,25 +171,16 @@ class Huginn(nnx.Module):
             raise ValueError(f"Huginn needs a 'huginn' config, got family {config.family!r}")
         c = self.config = config
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.wte = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
-                             embedding_init=nnx.initializers.normal(c.init_std), rngs=rngs)
+        self.wte, self.lm_head = common.embedding_and_head(c, **kw)
         self.prelude = nnx.List([SandwichBlock(c, **kw) for _ in range(c.num_prelude)])
         self.adapter = linear(2 * c.hidden_size, c.hidden_size, std=c.init_std, **kw)
         self.core_block = nnx.List([SandwichBlock(c, **kw) for _ in range(c.num_layers)])
         self.coda = nnx.List([SandwichBlock(c, **kw) for _ in range(c.num_coda)])
         self.ln_f = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
-        self.lm_head = None if c.tie_word_embeddings else linear(c.hidden_size, c.vocab_size, std=c.init_std, **kw)
-
-    def init_cache(self, batch: int, max_len: int, fmt=None, *, num_loops: int | None = None,
-                   plain_fmt=None) -> KVCache:
-        """An empty cache for this model run with `num_loops` core steps (see `rq_jax.cache.init_cache`)."""
-        return init_cache(self.config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt)
 
     def head(self, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
         """ln_f then the (tied) output projection, logits in float32."""
-        x = self.ln_f(x)
-        out = self.wte.attend(x) if self.lm_head is None else self.lm_head(x)
-        return out.astype(jnp.float32)
+        return common.output_logits(self.wte, self.lm_head, self.ln_f(x))
 
     def initial_state(self, embeds: Float[Array, "b t e"], rng: jax.Array | None, init_scale: float):
         """Zeros when `rng` is None or `init_scale` is 0, else a ±3σ truncated normal of σ = std·scale,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from rq_jax.cache.kv import CallContext, KVCache, init_cache
+from rq_jax.cache.kv import CallContext, KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_half
@@ -104,7 +104,7 @@ class OuroLayer(nnx.Module):
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
 
-class Ouro(nnx.Module):
+class Ouro(common.LoopedModule):
     """Ouro causal LM. Call it with tokens [B, T] and an optional cache; see `__call__`."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
@@ -112,21 +112,14 @@ class Ouro(nnx.Module):
             raise ValueError(f"Ouro needs an 'ouro' config, got family {config.family!r}")
         c = self.config = config
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
-                                      embedding_init=nnx.initializers.normal(c.init_std), rngs=rngs)
+        self.embed_tokens, self.lm_head = common.embedding_and_head(c, **kw)
         self.layers = nnx.List([OuroLayer(c, **kw) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.early_exit_gate = linear(c.hidden_size, 1, bias=True, std=c.init_std, **kw)
-        self.lm_head = None if c.tie_word_embeddings else linear(c.hidden_size, c.vocab_size, std=c.init_std, **kw)
-
-    def init_cache(self, batch: int, max_len: int, fmt=None, *, num_loops: int | None = None) -> KVCache:
-        """An empty cache for this model (see `rq_jax.cache.init_cache`)."""
-        return init_cache(self.config, batch, max_len, fmt, num_loops=num_loops)
 
     def head(self, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
         """Output logits in float32."""
-        out = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return out.astype(jnp.float32)
+        return common.output_logits(self.embed_tokens, self.lm_head, x)
 
     def __call__(self, tokens: Int[Array, "b t"], cache: KVCache | None = None, *,
                  num_new: Int[Array, "b"] | None = None, num_loops: int | None = None,
