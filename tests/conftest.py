@@ -1,4 +1,5 @@
-"""Shared test fixtures: the PyTorch-reference checkpoints in ../shared/fixtures."""
+"""Shared test fixtures: the PyTorch-reference checkpoints in tests/fixtures (a copy of the workplace's
+shared/fixtures; `RQ_JAX_FIXTURES` points elsewhere)."""
 
 import os
 import pathlib
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-FIXTURES = pathlib.Path(os.environ.get("RQ_JAX_FIXTURES", REPO.parent / "shared" / "fixtures"))
+FIXTURES = pathlib.Path(os.environ.get("RQ_JAX_FIXTURES", REPO / "tests" / "fixtures"))
 
 
 def fixture_dir(name: str) -> pathlib.Path:

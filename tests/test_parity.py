@@ -1,4 +1,4 @@
-"""Parity with the original PyTorch code (fixtures in ../shared/fixtures), float32, max abs error ≤ 1e-4."""
+"""Parity with the original PyTorch code (fixtures in tests/fixtures), float32, max abs error ≤ 1e-4."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -47,10 +47,11 @@ class TestOuro:
         cache = model.init_cache(2, 16, Dense("float32"))
         out = model(jnp.asarray(ref["input_ids"]), cache)
         assert max_err(out.logits, ref["logits"]) <= TOL
+        k, v = out.cache.dense_kv()
         for loop in range(4):
             for layer in range(2):
-                assert max_err(out.cache.looped.k[loop, layer, :, :, :10], ref[f"k_s{loop}_l{layer}"]) <= TOL
-                assert max_err(out.cache.looped.v[loop, layer, :, :, :10], ref[f"v_s{loop}_l{layer}"]) <= TOL
+                assert max_err(k[loop, layer, :, :, :10], ref[f"k_s{loop}_l{layer}"]) <= TOL
+                assert max_err(v[loop, layer, :, :, :10], ref[f"v_s{loop}_l{layer}"]) <= TOL
 
     def test_cached_greedy_decode(self, ouro):
         model, ref = ouro
@@ -73,15 +74,16 @@ class TestHuginn:
         cache = model.init_cache(2, 16, Dense("float32"), num_loops=4)
         c = model(jnp.asarray(ref["input_ids"]), cache, num_steps=4).cache
         # Reference index: prelude 0, core step t block j → 1 + 2t + j, coda → −1.
-        assert max_err(c.plain.k[0, 0, :, :, :10], ref["k_idx0"]) <= TOL
-        assert max_err(c.plain.v[0, 0, :, :, :10], ref["v_idx0"]) <= TOL
-        assert max_err(c.plain.k[0, 1, :, :, :10], ref["k_idxm1"]) <= TOL
-        assert max_err(c.plain.v[0, 1, :, :, :10], ref["v_idxm1"]) <= TOL
+        (pk, pv), (k, v) = c.dense_kv("plain"), c.dense_kv()
+        assert max_err(pk[0, 0, :, :, :10], ref["k_idx0"]) <= TOL
+        assert max_err(pv[0, 0, :, :, :10], ref["v_idx0"]) <= TOL
+        assert max_err(pk[0, 1, :, :, :10], ref["k_idxm1"]) <= TOL
+        assert max_err(pv[0, 1, :, :, :10], ref["v_idxm1"]) <= TOL
         for step in range(4):
             for block in range(2):
                 idx = 1 + 2 * step + block
-                assert max_err(c.looped.k[step, block, :, :, :10], ref[f"k_idx{idx}"]) <= TOL
-                assert max_err(c.looped.v[step, block, :, :, :10], ref[f"v_idx{idx}"]) <= TOL
+                assert max_err(k[step, block, :, :, :10], ref[f"k_idx{idx}"]) <= TOL
+                assert max_err(v[step, block, :, :, :10], ref[f"v_idx{idx}"]) <= TOL
 
     def test_cached_greedy_decode(self, huginn):
         model, ref = huginn
