@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.dense import Dense
-from rq_jax.cache.kv import CacheCalib, KVCache, calibrate, init_cache
+from rq_jax.cache.kv import CacheCalib, KVCache, calibrate, default_calib, init_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +80,8 @@ class Generation(NamedTuple):
 
     `mean_steps`: average core steps per token fed through a decode step (Huginn with
     `decode_kwargs=dict(adaptive=AdaptiveExit(...))`, whose model calls report `steps_used`); None
-    when the decode calls report no steps (Ouro, Huginn without adaptive exit) or no decode step ran
-    (max_new_tokens 1). Prefill always runs every step and is not counted.
+    without adaptive exit or when no decode step ran (max_new_tokens 1). Prefill always runs every
+    step and is not counted.
     """
 
     tokens: np.ndarray
@@ -98,8 +98,9 @@ class Sampler:
 
     `plain_fmt` stores Huginn's prelude/coda (default `fmt`). `calib` is the formats' calibration; when
     None, formats that need data are fitted on each batch's prompts (a dense prefill first), the others
-    use their `default_calib`, built once here and passed to the compiled steps as an argument. `model_kwargs` go to every model call (e.g. `num_loops`, `exit` for Ouro;
-    `num_steps`, `init_scale` for Huginn); `decode_kwargs` are added to (and override) them in decode
+    use their `default_calib`, built once here and passed to the compiled steps as an argument.
+    `model_kwargs` go to every model call (e.g. `num_loops`, `exit` for Ouro; `num_loops`,
+    `init_scale` for Huginn); `decode_kwargs` are added to (and override) them in decode
     steps only, e.g. `decode_kwargs=dict(adaptive=AdaptiveExit("kl", 5e-4))` for Huginn's per-token
     early exit (prefill then runs every step, as the reference does). Each call gets its own PRNG
     stream from the seed.
@@ -115,20 +116,24 @@ class Sampler:
         self.plain_fmt = plain_fmt or self.fmt
         self.model_kwargs = model_kwargs
         self.decode_kwargs = {**model_kwargs, **(decode_kwargs or {})}
-        self._reports_steps = False  # set when the decode loop is traced
-        self.num_loops = model_kwargs.get("num_loops") or model_kwargs.get("num_steps") or model.config.num_loops
+        self.reports_steps = self.decode_kwargs.get("adaptive") is not None
+        loops = [model_kwargs.get(k) for k in ("num_loops", "num_steps") if model_kwargs.get(k) is not None]
+        self.num_loops = loops[0] if loops else model.config.num_loops
         self.needs_data = self.fmt.needs_data or self.plain_fmt.needs_data
-        self.calib = calib if calib is not None or self.needs_data else self._default_calib()
-        self.trace_count = 0
+        if calib is None and not self.needs_data:  # built once, here, and passed to the compiled steps
+            calib = default_calib(jax.eval_shape(lambda: self._empty_cache(1, 1)))
+        self.calib = calib
         self._calibrate = jax.jit(self._calibrate_fn)
         self._prefill = jax.jit(self._prefill_fn)
         self._decode = jax.jit(self._decode_fn)
 
-    def _default_calib(self) -> CacheCalib:
-        c = self.model_config
-        dims = (c.num_kv_heads, c.head_dim)
-        plain = self.plain_fmt.default_calib(1, c.num_plain_layers, *dims) if c.num_plain_layers else None
-        return CacheCalib(self.fmt.default_calib(self.num_loops, c.num_layers, *dims), plain)
+    def _empty_cache(self, batch: int, max_len: int) -> KVCache:
+        return init_cache(self.model_config, batch, max_len, self.fmt, num_loops=self.num_loops,
+                          plain_fmt=self.plain_fmt)
+
+    def num_compiled(self) -> int:
+        """How many prefill and decode programs have been compiled (one each per batch shape)."""
+        return self._prefill._cache_size() + self._decode._cache_size()
 
     def _apply(self, params, calib, tokens, cache, num_new, rng, decode: bool = False):
         model = nnx.merge(self.graphdef, params)
@@ -142,7 +147,6 @@ class Sampler:
         return calibrate(out.cache, self.fmt, self.plain_fmt)
 
     def _prefill_fn(self, params, calib, tokens, lengths, cache, rng):
-        self.trace_count += 1
         rng, model_rng, pick_rng = jax.random.split(rng, 3)
         out = self._apply(params, calib, tokens, cache, lengths, model_rng)
         first = choose_tokens(out.logits, pick_rng, self.cfg)
@@ -160,8 +164,6 @@ class Sampler:
             jnp.zeros(tokens.shape, bool)
 
     def _decode_fn(self, params, calib, state: DecodeState) -> DecodeState:
-        self.trace_count += 1
-
         def cond(s: DecodeState):
             return (s.step < self.cfg.max_new_tokens) & ~jnp.all(s.done)
 
@@ -171,8 +173,7 @@ class Sampler:
             last = s.tokens[:, s.step - 1][:, None]
             out = self._apply(params, calib, last, s.cache, active.astype(jnp.int32), model_rng, decode=True)
             steps_used = s.steps_used
-            self._reports_steps = "steps_used" in out.extras
-            if self._reports_steps:
+            if self.reports_steps:
                 steps_used = steps_used + jnp.where(active, out.extras["steps_used"][:, 0], 0)
             new = jnp.where(active, choose_tokens(out.logits, pick_rng, self.cfg), self.cfg.pad_id)
             logits = s.logits
@@ -199,11 +200,14 @@ class Sampler:
         if need > max_len:
             raise ValueError(f"prompt of {lengths.max()} tokens plus {self.cfg.max_new_tokens} new tokens "
                              f"needs a cache of {need}, but max_len is {max_len}")
+        vocab = self.model_config.vocab_size
+        bad = sorted({int(t) for p in prompts for t in p if not 0 <= int(t) < vocab})
+        if bad:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {bad[:5]}")
         tokens = np.full((len(prompts), lengths.max()), self.cfg.pad_id, np.int32)
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = p
-        cache = init_cache(self.model_config, len(prompts), max_len, self.fmt, num_loops=self.num_loops,
-                           plain_fmt=self.plain_fmt)
+        cache = self._empty_cache(len(prompts), max_len)
         rng = jax.random.key(seed)
         start = time.perf_counter()
         calib = self.calib
@@ -216,7 +220,7 @@ class Sampler:
         logits = None if state.logits is None else np.asarray(state.logits)
         num_decoded = int(np.sum(np.asarray(state.num_generated) - 1))  # tokens fed through decode steps
         mean_steps = None
-        if self._reports_steps and num_decoded:
+        if self.reports_steps and num_decoded:
             mean_steps = float(np.sum(np.asarray(state.steps_used))) / num_decoded
         return Generation(np.asarray(state.tokens), np.asarray(state.num_generated), logits, state.cache,
                           mid - start, end - mid, mean_steps)

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rq_jax.cache import cache_nbytes, get_format, init_cache
+from rq_jax.cache import cache_nbytes, default_calib, get_format, init_cache
+from rq_jax.cache.base import split_loops
 from rq_jax.config import ModelConfig
 from rq_jax.models import init_model
 
@@ -31,7 +32,8 @@ FORMATS = {
 
 
 def filled_cache(config, fmt, batch, context, loops, seed):
-    """A cache of `context + 1` positions whose first `context` hold random K/V written by `fmt`."""
+    """A cache of `context + 1` positions whose first `context` hold random K/V written by `fmt`, and
+    the formats' default calibration."""
     cache = init_cache(config, batch, context + 1, fmt, num_loops=loops)
     rng = np.random.default_rng(seed)
     shape = (loops, config.num_layers, batch, config.num_kv_heads, context, config.head_dim)
@@ -39,8 +41,12 @@ def filled_cache(config, fmt, batch, context, loops, seed):
     k = jnp.asarray(shared + 0.3 * rng.normal(size=shape).astype(np.float32))
     v = jnp.asarray(rng.normal(size=shape).astype(np.float32))
     zeros, full = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), context, jnp.int32)
-    looped = jax.jit(lambda s, k, v: fmt.write(s, k, v, zeros, full, None))(cache.looped, k, v)
-    return cache.replace(looped=looped, lengths=full)
+    calib = default_calib(cache)
+    write = jax.jit(lambda s, k, v, c: fmt.write(s, k, v, zeros, full, c))
+    segs = cache.schedule("looped")[1]
+    looped = tuple(write(state, split_loops(k, seg), split_loops(v, seg), c)
+                   for state, seg, c in zip(cache.looped, segs, calib.looped or (None,) * len(segs)))
+    return cache.replace(looped=looped, lengths=full), calib
 
 
 def main(argv=None):
@@ -61,7 +67,7 @@ def main(argv=None):
                          intermediate_size=2 * hidden, num_loops=args.loops,
                          max_position_embeddings=args.context + 1, rope_theta=1e6)
     model = init_model(config, dtype=jnp.dtype(args.dtype))
-    step = nnx.jit(lambda m, tok, cache: m(tok, cache, last_only=True).logits)
+    step = nnx.jit(lambda m, tok, cache, calib: m(tok, cache, last_only=True, calib=calib).logits)
     tok = jnp.zeros((args.batch, 1), jnp.int32)
     rows = []
     print(f"{args.layers} layers x {args.loops} loops, {args.heads} heads x {args.head_dim}, context {args.context}, "
@@ -69,12 +75,12 @@ def main(argv=None):
     print(f"{'format':22s} {'ms/step':>9s} {'vs dense':>9s} {'cache bytes':>13s} {'vs dense':>9s}")
     for label, (name, policy) in FORMATS.items():
         fmt = get_format(name, **policy)
-        cache = filled_cache(config, fmt, args.batch, args.context, args.loops, seed=0)
-        jax.block_until_ready(step(model, tok, cache))
+        cache, calib = filled_cache(config, fmt, args.batch, args.context, args.loops, seed=0)
+        jax.block_until_ready(step(model, tok, cache, calib))
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            jax.block_until_ready(step(model, tok, cache))
+            jax.block_until_ready(step(model, tok, cache, calib))
             times.append(time.perf_counter() - start)
         row = dict(format=label, ms=1e3 * statistics.median(times), nbytes=cache_nbytes(cache))
         rows.append(row)

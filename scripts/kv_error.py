@@ -1,6 +1,6 @@
 """K/V reconstruction error of cache formats on a model's real K/V; prints a table, writes JSON.
 
-    python scripts/kv_error.py --checkpoint ../shared/fixtures/ouro-tiny --group-size 8
+    python scripts/kv_error.py --checkpoint tests/fixtures/ouro-tiny --group-size 8
 """
 
 import argparse

@@ -23,15 +23,16 @@ def max_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
 
-def assert_caches_equal(a, b):
-    for x, y in zip(jax.tree_util.tree_leaves((a.looped, a.plain, a.lengths)),
-                    jax.tree_util.tree_leaves((b.looped, b.plain, b.lengths))):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+def assert_caches_close(a, b):
+    """Same lengths; K/V equal up to float32 re-association between two compiled programs (1e-5)."""
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    for x, y in zip(jax.tree_util.tree_leaves((a.looped, a.plain)), jax.tree_util.tree_leaves((b.looped, b.plain))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
 
 
 def assert_latest_m4(cache, steps_used, pos):
     """Dense looped slots at `pos`: row b's steps ≥ steps_used[b] repeat step steps_used[b] − 1 exactly."""
-    for kv in (cache.looped.k, cache.looped.v):
+    for kv in cache.dense_kv():
         kv = np.asarray(kv[:, :, :, :, pos])  # [L, N, B, K, D]
         for b, used in enumerate(np.asarray(steps_used).reshape(-1)):
             for step in range(used, N):
@@ -51,9 +52,9 @@ def test_nothing_exits_equals_the_full_recurrence(huginn, prefix):
     cache, token = prefix
     full = model(token, cache, num_steps=N)
     out = model(token, cache, num_steps=N, adaptive=NEVER)
-    np.testing.assert_array_equal(out.logits, full.logits)
-    np.testing.assert_array_equal(out.extras["latents"], full.extras["latents"])
-    assert_caches_equal(out.cache, full.cache)
+    np.testing.assert_allclose(out.logits, full.logits, atol=1e-5)
+    np.testing.assert_allclose(out.extras["latents"], full.extras["latents"], atol=1e-5)
+    assert_caches_close(out.cache, full.cache)
     np.testing.assert_array_equal(out.extras["steps_used"], N)
 
 
@@ -64,11 +65,11 @@ def test_exit_after_first_step_is_one_step_and_fills_the_cache(huginn):
     np.testing.assert_array_equal(out.extras["steps_used"], 1)
     assert max_err(out.logits, ref["logits_r1"]) <= 1e-4  # every token stopped after step 1
     assert max_err(out.extras["latents"], ref["latents_r1"]) <= 1e-4
-    looped = out.cache.looped
-    assert max_err(looped.k[0, :, :, :, :10], np.stack([ref["k_idx1"], ref["k_idx2"]])) <= 1e-4
+    k, v = out.cache.dense_kv()
+    assert max_err(k[0, :, :, :, :10], np.stack([ref["k_idx1"], ref["k_idx2"]])) <= 1e-4
     for step in range(1, N):  # latest-m4: the missing steps hold step 0's K/V
-        np.testing.assert_array_equal(looped.k[step], looped.k[0])
-        np.testing.assert_array_equal(looped.v[step], looped.v[0])
+        np.testing.assert_array_equal(k[step], k[0])
+        np.testing.assert_array_equal(v[step], v[0])
 
 
 def test_mixed_batch_rows_exit_independently(huginn):
@@ -83,9 +84,11 @@ def test_mixed_batch_rows_exit_independently(huginn):
     full = model(tokens, model.init_cache(2, 1, Dense("float32"), num_loops=N), num_steps=N)
     assert max_err(out.logits[0], three.logits[0]) <= 1e-5
     assert max_err(out.logits[1], full.logits[1]) <= 1e-5
-    assert max_err(out.cache.looped.k[:3, :, 0], three.cache.looped.k[:, :, 0]) <= 1e-5
-    assert max_err(out.cache.looped.k[:, :, 1], full.cache.looped.k[:, :, 1]) <= 1e-5
-    assert max_err(out.cache.plain.k[:, :, 0], three.cache.plain.k[:, :, 0]) <= 1e-5  # coda of its exit state
+    (k, _), (k3, _), (k4, _) = (c.cache.dense_kv() for c in (out, three, full))
+    assert max_err(k[:3, :, 0], k3[:, :, 0]) <= 1e-5
+    assert max_err(k[:, :, 1], k4[:, :, 1]) <= 1e-5
+    coda = out.cache.dense_kv("plain")[0][:, 1, 0], three.cache.dense_kv("plain")[0][:, 1, 0]
+    assert max_err(*coda) <= 1e-5  # coda of its exit state
     assert_latest_m4(out.cache, out.extras["steps_used"], 0)
 
 
@@ -130,18 +133,19 @@ def test_works_with_a_quantized_format(huginn, prefix):
     names = rq_cache.available_formats()
     fmt = rq_cache.get_format("residual", group_size=8) if "residual" in names else Dense("bfloat16")
     ids, (_, token) = jnp.asarray(ref["input_ids"]), prefix
-    cache = model(ids, model.init_cache(2, 12, fmt, num_loops=N), num_steps=N).cache
-    full = model(token, cache, num_steps=N)
-    never = model(token, cache, num_steps=N, adaptive=NEVER)
-    np.testing.assert_array_equal(never.logits, full.logits)
-    assert_caches_equal(never.cache, full.cache)
-    once = model(token, cache, num_steps=N, adaptive=ALWAYS)
+    empty = model.init_cache(2, 12, fmt, num_loops=N)
+    calib = rq_cache.default_calib(empty)
+    cache = model(ids, empty, num_steps=N, calib=calib).cache
+    full = model(token, cache, num_steps=N, calib=calib)
+    never = model(token, cache, num_steps=N, adaptive=NEVER, calib=calib)
+    np.testing.assert_allclose(never.logits, full.logits, atol=1e-5)
+    once = model(token, cache, num_steps=N, adaptive=ALWAYS, calib=calib)
     np.testing.assert_array_equal(once.extras["steps_used"], 1)
-    k0, _ = fmt.reconstruct(once.cache.looped, 0, 0, None)
+    k0, _ = once.cache.read("looped", 0, 0, calib)
     for step in range(1, N):  # what later tokens read back: every step holds (a coding of) step 0's K
-        k, _ = fmt.reconstruct(once.cache.looped, step, 0, None)
+        k, _ = once.cache.read("looped", step, 0, calib)
         assert max_err(k[:, :, 10], k0[:, :, 10]) <= 0.1 * float(np.max(np.abs(k0[:, :, 10])))
-    after = model(token, once.cache, num_steps=N)
+    after = model(token, once.cache, num_steps=N, calib=calib)
     assert np.all(np.isfinite(after.logits))
 
 
@@ -157,7 +161,7 @@ def test_sampler_reports_mean_steps_without_retracing(huginn, prefix):
     first = model(token, cache, num_steps=N, adaptive=rule, last_only=True)
     assert max_err(gen.logits[:, 1], first.logits) <= 1e-4
     again = sampler(ref["input_ids"][::-1].tolist())
-    assert sampler.trace_count == 2
+    assert sampler.num_compiled() == 2
     assert 1 <= again.mean_steps <= N
 
 

@@ -37,14 +37,10 @@ def test_fully_masked_rows_are_zero_not_nan():
     np.testing.assert_array_equal(out, 0.0)
 
 
-def family_kwargs(model, loops):
-    return dict(num_loops=loops) if model.config.family == "ouro" else dict(num_steps=loops)
-
-
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 def test_ragged_batch_rows_match_running_alone(family, request):
     model, ref = request.getfixturevalue(family)
-    kw = family_kwargs(model, 4)
+    kw = dict(num_loops=4)
     prompts = [ref["input_ids"][0, :10], ref["input_ids"][1, :4]]
     padded = np.zeros((2, 10), np.int32)
     padded[0], padded[1, :4] = prompts
@@ -55,14 +51,14 @@ def test_ragged_batch_rows_match_running_alone(family, request):
         assert float(jnp.max(jnp.abs(out.logits[row, : len(prompt)] - alone))) <= TOL
     np.testing.assert_array_equal(out.cache.lengths, [10, 4])
     # Padding is never written: row 1's slots past its length stay zero.
-    assert not np.any(np.asarray(out.cache.looped.k[:, :, 1, :, 4:]))
+    assert not np.any(np.asarray(out.cache.dense_kv()[0][:, :, 1, :, 4:]))
 
 
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 def test_chunked_prefill_and_decode_match_one_forward(family, request):
     """A second prompt turn and token-by-token decode read the cache exactly like one long forward."""
     model, ref = request.getfixturevalue(family)
-    kw = family_kwargs(model, 4)
+    kw = dict(num_loops=4)
     ids = jnp.asarray(ref["input_ids"])
     full = model(ids, **kw).logits
     cache = init_cache(model.config, 2, 10, Dense("float32"), num_loops=4)
@@ -85,7 +81,7 @@ def test_gqa_ouro_cached_decode_matches_forward():
     full = model(ids).logits
     cache = model.init_cache(2, 8, Dense("float32"))
     out = model(ids[:, :6], cache)
-    assert out.cache.looped.k.shape == (4, 2, 2, 2, 8, 16)  # heads are not repeated
+    assert out.cache.dense_kv()[0].shape == (4, 2, 2, 2, 8, 16)  # heads are not repeated
     step = model(ids[:, 6:], out.cache)
     assert float(jnp.max(jnp.abs(step.logits[:, 0] - full[:, 6]))) <= TOL
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from rq_jax.cache import CacheCalib, base, get_format
-from rq_jax.cache.residual_vq import ResidualVQ, RVQCalib, RVQState, calib_token_index
+from rq_jax.cache.base import Segment
+from rq_jax.cache.residual_vq import ResidualVQ, RVQCalib, RVQSlot, calib_token_index
 from rq_jax.quant import affine
 from rq_jax.sampling import Sampler, SamplingConfig
 
@@ -31,8 +32,9 @@ def heavy_tailed(key, shape, df=3.0):
 
 FMT = ResidualVQ(**FAST)
 # One compilation per function and shape, shared by the tests (the format is a static argument).
-calibrate = jax.jit(lambda fmt, k, v, lengths: fmt.calibrate(k, v, lengths), static_argnums=0)
-write = jax.jit(lambda fmt, *args: fmt.write(*args), static_argnums=0)
+SEG = Segment(0, L, 1)  # L one-loop groups
+calibrate = jax.jit(lambda fmt, k, v, lengths: fmt.calibrate(SEG, k[:, None], v[:, None], lengths), static_argnums=0)
+write = jax.jit(lambda fmt, state, k, v, *args: fmt.write(state, k[:, None], v[:, None], *args), static_argnums=0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +50,7 @@ def fitted():
 def ragged_state():
     """A state filled by four ragged writes (row 1 gets fewer tokens; padded tokens are garbage)."""
     *_, calib = fitted()
-    state = FMT.init(L, N, B, S, K, D)
+    state = FMT.init(SEG, N, B, S, K, D)
     lengths = jnp.zeros((B,), jnp.int32)
     for num_new in ([20, 7], [1, 0], [30, 25], [5, 9]):
         num_new = jnp.array(num_new)
@@ -65,15 +67,15 @@ def test_attend_equals_reference_after_ragged_writes(path, t):
     state, lengths = ragged_state()
     fmt = ResidualVQ(attend_path=path, **FAST)
     q = jax.random.normal(jax.random.key(7), (B, t, H, D)) * 2
-    attend = jax.jit(fmt.attend, static_argnums=(2, 3))
-    for loop, layer in ((0, 0), (1, 1)):
-        got = attend(state, q, loop, layer, lengths, calib)
-        want = base.reference_attend(fmt, state, q, loop, layer, lengths, calib)
+    attend = jax.jit(fmt.attend, static_argnums=2)
+    for index in ((0, 0), (1, 1)):
+        got = attend(state, index, 0, q, lengths, calib)
+        want = base.reference_attend(fmt, state, index, 0, q, lengths, calib)
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(base.finalize(got), base.finalize(want), atol=1e-5)
     # Nothing is written past a row's length.
-    assert not np.any(np.asarray(state.k[:, :, 1, :, int(lengths[1]):]))
+    assert not np.any(np.asarray(state[0].k[:, :, 1, :, int(lengths[1]):]))
 
 
 def test_rvq_beats_direct_2bit_uniform_on_heavy_tails():
@@ -81,8 +83,9 @@ def test_rvq_beats_direct_2bit_uniform_on_heavy_tails():
     k, v, _, _ = fitted()
     full = jnp.array([S, S])
     calib = calibrate(FMT, k, v, full)
-    state = write(FMT, FMT.init(L, N, B, S, K, D), k, v, jnp.zeros((B,), jnp.int32), full, calib)
-    recon = jnp.stack([jnp.stack([FMT.reconstruct(state, l, n, calib)[0] for n in range(N)]) for l in range(L)])
+    state = write(FMT, FMT.init(SEG, N, B, S, K, D), k, v, jnp.zeros((B,), jnp.int32), full, calib)
+    recon = jnp.stack([jnp.stack([FMT.reconstruct(state, (l, n), 0, full, calib)[0] for n in range(N)])
+                       for l in range(L)])
     rvq_err = float(jnp.sum((recon - k) ** 2))
     assert float(jnp.mean((recon - k) ** 2) / jnp.mean(k**2)) < 0.2
     per_channel = jnp.moveaxis(k, 2, 4).reshape(L, N, K, D, B * S)  # one group per (slot, head, channel)
@@ -109,53 +112,47 @@ def test_calibrate_ignores_padding():
 
 def test_nbytes_and_bits_per_element():
     fmt = ResidualVQ()
-    state = fmt.init(L, N, B, S, K, 16)
-    assert isinstance(state, RVQState) and state.k.dtype == jnp.uint8
-    assert fmt.nbytes(state) == state.k.nbytes + state.v.nbytes
+    (slot,) = fmt.init(SEG, N, B, S, K, 16)
+    assert isinstance(slot, RVQSlot) and slot.k.dtype == jnp.uint8
+    assert base.tree_nbytes(slot) == slot.k.nbytes + slot.v.nbytes
     assert fmt.bits_per_element(L, 16) == 2
     elements = 2 * L * N * B * K * S * 16
-    assert fmt.nbytes(state) == fmt.bits_per_element(L, 16) * elements / 8
+    assert base.tree_nbytes(slot) == fmt.bits_per_element(L, 16) * elements / 8
     assert ResidualVQ(group=8).bits_per_element(1, 16) == 1
 
 
 def test_missing_calibration_and_bad_policies_raise():
     fmt = get_format("residual_vq")
     assert isinstance(fmt, ResidualVQ) and fmt.needs_data
-    state = fmt.init(1, 1, 1, 4, 1, 8)
-    q = jnp.ones((1, 1, 1, 8))
-    x = jnp.ones((1, 1, 1, 1, 1, 8))
-    zero = jnp.zeros((1,), jnp.int32)
-    for call in (lambda: fmt.default_calib(1, 1, 1, 8), lambda: fmt.attend(state, q, 0, 0, zero, None),
-                 lambda: fmt.write(state, x, x, zero, zero + 1, None),
-                 lambda: fmt.reconstruct(state, 0, 0, None)):
-        with pytest.raises(ValueError, match="needs calibration"):
-            call()
+    assert fmt.needs_calib
+    with pytest.raises(ValueError, match="needs calibration .* no data-free default"):
+        fmt.default_calib(Segment(0, 1, 1), 1, 1, 8)
     for bad in (dict(n_codes=17), dict(group=0), dict(iters=0), dict(attend_path="fused")):
         with pytest.raises(ValueError, match="residual_vq"):
             ResidualVQ(**bad)
     with pytest.raises(ValueError, match="divide the head dim"):
-        ResidualVQ(group=3).init(1, 1, 1, 4, 1, 8)
+        ResidualVQ(group=3).init(Segment(0, 1, 1), 1, 1, 4, 1, 8)
 
 
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 def test_sampler_generates_without_retracing(family, request):
     model, ref = request.getfixturevalue(family)
-    kw = dict(num_steps=4) if family == "huginn" else {}
+    kw = dict(num_loops=4) if family == "huginn" else {}
     sampler = Sampler(model, SamplingConfig(max_new_tokens=4), ResidualVQ(iters=4, restarts=1),
                       return_logits=True, **kw)
     prompts = [list(ref["input_ids"][0, :7]), list(ref["input_ids"][1, :4])]
     out = sampler(prompts)
     assert np.all(np.isfinite(out.logits)) and out.tokens.shape == (2, 4)
-    assert isinstance(out.cache.looped, RVQState)
-    traces, calib_traces = sampler.trace_count, sampler._calibrate._cache_size()
+    assert isinstance(out.cache.looped[0][0], RVQSlot)
+    traces, calib_traces = sampler.num_compiled(), sampler._calibrate._cache_size()
     again = sampler([list(ref["input_ids"][1, :7]), list(ref["input_ids"][0, :4])], seed=1)
     assert np.all(np.isfinite(again.logits))
-    assert sampler.trace_count == traces and sampler._calibrate._cache_size() == calib_traces == 1
+    assert sampler.num_compiled() == traces and sampler._calibrate._cache_size() == calib_traces == 1
     # A given calibration is used as is, through the same compiled prefill/decode: the same tokens.
     padded = jnp.asarray([p + [0] * (7 - len(p)) for p in prompts], jnp.int32)
     calib = sampler._calibrate(sampler.params, padded, jnp.array([7, 4], jnp.int32),
                                jax.random.fold_in(jax.random.key(0), 1))
-    assert isinstance(calib, CacheCalib) and isinstance(calib.looped, RVQCalib)
+    assert isinstance(calib, CacheCalib) and isinstance(calib.looped[0], RVQCalib)
     sampler.calib = calib
     np.testing.assert_array_equal(sampler(prompts).tokens, out.tokens)
-    assert sampler.trace_count == traces
+    assert sampler.num_compiled() == traces

@@ -12,14 +12,14 @@ def test_no_retrace_for_same_shapes(ouro):
     model, ref = ouro
     sampler = Sampler(model, SamplingConfig(max_new_tokens=4, temperature=0.7))
     sampler(ref["input_ids"].tolist(), seed=0)
-    assert sampler.trace_count == 2  # prefill + decode loop
+    assert sampler.num_compiled() == 2  # prefill + decode loop
     sampler(ref["input_ids"][::-1].tolist(), seed=1)
-    assert sampler.trace_count == 2
+    assert sampler.num_compiled() == 2
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(huginn):
     model, ref = huginn
-    sampler = Sampler(model, SamplingConfig(max_new_tokens=8, temperature=1.5), num_steps=2)
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=8, temperature=1.5), num_loops=2)
     prompts = ref["input_ids"].tolist()
     a, b, c = sampler(prompts, seed=3), sampler(prompts, seed=3), sampler(prompts, seed=4)
     np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -28,8 +28,8 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(huginn):
 
 def test_random_initial_state_changes_huginn_output(huginn):
     model, ref = huginn
-    zeros = Sampler(model, SamplingConfig(max_new_tokens=3), num_steps=2, init_scale=0.0, return_logits=True)
-    rand = Sampler(model, SamplingConfig(max_new_tokens=3), num_steps=2, init_scale=1.0, return_logits=True)
+    zeros = Sampler(model, SamplingConfig(max_new_tokens=3), num_loops=2, init_scale=0.0, return_logits=True)
+    rand = Sampler(model, SamplingConfig(max_new_tokens=3), num_loops=2, init_scale=1.0, return_logits=True)
     prompts = ref["input_ids"].tolist()
     assert not np.allclose(zeros(prompts).logits, rand(prompts).logits)
     np.testing.assert_array_equal(rand(prompts, seed=5).logits, rand(prompts, seed=5).logits)
@@ -65,7 +65,7 @@ def test_stop_tokens_end_rows_independently(ouro):
 
 def test_batch_of_different_prompt_lengths_matches_single_rows(huginn):
     model, ref = huginn
-    sampler = Sampler(model, SamplingConfig(max_new_tokens=5), num_steps=2, init_scale=0.0)
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=5), num_loops=2, init_scale=0.0)
     prompts = [ref["input_ids"][0, :3].tolist(), ref["input_ids"][1].tolist()]
     batch = sampler(prompts)
     for row, prompt in enumerate(prompts):

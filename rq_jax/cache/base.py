@@ -1,4 +1,4 @@
-"""The cache-format protocol, the format registry, and exact softmax partials.
+"""The cache-format protocol, its one state layout, the format registry, and exact softmax partials.
 
 Every format follows one dataflow (see DESIGN.md): while a call's tokens run their loops, their K/V
 stay full precision ("in flight"); each attention reads the stored past through `attend` and its own
@@ -7,19 +7,62 @@ the K/V of all loops at once. Prefill (T = prompt length), decode (T = 1) and a 
 the same code path, and the current token is never read back from compressed storage.
 
 Shapes: B batch · T new tokens · S cache length · L loops · N layers · H query heads · K kv heads ·
-D head dim. A format's state holds one slot per (loop, layer): arrays with leading axes [L, N].
+D head dim · G loop groups · p loops in a group.
+
+The state layout, the same for every format. A format stores its loops in consecutive *groups* of
+`group_len` loops (ResidualQuant: `len(bits)`, anchored on the group's last loop; the others: 1). A
+stack of L loops is a tuple of *segments* (`segments`): G groups of the same size p — all the full
+groups, then one shorter group when L is not a multiple of `group_len`. A segment's state is a tuple
+over the p positions of a group of the format's slot pytree, every leaf laid out
+
+    [G, N, B, K, S, ...]        token axis 4 (`TOKEN_AXIS`)
+
+so the model scans over groups and layers and indexes a slot with `(group, layer)` (`Index`).
+A format's calibration for a segment is a pytree with the same leading [G, N] axes (or None).
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 _NEG = -1e30  # finite "minus infinity": fully masked rows keep m finite and l = 0, never NaN.
+TOKEN_AXIS = 4  # of every state leaf: [G, N, B, K, S, ...]
+Index = tuple[Int[Array, ""], Int[Array, ""]]  # (group, layer) of a slot within a segment
+
+
+class Segment(NamedTuple):
+    """`groups` consecutive loop groups of `size` loops each, the first starting at loop `start`."""
+
+    start: int
+    groups: int
+    size: int
+
+    @property
+    def num_loops(self) -> int:
+        """Loops the segment covers, G·p."""
+        return self.groups * self.size
+
+
+def segments(num_loops: int, group_len: int) -> tuple[Segment, ...]:
+    """The segments of `num_loops` loops in groups of `group_len`: the full groups, then the rest."""
+    full, rest = divmod(num_loops, group_len)
+    out = (Segment(0, full, group_len),) if full else ()
+    return out + ((Segment(full * group_len, 1, rest),) if rest else ())
+
+
+def split_loops(x: Array, seg: Segment) -> Array:
+    """The segment's loops of a per-loop stack [L, ...], grouped: [G, p, ...]."""
+    return x[seg.start : seg.start + seg.num_loops].reshape(seg.groups, seg.size, *x.shape[1:])
+
+
+def at(tree: Any, index: Index) -> Any:
+    """Every leaf of a [G, N, ...] stack (state or calibration) at slot `index`: [...]."""
+    return jax.tree_util.tree_map(lambda x: x[index], tree)
 
 
 class Partial(NamedTuple):
@@ -82,79 +125,92 @@ def dense_partial(
     return Partial(acc.reshape(b, t, h, d), m, l)
 
 
+def valid_tokens(lengths: Int[Array, "b"], max_len: int) -> Bool[Array, "b s"]:
+    """Whether stored position s of row b holds a token: s < lengths[b]."""
+    return jnp.arange(max_len)[None, :] < lengths[:, None]
+
+
 def past_mask(lengths: Int[Array, "b"], num_queries: int, max_len: int) -> Bool[Array, "b t s"]:
     """Mask of stored positions s < lengths[b], the same for every query of the call."""
-    valid = jnp.arange(max_len)[None, :] < lengths[:, None]
+    valid = valid_tokens(lengths, max_len)
     return jnp.broadcast_to(valid[:, None, :], (lengths.shape[0], num_queries, max_len))
 
 
 class CacheFormat(Protocol):
     """A KV storage format: a frozen, hashable policy object whose methods are pure functions.
 
-    `State` is the format's own pytree with one slot per (loop, layer). `calib` is the format's static
-    calibration state (rotations, key means, codebooks) passed alongside the cache, never stored in it:
-    `default_calib` builds it without data; formats with `needs_data` fit it on dense K/V with
-    `calibrate` when none is given.
+    Its state follows the module's layout (a tuple over group positions of slot pytrees with leading
+    [G, N]); `group_len` is its loops per group. `calib` is the format's static calibration
+    (rotations, key means, codebooks) for one segment, passed alongside the cache and never stored in
+    it: built once, outside jit, by `default_calib` (no data; raises ValueError when the format
+    cannot run without data, `needs_data`) or fitted by `calibrate`. `needs_calib` says whether
+    `attend`/`write`/`reconstruct` read one (None is accepted otherwise).
     """
 
     name: str
+    group_len: int
+    needs_calib: bool
     needs_data: bool
 
-    def init(self, num_loops: int, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
-             head_dim: int) -> Any:
-        """An empty state for [num_loops, num_layers] slots of [batch, kv heads, max_len, head_dim]."""
+    def init(self, seg: Segment, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
+             head_dim: int) -> tuple[Any, ...]:
+        """An empty segment state: `seg.size` slot pytrees, leaves [G, N, B, K, S, ...]."""
 
-    def default_calib(self, num_loops: int, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
-        """Calibration state used when none is given (e.g. Hadamard rotations, zero means), or None."""
+    def default_calib(self, seg: Segment, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
+        """The data-free calibration of a segment (leading [G, N]), or None when none is needed."""
 
-    def calibrate(self, k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"],
+    def calibrate(self, seg: Segment, k: Float[Array, "g p n b k s d"], v: Float[Array, "g p n b k s d"],
                   lengths: Int[Array, "b"]) -> Any:
-        """Calibration state fitted on dense K/V (tokens s < lengths[b])."""
+        """The calibration of a segment fitted on dense K/V (tokens s < lengths[b])."""
 
-    def attend(self, state: Any, q: Float[Array, "b t h d"], loop: int, layer: int,
+    def write(self, state: tuple[Any, ...], k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
+              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: Any) -> tuple[Any, ...]:
+        """Encode a segment's new tokens t < num_new[b] at positions lengths[b] + t."""
+
+    def attend(self, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
                lengths: Int[Array, "b"], calib: Any) -> Partial:
-        """Partial attention of queries to the stored tokens s < lengths[b] of slot (loop, layer)."""
+        """Partial attention to the stored tokens s < lengths[b] of slot `index`, group position `loop`."""
 
-    def reconstruct(self, state: Any, loop: int, layer: int, calib: Any
-                    ) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
-        """The stored K and V of slot (loop, layer) decoded to float32: the semantic reference."""
-
-    def write(self, state: Any, k: Float[Array, "l n b k t d"], v: Float[Array, "l n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: Any) -> Any:
-        """Encode the new tokens t < num_new[b] of every slot at positions lengths[b] + t."""
-
-    def nbytes(self, state: Any) -> int:
-        """Bytes the state occupies, from its arrays' own sizes."""
+    def reconstruct(self, state: tuple[Any, ...], index: Index, loop: int, lengths: Int[Array, "b"],
+                    calib: Any) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
+        """The stored K and V of a slot decoded to float32 (0 at s ≥ lengths[b]): the semantic reference."""
 
     def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
         """Stored bits per cached K or V element (codes + metadata + α), by the toolbox's accounting."""
 
 
-def reference_attend(fmt: CacheFormat, state: Any, q: Float[Array, "b t h d"], loop: int, layer: int,
-                     lengths: Int[Array, "b"], calib: Any) -> Partial:
+def reference_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int,
+                     q: Float[Array, "b t h d"], lengths: Int[Array, "b"], calib: Any) -> Partial:
     """"Decode the stored slot, then dense attention": the reference every format's `attend` must equal."""
-    k, v = fmt.reconstruct(state, loop, layer, calib)
+    k, v = fmt.reconstruct(state, index, loop, lengths, calib)
     return dense_partial(q, k, v, past_mask(lengths, q.shape[1], k.shape[2]))
 
 
-_REGISTRY: dict[str, type] = {}
+FormatFactory = Callable[..., CacheFormat]
+_REGISTRY: dict[str, FormatFactory] = {}
 
 
 def register(name: str):
-    """Class decorator adding a format class to the registry under `name`."""
+    """Decorator adding a format factory (a class or function taking policy keywords) under `name`."""
 
-    def wrap(cls):
-        _REGISTRY[name] = cls
-        return cls
+    def wrap(factory: FormatFactory) -> FormatFactory:
+        _REGISTRY[name] = factory
+        return factory
 
     return wrap
 
 
 def get_format(name: str, **policy) -> CacheFormat:
-    """The format registered as `name`, built with `policy` keyword arguments."""
+    """The format registered as `name`, built with `policy` keyword arguments.
+
+    Raises ValueError for an unknown name or a keyword the format does not take.
+    """
     if name not in _REGISTRY:
         raise ValueError(f"unknown cache format {name!r}; available: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**policy)
+    try:
+        return _REGISTRY[name](**policy)
+    except TypeError as err:
+        raise ValueError(f"cache format {name!r} does not take {sorted(policy)}: {err}") from None
 
 
 def available_formats() -> list[str]:
@@ -162,24 +218,22 @@ def available_formats() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def scatter_tokens(store: Any, new: Any, lengths: Int[Array, "b"], num_new: Int[Array, "b"], *,
-                   token_axis: int) -> Any:
+def scatter_tokens(store: Any, new: Any, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Any:
     """Write every leaf of `new` into the same leaf of `store` along the token axis.
 
-    Leaves are laid out [..., B, K, S, ...] with S at `token_axis` and B two axes before it (`new` has T
-    in place of S). Token t of row b goes to position lengths[b] + t when t < num_new[b]; the rest,
-    and anything past S, are dropped — never wrapped around.
+    Leaves are laid out [G, N, B, K, S, ...] (`new` has T in place of S). Token t of row b goes to
+    position lengths[b] + t when t < num_new[b]; the rest, and anything past S, are dropped — never
+    wrapped around.
     """
 
     def one(old, val):
-        b, t, s = val.shape[token_axis - 2], val.shape[token_axis], old.shape[token_axis]
+        b, t, s = val.shape[2], val.shape[TOKEN_AXIS], old.shape[TOKEN_AXIS]
         steps = jnp.arange(t)[None, :]
         pos = jnp.where(steps < num_new[:, None], lengths[:, None] + steps, s)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        index = (slice(None),) * (token_axis - 2) + (rows, slice(None), pos)
+        index = (slice(None), slice(None), rows, slice(None), pos)
         # The two advanced indices are split by a slice, so their [B, T] dims lead the update.
-        return old.at[index].set(jnp.moveaxis(val, (token_axis - 2, token_axis), (0, 1)).astype(old.dtype),
-                                 mode="drop")
+        return old.at[index].set(jnp.moveaxis(val, (2, TOKEN_AXIS), (0, 1)).astype(old.dtype), mode="drop")
 
     return jax.tree_util.tree_map(one, store, new)
 

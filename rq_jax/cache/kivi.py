@@ -12,26 +12,26 @@ KIVI's optional recent window (`window` = W > 0, off by default as in the paper'
 the W most recent tokens' K and V additionally in full precision; attention reads those tokens from
 the window instead of their quantized copies.
 
-State layout (`KiviState`, leading axes [L, N] = one slot per (loop, layer); S = max_len,
-G = S // g complete key groups that fit, Sq = G·g, P = packed bytes per row = D·bits/8)::
+State layout (`KiviState`, every loop its own group, so one slot per group position with leading
+axes [G, N] = [loops, layers]; S = max_len, J = S // g complete key groups that fit, Sq = J·g,
+P = packed bytes per row = D·bits/8)::
 
-    k_codes  uint8 [L, N, B, K, Sq, P]      channel-packed key codes of complete groups
-    k_scale  meta  [L, N, B, K, G, D]       per (token group, channel)
-    k_offset meta  [L, N, B, K, G, D]
-    k_tail   res   [L, N, B, K, g, D]       full-precision keys of the open group: position s at s % g
-    v_codes  uint8 [L, N, B, K, S, P]
-    v_scale  meta  [L, N, B, K, S, D // gv] per (token, channel group)
-    v_offset meta  [L, N, B, K, S, D // gv]
-    win_k    res   [L, N, B, K, W, D]       (None when W = 0) ring: position s at s % W
-    win_v    res   [L, N, B, K, W, D]
-    length   int32 [L, N, B]                tokens stored per row (needed by `reconstruct`)
+    k_codes  uint8 [G, N, B, K, Sq, P]      channel-packed key codes of complete groups
+    k_scale  meta  [G, N, B, K, J, D]       per (token group, channel)
+    k_offset meta  [G, N, B, K, J, D]
+    k_tail   res   [G, N, B, K, g, D]       full-precision keys of the open group: position s at s % g
+    v_codes  uint8 [G, N, B, K, S, P]
+    v_scale  meta  [G, N, B, K, S, D // gv] per (token, channel group)
+    v_offset meta  [G, N, B, K, S, D // gv]
+    win_k    res   [G, N, B, K, W, D]       (None when W = 0) ring: position s at s % W
+    win_v    res   [G, N, B, K, W, D]
 
 `max_len` need not be a multiple of g: the last S − Sq positions can never form a complete group
 (tokens past the cache are dropped), so they only ever live in the tail and get no code storage.
 Row b holds quantized keys for s < ⌊length_b / g⌋·g and its tail for the rest.
 
 Accounting: `bits_per_element` counts codes and metadata only (b + 2·meta_bits/g for K and for V);
-the tail, the window and the length counter are excluded there but included in `nbytes`.
+the tail and the window are excluded there but included in the cache's bytes.
 """
 
 from __future__ import annotations
@@ -64,11 +64,10 @@ class KiviState(NamedTuple):
     v_offset: Array
     win_k: Array | None
     win_v: Array | None
-    length: Int[Array, "l n b"]
 
 
 def _take_tokens(x: Array, index: Int[Array, "b m"]) -> Array:
-    """Per-row token gather: x [L, N, B, K, T, D], index [B, M] -> [L, N, B, K, M, D] (x[..., b, :, index[b], :])."""
+    """Per-row token gather: x [G, N, B, K, T, D], index [B, M] -> [G, N, B, K, M, D] (x[..., b, :, index[b], :])."""
     l, n, b, k, _, d = x.shape
     idx = jnp.broadcast_to(index[None, None, :, None, :, None], (l, n, b, k, index.shape[1], d))
     return jnp.take_along_axis(x, idx, axis=4)
@@ -93,6 +92,8 @@ class Kivi:
     clip: float = 1.0
     group_size: int | None = None
     name: str = dataclasses.field(default="kivi", init=False)
+    group_len: int = dataclasses.field(default=1, init=False)
+    needs_calib: bool = dataclasses.field(default=False, init=False)
     needs_data: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self):
@@ -133,8 +134,8 @@ class Kivi:
         """The value quantizer: groups of `value_group` channels of one token."""
         return affine.QuantConfig(self.bits, self.value_group, meta_dtype=self.meta_dtype, clip=self.clip)
 
-    def init(self, num_loops, num_layers, batch, max_len, num_kv_heads, head_dim) -> KiviState:
-        """An empty state for [L, N] slots of [B, K, S, D] (layout in the module docstring).
+    def init(self, seg, num_layers, batch, max_len, num_kv_heads, head_dim) -> tuple[KiviState]:
+        """An empty segment state, [G, N] slots of [B, K, S, D] (layout in the module docstring).
 
         Raises ValueError if head_dim is not divisible by `value_group` or cannot be packed at `bits`.
         """
@@ -144,11 +145,11 @@ class Kivi:
             p = packing.packed_dim(head_dim, self.bits)
         except ValueError as e:
             raise ValueError(f"kivi bits={self.bits} cannot pack head_dim {head_dim}: {e}") from None
-        lead = (num_loops, num_layers, batch, num_kv_heads)
+        lead = (seg.groups, num_layers, batch, num_kv_heads)
         g, groups = self.key_group, max_len // self.key_group
         meta, res = jnp.dtype(self.meta_dtype), jnp.dtype(self.residual_dtype)
         win = None if not self.window else jnp.zeros((*lead, self.window, head_dim), res)
-        return KiviState(
+        return (KiviState(
             k_codes=jnp.zeros((*lead, groups * g, p), jnp.uint8),
             k_scale=jnp.zeros((*lead, groups, head_dim), meta),
             k_offset=jnp.zeros((*lead, groups, head_dim), meta),
@@ -156,26 +157,25 @@ class Kivi:
             v_codes=jnp.zeros((*lead, max_len, p), jnp.uint8),
             v_scale=jnp.zeros((*lead, max_len, head_dim // self.value_group), meta),
             v_offset=jnp.zeros((*lead, max_len, head_dim // self.value_group), meta),
-            win_k=win, win_v=win,
-            length=jnp.zeros((num_loops, num_layers, batch), jnp.int32))
+            win_k=win, win_v=win),)
 
-    def default_calib(self, num_loops, num_layers, num_kv_heads, head_dim) -> None:
+    def default_calib(self, seg, num_layers, num_kv_heads, head_dim) -> None:
         """KIVI needs no calibration."""
         return None
 
-    def calibrate(self, k, v, lengths) -> None:
+    def calibrate(self, seg, k, v, lengths) -> None:
         """KIVI needs no calibration."""
         return None
 
-    def write(self, state: KiviState, k: Float[Array, "l n b k t d"], v: Float[Array, "l n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib) -> KiviState:
-        """Store new K/V [L, N, B, K, T, D], tokens t < num_new[b] at positions lengths[b] + t.
+    def write(self, state: tuple[KiviState], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
+              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib) -> tuple[KiviState]:
+        """Store new K/V [G, 1, N, B, K, T, D], tokens t < num_new[b] at positions lengths[b] + t.
 
         Values are quantized at once. New keys join the row's open group (the tail); every group this
         fills — up to ⌈T / g⌉ of them — is quantized, and the new open group becomes the tail.
         Tokens past max_len are dropped. Fixed shapes, no per-row or per-token Python loop.
         """
-        return _write(self, state, k, v, lengths, num_new)
+        return (_write(self, state[0], k[:, 0], v[:, 0], lengths, num_new),)
 
     def _write(self, state: KiviState, k, v, lengths, num_new) -> KiviState:
         """`write`'s body, compiled by `_write` below with the policy static."""
@@ -187,20 +187,20 @@ class Kivi:
         vq = affine.quantize(v, self.value_config)
         v_codes, v_scale, v_offset = base.scatter_tokens(
             (state.v_codes, state.v_scale, state.v_offset), (packing.pack(vq.codes, self.bits), vq.scale, vq.offset),
-            lengths, num_new, token_axis=4)
+            lengths, num_new)
 
         # Staging: the open group (its first `fill` tokens are real) followed by the new tokens.
         fill = lengths % g
         groups = -(-t // g)  # most groups one call can complete: ⌈T / g⌉
         staging = jnp.zeros((l, n, b, kh, (groups + 1) * g, d), res).at[:, :, :, :, :g].set(state.k_tail)
-        staging = base.scatter_tokens(staging, k.astype(res), fill, num_new, token_axis=4)
+        staging = base.scatter_tokens(staging, k.astype(res), fill, num_new)
         kq = affine.quantize(staging[:, :, :, :, : groups * g].reshape(l, n, b, kh, groups, g, d).swapaxes(-1, -2),
                              self.key_config)  # per channel: codes [..., groups, D, g], meta [..., groups, D, 1]
         codes = packing.pack(kq.codes.swapaxes(-1, -2).reshape(l, n, b, kh, groups * g, d), self.bits)
         done = (fill + num_new) // g  # groups completed by this call
-        k_codes = base.scatter_tokens(state.k_codes, codes, lengths - fill, done * g, token_axis=4)
+        k_codes = base.scatter_tokens(state.k_codes, codes, lengths - fill, done * g)
         k_scale, k_offset = base.scatter_tokens((state.k_scale, state.k_offset), (kq.scale[..., 0], kq.offset[..., 0]),
-                                                lengths // g, done, token_axis=4)
+                                                lengths // g, done)
         k_tail = _take_tokens(staging, done[:, None] * g + jnp.arange(g)[None, :])
         open_slots = jnp.arange(g)[None, :] < ((lengths + num_new) % g)[:, None]  # zero the rest: a canonical state
         k_tail = jnp.where(open_slots[None, None, :, None, :, None], k_tail, 0)
@@ -216,14 +216,9 @@ class Kivi:
             win_k = jnp.where(take, _take_tokens(k.astype(res), src), win_k)
             win_v = jnp.where(take, _take_tokens(v.astype(res), src), win_v)
 
-        length = jnp.broadcast_to(lengths + num_new, state.length.shape).astype(jnp.int32)
-        return KiviState(k_codes, k_scale, k_offset, k_tail, v_codes, v_scale, v_offset, win_k, win_v, length)
+        return KiviState(k_codes, k_scale, k_offset, k_tail, v_codes, v_scale, v_offset, win_k, win_v)
 
-    def _slot(self, state: KiviState, loop: int, layer: int) -> KiviState:
-        """The arrays of slot (loop, layer): leading [L, N] dropped."""
-        return jax.tree_util.tree_map(lambda x: x[loop, layer], state)
-
-    def attend(self, state: KiviState, q: Float[Array, "b t h d"], loop: int, layer: int,
+    def attend(self, state: tuple[KiviState], index: base.Index, loop: int, q: Float[Array, "b t h d"],
                lengths: Int[Array, "b"], calib) -> base.Partial:
         """Partial attention (float32) of q [B, T, H, D] to the stored tokens s < lengths[b] of a slot.
 
@@ -232,7 +227,7 @@ class Kivi:
         group; value output Σ_s p_s·v̂_s = Σ_s (p_s·σ_{s,grp})·code_s + Σ_s p_s·o_{s,grp} (scale folded
         into the probabilities). Window tokens (s ≥ lengths − W) form a second, dense partial.
         """
-        return _attend_slot(self, self._slot(state, loop, layer), q, lengths)
+        return _attend_slot(self, base.at(state[0], index), q, lengths)
 
     def _attend_slot(self, st: KiviState, q, lengths) -> base.Partial:
         """`attend` on one slot's arrays ([B, K, ...]), compiled by `_attend_slot` below."""
@@ -265,11 +260,11 @@ class Kivi:
             out = base.merge(out, base.dense_partial(q, st.win_k.astype(f32), st.win_v.astype(f32), mask))
         return out
 
-    def reconstruct(self, state: KiviState, loop: int, layer: int, calib
+    def reconstruct(self, state: tuple[KiviState], index: base.Index, loop: int, lengths: Int[Array, "b"], calib
                     ) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
         """The stored K, V of slot (loop, layer) as float32 [B, K, S, D]: dequantized groups, the
         full-precision tail for the open group, window tokens from the window; zero past each row's length."""
-        st = self._slot(state, loop, layer)
+        st = base.at(state[0], index)
         b, kh, g, d = st.k_tail.shape
         s_len, groups = st.v_codes.shape[2], st.k_scale.shape[2]
         codes = packing.unpack(st.k_codes, self.bits, d).reshape(b, kh, groups, g, d).swapaxes(-1, -2)
@@ -279,7 +274,7 @@ class Kivi:
         vq = affine.dequantize(affine.Quantized(packing.unpack(st.v_codes, self.bits, d), st.v_scale, st.v_offset),
                                self.value_config)
         pos = jnp.arange(s_len)[None, None, :, None]
-        length = st.length[:, None, None, None]
+        length = lengths[:, None, None, None]
         k = jnp.where(pos < length - length % g, kq, st.k_tail.astype(jnp.float32)[:, :, pos[0, 0, :, 0] % g])
         k, v = jnp.where(pos < length, k, 0.0), jnp.where(pos < length, vq, 0.0)
         if self.window:
@@ -289,13 +284,9 @@ class Kivi:
             v = jnp.where(recent, st.win_v.astype(jnp.float32)[:, :, ring], v)
         return k, v
 
-    def nbytes(self, state: KiviState) -> int:
-        """Bytes of every stored array: codes, metadata, full-precision tail and window, length counter."""
-        return base.tree_nbytes(state)
-
     def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
         """Bits per cached K or V element, codes + metadata: the mean of b + 2·meta_bits/key_group (K)
-        and b + 2·meta_bits/value_group (V). The tail, window and counter are excluded (see `nbytes`)."""
+        and b + 2·meta_bits/value_group (V). The tail and window are excluded (counted in the cache's bytes)."""
         return (qbits.affine_bits(self.key_config) + qbits.affine_bits(self.value_config)) / 2
 
 

@@ -1,8 +1,10 @@
-"""The model-level KV cache (a typed pytree) and the per-call context that reads and writes it.
+"""The model-level KV cache (a typed pytree), its calibration, and the per-call context that reads it.
 
-A `KVCache` holds one format state for the looped layers ([loops, layers] slots) and, for Huginn,
-one for the plain prelude/coda layers ([1, prelude + coda] slots), plus the number of tokens stored
-per row. The formats are static fields, so a jitted function retraces only when they change.
+A `KVCache` holds the looped layers' K/V (`looped`: one state per segment of the format's loop
+groups, see `rq_jax.cache.base`) and, for Huginn, the plain prelude/coda layers' (`plain`: one loop,
+layers prelude then coda), plus the number of tokens stored per row. The formats are static fields,
+so a jitted function retraces only when they change. `CacheCalib` is the formats' calibration, built
+once outside jit and passed alongside the cache.
 """
 
 from __future__ import annotations
@@ -13,48 +15,78 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from rq_jax.cache import base
 from rq_jax.config import ModelConfig
 
 Group = Literal["looped", "plain"]
+KV = tuple[Array, Array]
 
 
 @struct.dataclass
 class KVCache:
     """Stored K/V of every (loop, layer) slot; `lengths[b]` tokens are valid in row b."""
 
-    looped: Any
-    plain: Any
+    looped: tuple[Any, ...]
+    plain: tuple[Any, ...] | None
     lengths: Int[Array, "b"]
     fmt: base.CacheFormat = struct.field(pytree_node=False)
     plain_fmt: base.CacheFormat = struct.field(pytree_node=False)
     num_loops: int = struct.field(pytree_node=False)
     max_len: int = struct.field(pytree_node=False)
+    head_dim: int = struct.field(pytree_node=False)
+
+    def schedule(self, group: Group) -> tuple[base.CacheFormat, tuple[base.Segment, ...]]:
+        """The format and loop segments of the looped or plain layers."""
+        if group == "looped":
+            return self.fmt, base.segments(self.num_loops, self.fmt.group_len)
+        return self.plain_fmt, base.segments(1, self.plain_fmt.group_len)
+
+    def locate(self, group: Group, loop: int, layer: int) -> tuple[int, base.Index, int]:
+        """(segment, (group, layer) index, position in group) of slot (loop, layer)."""
+        for i, seg in enumerate(self.schedule(group)[1]):
+            if seg.start <= loop < seg.start + seg.num_loops:
+                g, r = divmod(loop - seg.start, seg.size)
+                return i, (g, layer), r
+        raise ValueError(f"loop {loop} outside 0..{self.num_loops - 1}")
+
+    def read(self, group: Group, loop: int, layer: int, calib: "CacheCalib | None" = None) -> KV:
+        """The stored K and V of slot (loop, layer) decoded to float32 [B, K, S, D] (0 past each row)."""
+        fmt = self.schedule(group)[0]
+        seg, index, r = self.locate(group, loop, layer)
+        calib = _part(calib or CacheCalib(), group)
+        state = self.looped if group == "looped" else self.plain
+        return fmt.reconstruct(state[seg], index, r, self.lengths, None if calib is None else calib[seg])
+
+    def dense_kv(self, group: Group = "looped") -> KV:
+        """K and V [L, N, B, K, S, D] of a dense cache's looped (L = num_loops) or plain (L = 1) layers."""
+        from rq_jax.cache.dense import Dense
+
+        fmt = self.schedule(group)[0]
+        if not isinstance(fmt, Dense):
+            raise ValueError(f"dense_kv needs a dense cache, this one stores {group} layers as {fmt.name!r}")
+        ((slot,),) = self.looped if group == "looped" else self.plain
+        return slot.k, slot.v
+
+
+class CacheCalib(NamedTuple):
+    """Static calibration of the looped and the plain (prelude/coda) layers: one entry per segment.
+
+    A part is None when its format needs no calibration (e.g. dense).
+    """
+
+    looped: tuple[Any, ...] | None = None
+    plain: tuple[Any, ...] | None = None
+
+
+def _part(calib: CacheCalib, group: Group):
+    return calib.looped if group == "looped" else calib.plain
 
 
 def cache_nbytes(cache: KVCache) -> int:
     """Bytes of the stored K/V and metadata, from the arrays themselves (the `lengths` counter excluded)."""
-    plain = cache.plain_fmt.nbytes(cache.plain) if cache.plain is not None else 0
-    return cache.fmt.nbytes(cache.looped) + plain
-
-
-class CacheCalib(NamedTuple):
-    """Static calibration state for the looped slots and for the plain (prelude/coda) slots.
-
-    Either part may be None: the format then uses its `default_calib` (e.g. Hadamard rotations).
-    """
-
-    looped: Any = None
-    plain: Any = None
-
-
-def calibrate(dense: KVCache, fmt: base.CacheFormat, plain_fmt: base.CacheFormat | None = None) -> CacheCalib:
-    """Fit `fmt` (and `plain_fmt`, default `fmt`) on the K/V stored in a dense cache."""
-    plain_fmt = plain_fmt or fmt
-    plain = None if dense.plain is None else plain_fmt.calibrate(dense.plain.k, dense.plain.v, dense.lengths)
-    return CacheCalib(fmt.calibrate(dense.looped.k, dense.looped.v, dense.lengths), plain)
+    return base.tree_nbytes((cache.looped, cache.plain))
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFormat | None = None, *,
@@ -68,68 +100,147 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFor
 
     fmt = fmt or Dense()
     plain_fmt = plain_fmt or fmt
-    num_loops = num_loops or config.num_loops
+    num_loops = config.num_loops if num_loops is None else num_loops
     if max_len > config.max_position_embeddings:
         raise ValueError(f"cache max_len {max_len} exceeds the model's max positions "
                          f"{config.max_position_embeddings}")
     if batch <= 0 or max_len <= 0 or num_loops <= 0:
         raise ValueError(f"batch ({batch}), max_len ({max_len}) and num_loops ({num_loops}) must be positive")
     dims = (batch, max_len, config.num_kv_heads, config.head_dim)
-    looped = fmt.init(num_loops, config.num_layers, *dims)
-    plain = plain_fmt.init(1, config.num_plain_layers, *dims) if config.num_plain_layers else None
-    return KVCache(looped, plain, jnp.zeros((batch,), jnp.int32), fmt, plain_fmt, num_loops, max_len)
+    looped = tuple(fmt.init(seg, config.num_layers, *dims) for seg in base.segments(num_loops, fmt.group_len))
+    plain = None
+    if config.num_plain_layers:
+        plain = tuple(plain_fmt.init(seg, config.num_plain_layers, *dims)
+                      for seg in base.segments(1, plain_fmt.group_len))
+    return KVCache(looped, plain, jnp.zeros((batch,), jnp.int32), fmt, plain_fmt, num_loops, max_len,
+                   config.head_dim)
 
 
-class CallContext:
-    """Bookkeeping of one forward call, used while tracing: read the past, keep K/V in flight, write once.
+def default_calib(cache: KVCache) -> CacheCalib:
+    """The formats' data-free calibration for `cache`, built once outside jit.
 
-    `attend` merges the stored past (if any) with this call's own full-precision K/V under a causal
-    mask restricted to t < num_new[b]; `finish` encodes every slot's in-flight K/V into the cache.
+    Raises ValueError for a format that cannot run without data (fit it with `calibrate`).
     """
 
-    def __init__(self, cache: KVCache | None, num_new: Int[Array, "b"], num_tokens: int,
-                 calib: CacheCalib | None = None):
-        self.cache, self.num_new, self.calib = cache, num_new, calib or CacheCalib()
+    def part(group: Group, state):
+        fmt, segs = cache.schedule(group)
+        if state is None or not fmt.needs_calib:
+            return None
+        leaf = jax.tree_util.tree_leaves(state)[0]  # [G, N, B, K, S, ...]
+        return tuple(fmt.default_calib(seg, leaf.shape[1], leaf.shape[3], cache.head_dim) for seg in segs)
+
+    return CacheCalib(part("looped", cache.looped), part("plain", cache.plain))
+
+
+def calibrate(dense: KVCache, fmt: base.CacheFormat, plain_fmt: base.CacheFormat | None = None) -> CacheCalib:
+    """Fit `fmt` (and `plain_fmt`, default `fmt`) on the K/V stored in a dense cache."""
+    plain_fmt = plain_fmt or fmt
+
+    def part(f: base.CacheFormat, group: Group, num_loops: int):
+        if (dense.looped if group == "looped" else dense.plain) is None or not f.needs_calib:
+            return None
+        k, v = dense.dense_kv(group)
+        return tuple(f.calibrate(seg, base.split_loops(k, seg), base.split_loops(v, seg), dense.lengths)
+                     for seg in base.segments(num_loops, f.group_len))
+
+    return CacheCalib(part(fmt, "looped", dense.num_loops), part(plain_fmt, "plain", 1))
+
+
+def fake_quantized(dense: KVCache, fmt: base.CacheFormat, calib: tuple[Any, ...]) -> KVCache:
+    """A dense cache whose looped K/V are replaced by what `fmt` would store and reconstruct, with
+    straight-through gradients (the format's `fake_quant`, e.g. `LoopQuant`'s): attention to it sees
+    the quantization error while `jax.grad` reaches the K/V. `calib` has one entry per segment of
+    `fmt`; the plain layers are kept as they are."""
+    k, v = dense.dense_kv()
+    parts = [fmt.fake_quant(base.split_loops(k, seg), base.split_loops(v, seg), c)
+             for seg, c in zip(base.segments(dense.num_loops, fmt.group_len), calib)]
+    k_hat, v_hat = (jnp.concatenate([p[i].reshape(-1, *p[i].shape[2:]) for p in parts]) for i in (0, 1))
+    ((slot,),) = dense.looped
+    return dense.replace(looped=((slot._replace(k=k_hat.astype(slot.k.dtype), v=v_hat.astype(slot.v.dtype)),),))
+
+
+def check_calib(cache: KVCache, calib: CacheCalib) -> None:
+    """Raise ValueError unless every format of `cache` that reads a calibration has one per segment, of
+    the type its `default_calib` builds (where it has one)."""
+    for group, state in (("looped", cache.looped), ("plain", cache.plain)):
+        fmt, segs = cache.schedule(group)
+        if state is None or not fmt.needs_calib:
+            continue
+        given = _part(calib, group)
+        if given is None:
+            how = ("fit one with rq_jax.cache.calibrate" if fmt.needs_data else
+                   "build it once with rq_jax.cache.default_calib(cache)")
+            raise ValueError(f"the {fmt.name!r} cache format of the {group} layers needs calib=CacheCalib(...): {how}")
+        if not isinstance(given, tuple) or len(given) != len(segs):
+            raise ValueError(f"the {group} calibration must be a tuple with one entry per loop segment "
+                             f"({len(segs)}), got {type(given).__name__}")
+        if not fmt.needs_data:
+            leaf = jax.tree_util.tree_leaves(state)[0]
+            want = type(jax.eval_shape(lambda: fmt.default_calib(segs[0], leaf.shape[1], leaf.shape[3],
+                                                                 cache.head_dim)))
+            bad = [type(c).__name__ for c in given if type(c) is not want]
+            if bad:
+                raise ValueError(f"the {fmt.name!r} format of the {group} layers needs {want.__name__} "
+                                 f"calibration, got {bad[0]}")
+
+
+class CallContext(NamedTuple):
+    """One forward call's view of the cache, built before tracing the loops and never mutated.
+
+    `num_new[b]` of the call's T tokens of row b are real; `self_mask` [B, T, T] is causal and hides
+    padding; `positions` [B, T] are absolute positions.
+    """
+
+    cache: KVCache | None
+    calib: CacheCalib
+    num_new: Int[Array, "b"]
+    self_mask: Bool[Array, "b t t"]
+    positions: Int[Array, "b t"]
+
+    @classmethod
+    def build(cls, cache: KVCache | None, num_new: Int[Array, "b"], num_tokens: int,
+              calib: CacheCalib | None) -> "CallContext":
+        """The context of a call of `num_tokens` tokens."""
         t = jnp.arange(num_tokens)
-        self.self_mask = (t[None, :, None] >= t[None, None, :]) & (t[None, None, :] < num_new[:, None, None])
-        self.inflight: dict[tuple[Group, int, int], tuple[Array, Array]] = {}
+        mask = (t[None, :, None] >= t[None, None, :]) & (t[None, None, :] < num_new[:, None, None])
+        start = cache.lengths if cache is not None else jnp.zeros_like(num_new)
+        return cls(cache, calib or CacheCalib(), num_new, mask, start[:, None] + t[None, :])
 
-    def positions(self) -> Int[Array, "b t"]:
-        """Absolute positions of this call's tokens: stored length of the row plus offset."""
-        start = self.cache.lengths if self.cache is not None else jnp.zeros_like(self.num_new)
-        return start[:, None] + jnp.arange(self.self_mask.shape[1])[None, :]
+    def segments(self, group: Group, num_loops: int) -> tuple[base.Segment, ...]:
+        """How the loops are grouped: the cache's segments, or one loop per group without a cache."""
+        if self.cache is None:
+            return base.segments(num_loops, 1)
+        return self.cache.schedule(group)[1]
 
-    def attend(self, group: Group, loop: int, layer: int, q: Float[Array, "b t h d"],
+    def attend(self, group: Group, seg: int, index: base.Index, loop: int, q: Float[Array, "b t h d"],
                k: Float[Array, "b k t d"], v: Float[Array, "b k t d"]) -> Float[Array, "b t h d"]:
-        """Attention output for slot (group, loop, layer); records (k, v) as in flight."""
-        self.inflight[group, loop, layer] = (k, v)
+        """Attention of q over slot (segment `seg`, `index`, group position `loop`)'s past and this
+        call's own K/V (k, v), merged exactly."""
         out = base.dense_partial(q, k, v, self.self_mask)
         if self.cache is not None:
-            fmt, state, calib = ((self.cache.fmt, self.cache.looped, self.calib.looped) if group == "looped"
-                                 else (self.cache.plain_fmt, self.cache.plain, self.calib.plain))
-            out = base.merge(fmt.attend(state, q, loop, layer, self.cache.lengths, calib), out)
+            fmt = self.cache.schedule(group)[0]
+            state = (self.cache.looped if group == "looped" else self.cache.plain)[seg]
+            calib = _part(self.calib, group)
+            past = fmt.attend(state, index, loop, q, self.cache.lengths, None if calib is None else calib[seg])
+            out = base.merge(past, out)
         return base.finalize(out).astype(q.dtype)
 
-    def finish(self) -> KVCache | None:
-        """The cache with every slot's in-flight tokens written and lengths advanced."""
+    def finish(self, looped: tuple[KV, ...], plain: KV | None) -> KVCache | None:
+        """The cache with this call's K/V written and lengths advanced.
+
+        looped: per segment, K and V [G, p, N, B, K, T, D]; plain: K and V [1, 1, N_plain, B, K, T, D].
+        """
         c = self.cache
         if c is None:
             return None
-        looped = c.fmt.write(c.looped, *self._stack("looped", c.num_loops), c.lengths, self.num_new,
-                             self.calib.looped)
-        plain = c.plain
-        if plain is not None:
-            plain = c.plain_fmt.write(plain, *self._stack("plain", 1), c.lengths, self.num_new, self.calib.plain)
-        return c.replace(looped=looped, plain=plain, lengths=c.lengths + self.num_new)
 
-    def _stack(self, group: Group, num_loops: int) -> tuple[Array, Array]:
-        layers = sorted({n for g, _, n in self.inflight if g == group})
-        missing = [(l, n) for l in range(num_loops) for n in layers if (group, l, n) not in self.inflight]
-        if missing:
-            raise ValueError(f"the cache holds {num_loops} loops but this call ran fewer: no K/V for "
-                             f"(loop, layer) {missing[:3]}...; run as many loops as the cache was built for")
-        kv = [[self.inflight[group, l, n] for n in layers] for l in range(num_loops)]
-        return tuple(jnp.stack([jnp.stack([pair[i] for pair in row]) for row in kv]) for i in (0, 1))
+        def write(group: Group, states, kvs):
+            fmt, calib = c.schedule(group)[0], _part(self.calib, group)
+            return tuple(fmt.write(state, k, v, c.lengths, self.num_new, None if calib is None else calib[i])
+                         for i, (state, (k, v)) in enumerate(zip(states, kvs)))
+
+        new_plain = None if c.plain is None else write("plain", c.plain, (plain,))
+        return c.replace(looped=write("looped", c.looped, looped), plain=new_plain, lengths=c.lengths + self.num_new)
 
 
 def dense_equivalent_nbytes(config: ModelConfig, cache: KVCache, dtype: str = "bfloat16") -> int:

@@ -2,8 +2,9 @@
 
 The loops of a slot's layer are split into consecutive groups of `len(bits)` loops (Ouro's 4 loops:
 one group; Huginn's 32 steps: 8 groups of 4, each anchored on its own last step). A final partial
-group of m < len(bits) loops uses the last m entries of `bits`, so its anchor keeps the anchor width.
-Per group, in the rotated basis z = U x (U per group, layer and kv head; keys and values separately):
+group of m < len(bits) loops uses the last m entries of `bits` with residuals (so its anchor keeps the
+anchor width) and the first m without. Per group, in the rotated basis z = U x (U per group, layer and
+kv head; keys and values separately):
 
     residual=True:   anchor quantized first; every other loop r stores Q(z_r − α_r·ẑ_p(r) − μ_r) and
                      α_r = <z_r, ẑ_p> / |ẑ_p|² (bf16), against the *reconstructed* reference (toolbox
@@ -14,62 +15,116 @@ Per group, in the rotated basis z = U x (U per group, layer and kv head; keys an
 calibrated) rotation; `residual` = ResidualQuant: [2,2,2,4] g32, FP8 metadata, LS, Hadamard, last-loop
 reference. Each ablation step of the paper's Figure 1 is one policy.
 
-Storage per loop (tuples over loops, since widths differ): packed uint8 codes [N, B, K, S, D·b/8],
-scale/offset [N, B, K, S, D/g] in the metadata dtype, and α [N, B, K, S] (bf16) for non-anchor loops.
+State (the layout of `rq_jax.cache.base`): per group position a `LoopSlot` of packed K and V codes
+(`PackedCodes`: uint8 [G, N, B, K, S, D·b/8], scale/offset [G, N, B, K, S, D/g]) and α [G, N, B, K, S]
+(bf16; None for the anchor and without least squares).
 
-`attend` is the fused XLA path: it never rebuilds K̂/V̂ of a loop. Scores use the rotated query,
-s_r = α_r·s_p(r) + q̃·D(c_r) + q̃·μ_r (recursively down to the anchor), and probabilities are pushed
-through the same recursion for values, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated
-basis and un-rotated once. `reconstruct` (decode codes, add references, un-rotate) is its reference.
+`attend` is split at the kernel seam: `operands` selects what slot (group, layer) and its reference
+chain store — packed codes, metadata, α, key means — without unpacking anything, and an attention
+implementation (`ATTEND_IMPLS`, chosen by the policy's `attend_impl`) computes the partial from the
+rotated queries: s_r = α_r·s_p(r) + q̃·D(c_r) + q̃·μ_r (recursively down to the anchor), and values
+through the same recursion, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated basis. The
+caller rotates the queries and un-rotates the output once. `reconstruct` (toolbox decode, un-rotate)
+is the reference.
 
-Calibration (`RotationCalib`): rotations [G_loops, N, K, D, D] for keys and values and key means
-[L, N, K, D] (rotated basis). Default: the policy's rotation kind for every group, layer and head,
-and zero means.
+Calibration (`RotationCalib`, per segment): rotations [G, N, K, D, D] for keys and values and key means
+[G, N, p, K, D] (rotated basis, or None). `default_calib`: the policy's rotation kind, no means;
+`calibrate` adds key means fitted on data when the policy asks for them (`key_means`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from fractions import Fraction
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from rq_jax.cache import base
-from rq_jax.quant import affine, bits as qbits, packing, residual, rotation
+from rq_jax.quant import affine, bits as qbits, residual, rotation, ste
+from rq_jax.quant.packing import PackedCodes
+
+log = logging.getLogger(__name__)
+_HI = jax.lax.Precision.HIGHEST
 
 
 class RotationCalib(NamedTuple):
-    """Static calibration: rotations [G_loops, N, K, D, D] (z = U x) and optional key means [L, N, K, D]."""
+    """Static calibration of a segment: rotations [G, N, K, D, D] (z = U x), key means [G, N, p, K, D]."""
 
     key_rot: Float[Array, "g n k d d"]
     value_rot: Float[Array, "g n k d d"]
-    key_mean: Float[Array, "l n k d"] | None = None
+    key_mean: Float[Array, "g n p k d"] | None = None
 
 
-class LoopCodes(NamedTuple):
-    """One loop's stored K or V: packed codes [N, B, K, S, D·b/8], scale/offset [N, B, K, S, D/g]."""
+class LoopSlot(NamedTuple):
+    """One group position: K and V codes ([G, N, B, K, S, ...]) and α [G, N, B, K, S] (None: no α)."""
 
-    codes: Array
-    scale: Array
-    offset: Array
+    k: PackedCodes
+    v: PackedCodes
+    k_alpha: Array | None
+    v_alpha: Array | None
 
 
-class ResidualState(NamedTuple):
-    """Per loop (tuples of length L): K and V codes, and α [N, B, K, S] (None for anchors / LS off)."""
+class LoopOperands(NamedTuple):
+    """What attention to one slot reads, nothing unpacked: the loop's reference chain, loop first.
 
-    k: tuple[LoopCodes, ...]
-    v: tuple[LoopCodes, ...]
+    `k`/`v`: packed codes of each chain link, still stacked [G, N, B, K, S, ...] — `index` selects the
+    slot (a kernel picks it in its index map). `k_alpha`/`v_alpha`: link i's α [G, N, B, K, S] scaling
+    link i + 1 (None: α = 1); one fewer than links. `k_mean`: link i's key mean [K, D] (rotated basis)
+    or None.
+    """
+
+    index: base.Index
+    k: tuple[PackedCodes, ...]
+    v: tuple[PackedCodes, ...]
     k_alpha: tuple[Array | None, ...]
     v_alpha: tuple[Array | None, ...]
+    k_mean: tuple[Array | None, ...]
+
+
+def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
+    """Softmax partial of rotated queries over a slot's stored tokens s < lengths[b] (XLA).
+
+    q_rot: [B, T, K, H/K, D] float32. Returns acc [B, T, H, D] in the rotated value basis, m, l [B, T, H].
+    """
+    b, t, heads, per_kv, d = q_rot.shape
+    at = lambda x: None if x is None else x[ops.index]  # noqa: E731
+    scores = None
+    for i in reversed(range(len(ops.k))):  # from the anchor up: s_i = q̃·D(c_i) + q̃·μ_i + α_i·s_{i+1}
+        s = jnp.einsum("btkqd,bksd->btkqs", q_rot, ops.k[i].map(at).dequantize())
+        if ops.k_mean[i] is not None:
+            s = s + jnp.einsum("btkqd,kd->btkq", q_rot, ops.k_mean[i])[..., None]
+        if scores is not None:
+            alpha = at(ops.k_alpha[i])
+            s = s + (scores if alpha is None else _per_token(alpha) * scores)
+        scores = s
+    scores = scores * d**-0.5
+    p, m, l = base.softmax_partial(scores.reshape(b, t, heads * per_kv, -1),
+                                   base.past_mask(lengths, t, scores.shape[-1]))
+    w, acc = p.reshape(scores.shape), 0.0
+    for i in range(len(ops.v)):  # Σ_s w_s ẑ_i,s, the weights scaled by α on the way down the chain
+        acc = acc + jnp.einsum("btkqs,bksd->btkqd", w, ops.v[i].map(at).dequantize())
+        if i + 1 < len(ops.v) and ops.v_alpha[i] is not None:
+            w = w * _per_token(at(ops.v_alpha[i]))
+    return base.Partial(acc.reshape(b, t, heads * per_kv, d), m, l)
+
+
+#: Attention implementations over `LoopOperands`, by name. One may raise NotImplementedError (at trace
+#: time) for a configuration it does not cover; `LoopQuant.attend` then falls back to "xla".
+ATTEND_IMPLS: dict[str, Callable[[Array, LoopOperands, Array], base.Partial]] = {"xla": attend_rotated}
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopQuant:
-    """Loop-group quantization policy (see the module docstring); `name` is its registry name."""
+    """Loop-group quantization policy (see the module docstring); `name` is its registry name.
+
+    `key_means`: `calibrate` fits per-(loop, layer, head) key means in the rotated basis.
+    `attend_impl`: a key of `ATTEND_IMPLS`.
+    """
 
     bits: tuple[int, ...] = (2, 2, 2, 4)
     group_size: int | tuple[int, ...] = 32
@@ -79,7 +134,10 @@ class LoopQuant:
     least_squares: bool = True
     reference: str = "last"
     rotation_seed: int = 0
+    key_means: bool = False
+    attend_impl: str = "xla"
     name: str = "residual"
+    needs_calib: bool = dataclasses.field(default=True, init=False)
     needs_data: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self):
@@ -87,185 +145,196 @@ class LoopQuant:
         sizes = self.group_size
         sizes = (int(sizes),) * len(self.bits) if np.ndim(sizes) == 0 else tuple(int(g) for g in sizes)
         object.__setattr__(self, "group_size", sizes)
+        if len(sizes) != len(self.bits):
+            raise ValueError(f"{self.name}: group_size {sizes} needs one entry per loop of bits {self.bits}")
         if self.rotation not in rotation.ROTATION_KINDS:
             raise ValueError(f"unknown rotation {self.rotation!r}: expected one of {rotation.ROTATION_KINDS}")
+        if self.attend_impl not in ATTEND_IMPLS:
+            raise ValueError(f"unknown attend_impl {self.attend_impl!r}: available {sorted(ATTEND_IMPLS)}")
         self.group_config(len(self.bits))  # validates bits, group sizes, metadata dtype and reference
 
     @property
     def group_len(self) -> int:
-        """Loops per group: len(bits) with residuals, else 1 (every loop independent)."""
-        return len(self.bits) if self.residual else 1
+        """Loops per group: len(bits)."""
+        return len(self.bits)
 
-    def groups(self, num_loops: int) -> list[range]:
-        """Consecutive loop groups; the last may be shorter."""
-        n = self.group_len
-        return [range(s, min(s + n, num_loops)) for s in range(0, num_loops, n)]
-
-    def group_config(self, size: int, first: int = 0) -> residual.ResidualConfig:
-        """Toolbox config of a group of `size` loops starting at loop `first`."""
+    def group_config(self, size: int) -> residual.ResidualConfig:
+        """Toolbox config of a group of `size` loops (least squares only with residuals)."""
         if self.residual:
             bits, sizes = self.bits[-size:], self.group_size[-size:]
         else:
-            pos = first % len(self.bits)
-            bits, sizes = (self.bits[pos],), (self.group_size[pos],)
+            bits, sizes = self.bits[:size], self.group_size[:size]
         return residual.ResidualConfig(bits, sizes, meta_dtype=self.meta_dtype,
                                        least_squares=self.least_squares and self.residual,
                                        reference=self.reference)
 
-    def _loop(self, num_loops: int, loop: int) -> tuple[int, range, residual.ResidualConfig]:
-        """(group index, group loops, group config) of a loop."""
-        for i, g in enumerate(self.groups(num_loops)):
-            if loop in g:
-                return i, g, self.group_config(len(g), g.start)
-        raise ValueError(f"loop {loop} outside 0..{num_loops - 1}")
+    def chain(self, cfg: residual.ResidualConfig, loop: int) -> tuple[int, ...]:
+        """The positions attention to `loop` reads: itself, then its references down to the anchor."""
+        links = [loop]
+        while self.residual and links[-1] != cfg.anchor:
+            links.append(cfg.parent(links[-1]))
+        return tuple(links)
+
+    def _has_alpha(self, cfg: residual.ResidualConfig, loop: int) -> bool:
+        return cfg.least_squares and loop != cfg.anchor
 
     # ---- the CacheFormat protocol -------------------------------------------------------------------
 
-    def init(self, num_loops, num_layers, batch, max_len, num_kv_heads, head_dim) -> ResidualState:
-        """Zeroed codes, metadata and α for every loop."""
+    def init(self, seg, num_layers, batch, max_len, num_kv_heads, head_dim) -> tuple[LoopSlot, ...]:
+        """Zeroed codes, metadata and α for every position of the segment's groups."""
         bad = sorted({g for g in self.group_size if head_dim % g})
         if bad:
             raise ValueError(f"{self.name} cache: group size(s) {bad} do not divide head_dim {head_dim}")
-        lead = (num_layers, batch, num_kv_heads, max_len)
-        k, alpha = [], []
-        for g in self.groups(num_loops):
-            cfg = self.group_config(len(g), g.start)
-            for r in range(len(g)):
-                q = cfg.quant_config(r)
-                proto = jax.eval_shape(lambda: _stored(affine.quantize(jnp.zeros(head_dim), q), q.bits))
-                k.append(LoopCodes(*(jnp.zeros(lead + p.shape, p.dtype) for p in proto)))
-                has_alpha = cfg.least_squares and r != cfg.anchor
-                alpha.append(jnp.zeros(lead, cfg.alpha_dtype) if has_alpha else None)
-        return ResidualState(tuple(k), tuple(k), tuple(alpha), tuple(alpha))
+        lead = (seg.groups, num_layers, batch, num_kv_heads, max_len)
+        cfg = self.group_config(seg.size)
+        slots = []
+        for r in range(seg.size):
+            qc = cfg.quant_config(r)
+            proto = jax.eval_shape(lambda qc=qc: PackedCodes.from_quantized(affine.quantize(jnp.zeros(head_dim), qc), qc))
+            codes = jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, p.dtype), proto)
+            alpha = jnp.zeros(lead, cfg.alpha_dtype) if self._has_alpha(cfg, r) else None
+            slots.append(LoopSlot(codes, codes, alpha, alpha))
+        return tuple(slots)
 
-    def default_calib(self, num_loops, num_layers, num_kv_heads, head_dim) -> RotationCalib:
-        """The policy's rotation for every group, layer and kv head (random: seeded), zero key means."""
-        shape = (len(self.groups(num_loops)), num_layers, num_kv_heads, head_dim, head_dim)
+    def default_calib(self, seg, num_layers, num_kv_heads, head_dim) -> RotationCalib:
+        """The policy's rotation for every group, layer and kv head (random: seeded), no key means."""
+        shape = (seg.groups, num_layers, num_kv_heads, head_dim, head_dim)
         if self.rotation == "random":
-            keys = jax.random.split(jax.random.key(self.rotation_seed), 2 * int(np.prod(shape[:3])))
+            seed = jax.random.fold_in(jax.random.key(self.rotation_seed), seg.start)
+            keys = jax.random.split(seed, 2 * int(np.prod(shape[:3])))
             mats = jax.vmap(lambda k: rotation.random_orthogonal(k, head_dim))(keys)
             return RotationCalib(*mats.reshape(2, *shape))
         u = jnp.broadcast_to(rotation.make_rotation(self.rotation, head_dim), shape)
         return RotationCalib(u, u)
 
-    def calibrate(self, k, v, lengths) -> RotationCalib:
-        """No data needed: the default calibration (learned rotations and means come from calibration)."""
-        return self.default_calib(k.shape[0], k.shape[1], k.shape[3], k.shape[5])
+    def calibrate(self, seg, k, v, lengths) -> RotationCalib:
+        """The default rotations, plus, when `key_means`, per-(loop, layer, kv head) key means: the mean
+        over tokens s < lengths[b] of each loop's quantization target in the rotated basis (the anchor's
+        key; a residual loop's key minus its scaled reference, itself encoded with the means fitted so
+        far). k, v: [G, p, N, B, K, S, D]."""
+        calib = self.default_calib(seg, k.shape[2], k.shape[4], k.shape[6])
+        if not self.key_means:
+            return calib
+        cfg = self.group_config(k.shape[1])
+        z = jnp.einsum("gpnbksd,gnked->pgnbkse", k.astype(jnp.float32), calib.key_rot, precision=_HI)
+        valid = base.valid_tokens(lengths, k.shape[5]).astype(jnp.float32)[None, None, :, None, :, None]
+        means = jnp.zeros(z.shape[:3] + (1, z.shape[4], 1, z.shape[6]), jnp.float32)  # [p, G, N, 1, K, 1, D]
+        for r in (cfg.encode_order() if self.residual else range(cfg.num_loops)):
+            target = z[r]
+            if self.residual and r != cfg.anchor:
+                enc, recon = residual.encode_decode_group(z, cfg, means)
+                target = z[r] - (recon[r] - affine.dequantize(enc.loops[r], cfg.quant_config(r)) - means[r])
+            mean = jnp.sum(target * valid, axis=(2, 4), keepdims=True) / jnp.maximum(jnp.sum(valid), 1.0)
+            means = means.at[r].set(mean)
+        return calib._replace(key_mean=jnp.moveaxis(means[:, :, :, 0, :, 0], 0, 2))
 
-    def _calib(self, calib, num_loops, num_layers, num_kv_heads, head_dim) -> RotationCalib:
-        return calib if calib is not None else self.default_calib(num_loops, num_layers, num_kv_heads, head_dim)
+    def write(self, state, k, v, lengths, num_new, calib: RotationCalib) -> tuple[LoopSlot, ...]:
+        """Rotate and encode every group of K/V [G, p, N, B, K, T, D]; store at lengths[b] + t."""
+        cfg = self.group_config(k.shape[1])
+        enc = {}
+        for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
+            z = jnp.einsum("gpnbktd,gnked->pgnbkte", x.astype(jnp.float32), u, precision=_HI)
+            mean = None if kind == "v" or calib.key_mean is None else \
+                jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :]  # [p, G, N, 1, K, 1, D]
+            enc[kind] = self._encode(z, cfg, mean)
+        new = tuple(
+            LoopSlot(*(PackedCodes.from_quantized(enc[kind].loops[r], cfg.quant_config(r)) for kind in "kv"),
+                     *(enc[kind].alpha[cfg.alpha_index(r)] if self._has_alpha(cfg, r) else None for kind in "kv"))
+            for r in range(cfg.num_loops))
+        return base.scatter_tokens(state, new, lengths, num_new)
 
-    def write(self, state: ResidualState, k, v, lengths, num_new, calib) -> ResidualState:
-        """Rotate, encode every loop group of K/V [L, N, B, K, T, D] and store at lengths[b] + t."""
-        num_loops, num_layers, _, heads, _, dim = k.shape
-        calib = self._calib(calib, num_loops, num_layers, heads, dim)
-        new = {"k": [], "v": [], "k_alpha": [], "v_alpha": []}
-        for i, g in enumerate(self.groups(num_loops)):
-            cfg = self.group_config(len(g), g.start)
-            for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
-                z = _rotate_kv(x[g.start : g.stop], u[i])
-                mean = None if kind == "v" or calib.key_mean is None else _mean(calib.key_mean[g.start : g.stop])
-                enc = residual.encode_group(z, cfg, mean)
-                for r, q in enumerate(enc.loops):
-                    new[kind].append(_stored(q, cfg.bits[r]))
-                    new[kind + "_alpha"].append(
-                        enc.alpha[cfg.alpha_index(r)] if cfg.least_squares and r != cfg.anchor else None)
-        update = ResidualState(*(tuple(new[f]) for f in ResidualState._fields))
-        return base.scatter_tokens(state, update, lengths, num_new, token_axis=3)
+    def _encode(self, z: Float[Array, "p ... d"], cfg, mean) -> residual.EncodedGroup:
+        """Residual group coding, or (direct) every position coded on its own."""
+        if self.residual:
+            return residual.encode_group(z, cfg, mean)
+        loops = tuple(residual.encode_group(z[r : r + 1], self._direct(cfg, r),
+                                            None if mean is None else mean[r : r + 1]).loops[0]
+                      for r in range(cfg.num_loops))
+        return residual.EncodedGroup(loops, None)
 
-    def _group_codes(self, state: ResidualState, kind: str, g: range, layer: int, cfg) -> residual.EncodedGroup:
-        """The toolbox's EncodedGroup of one layer (codes unpacked), leaves [B, K, S, ...]."""
-        codes = getattr(state, kind)
-        loops = tuple(
-            affine.Quantized(packing.unpack(codes[r].codes[layer], cfg.bits[j],
-                                            packing.unpacked_dim(codes[r].codes.shape[-1], cfg.bits[j])),
-                             codes[r].scale[layer], codes[r].offset[layer])
-            for j, r in enumerate(g))
-        alphas = [getattr(state, kind + "_alpha")[r] for r in g if getattr(state, kind + "_alpha")[r] is not None]
-        return residual.EncodedGroup(loops, jnp.stack([a[layer] for a in alphas]) if alphas else None)
+    def _direct(self, cfg: residual.ResidualConfig, r: int) -> residual.ResidualConfig:
+        """The one-loop config of position r in a direct (residual-free) group."""
+        return residual.ResidualConfig(cfg.bits[r : r + 1], cfg.group_sizes[r : r + 1], meta_dtype=cfg.meta_dtype)
 
-    def reconstruct(self, state: ResidualState, loop, layer, calib):
-        """Decode slot (loop, layer): anchor, references and α per the toolbox, then un-rotate. [B,K,S,D]."""
-        num_loops = len(state.k)
-        i, g, cfg = self._loop(num_loops, loop)
-        dim = packing.unpacked_dim(state.k[loop].codes.shape[-1], cfg.bits[loop - g.start])
-        calib = self._calib(calib, num_loops, state.k[0].codes.shape[0], state.k[0].scale.shape[2], dim)
+    def fake_quant(self, k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
+                   calib: RotationCalib) -> tuple[Array, Array]:
+        """What `write` then `reconstruct` give for K/V [G, p, N, B, K, T, D], float32, with straight-
+        through gradients to k and v (references stopped) — for quantization-aware training."""
+        cfg = self.group_config(k.shape[1])
         out = []
-        for kind, u in (("k", calib.key_rot), ("v", calib.value_rot)):
-            mean = None if kind == "v" or calib.key_mean is None else _mean(calib.key_mean[g.start : g.stop, layer])
-            z = residual.decode_loop(self._group_codes(state, kind, g, layer, cfg), cfg, loop - g.start, mean)
-            out.append(_unrotate_kv(z, u[i, layer]))
+        for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
+            z = jnp.einsum("gpnbktd,gnked->pgnbkte", x.astype(jnp.float32), u, precision=_HI)
+            mean = None if kind == "v" or calib.key_mean is None else \
+                jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :]  # [p, G, N, 1, K, 1, D]
+            if self.residual:
+                zq = ste.ste_residual_group(z, cfg, mean)
+            else:
+                zq = jnp.concatenate([ste.ste_residual_group(z[r : r + 1], self._direct(cfg, r),
+                                                             None if mean is None else mean[r : r + 1])
+                                      for r in range(cfg.num_loops)])
+            out.append(jnp.einsum("pgnbkte,gnked->gpnbktd", zq, u, precision=_HI))
         return tuple(out)
 
-    def attend(self, state: ResidualState, q, loop, layer, lengths, calib) -> base.Partial:
-        """Fused path: rotated-query scores through the reference recursion, rotated-space values."""
-        num_loops = len(state.k)
-        i, g, cfg = self._loop(num_loops, loop)
+    def operands(self, state: tuple[LoopSlot, ...], index: base.Index, loop: int,
+                 calib: RotationCalib) -> LoopOperands:
+        """Select slot `index`'s operands for group position `loop` (the kernel seam's first half)."""
+        links = self.chain(self.group_config(len(state)), loop)
+        means = None if calib.key_mean is None else calib.key_mean[index]  # [p, K, D]
+        return LoopOperands(
+            index,
+            tuple(state[r].k for r in links), tuple(state[r].v for r in links),
+            tuple(state[r].k_alpha for r in links[:-1]), tuple(state[r].v_alpha for r in links[:-1]),
+            tuple(None if means is None else means[r] for r in links))
+
+    def attend(self, state, index, loop, q, lengths, calib: RotationCalib) -> base.Partial:
+        """Rotate the queries, run `attend_impl` on the slot's operands (XLA fallback), un-rotate."""
         b, t, h, d = q.shape
-        heads = state.k[0].scale.shape[2]
-        calib = self._calib(calib, num_loops, state.k[0].codes.shape[0], heads, d)
-        keys = self._group_codes(state, "k", g, layer, cfg)
-        vals = self._group_codes(state, "v", g, layer, cfg)
-        q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, heads).astype(jnp.float32),
-                           calib.key_rot[i, layer], precision=jax.lax.Precision.HIGHEST)
-        means = None if calib.key_mean is None else calib.key_mean[g.start : g.stop, layer]
+        key_rot, value_rot = calib.key_rot[index], calib.value_rot[index]  # [K, D, D]
+        q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, key_rot.shape[0]).astype(jnp.float32),
+                           key_rot, precision=_HI)
+        ops = self.operands(state, index, loop, calib)
+        try:
+            part = ATTEND_IMPLS[self.attend_impl](q_rot, ops, lengths)
+        except NotImplementedError as why:
+            log.warning("%s attend_impl=%r does not cover this slot (%s); using xla", self.name, self.attend_impl, why)
+            part = attend_rotated(q_rot, ops, lengths)
+        acc = part.acc.reshape(q_rot.shape)
+        acc = jnp.einsum("btkqe,ked->btkqd", acc, value_rot, precision=_HI)
+        return part._replace(acc=acc.reshape(b, t, h, d))
 
-        def scores(r):  # q̃·ẑ_r of loop r (position in group), [B, T, K, Gq, S]
-            s = jnp.einsum("btkqd,bksd->btkqs", q_rot, affine.dequantize(keys.loops[r], cfg.quant_config(r)))
-            if means is not None:
-                s = s + jnp.einsum("btkqd,kd->btkq", q_rot, means[r])[..., None]
-            if r != cfg.anchor:
-                parent = scores(cfg.parent(r))
-                s = s + (parent if keys.alpha is None else _per_token(keys.alpha[cfg.alpha_index(r)]) * parent)
-            return s
-
-        def values(r, w):  # Σ_s w_s ẑ_r,s in the rotated basis, [B, T, K, Gq, D]
-            acc = jnp.einsum("btkqs,bksd->btkqd", w, affine.dequantize(vals.loops[r], cfg.quant_config(r)))
-            if r != cfg.anchor:
-                w = w if vals.alpha is None else w * _per_token(vals.alpha[cfg.alpha_index(r)])
-                acc = acc + values(cfg.parent(r), w)
-            return acc
-
-        r = loop - g.start
-        s = scores(r) * d**-0.5
-        p, m, l = base.softmax_partial(s.reshape(b, t, h, -1), base.past_mask(lengths, t, s.shape[-1]))
-        acc = values(r, p.reshape(s.shape))
-        acc = jnp.einsum("btkqe,ked->btkqd", acc, calib.value_rot[i, layer], precision=jax.lax.Precision.HIGHEST)
-        return base.Partial(acc.reshape(b, t, h, d), m, l)
-
-    def nbytes(self, state: ResidualState) -> int:
-        """Bytes of codes, metadata and α."""
-        return base.tree_nbytes(state)
+    def reconstruct(self, state, index, loop, lengths, calib: RotationCalib):
+        """Decode slot `index` at position `loop` with the toolbox, then un-rotate: [B, K, S, D] each."""
+        cfg = self.group_config(len(state))
+        mean = None if calib.key_mean is None else calib.key_mean[index][:, None, :, None, :]  # [p, 1, K, 1, D]
+        out = []
+        for kind, u in (("k", calib.key_rot[index]), ("v", calib.value_rot[index])):
+            slots = [base.at(s, index) for s in state]
+            codes = tuple(getattr(s, kind).unpacked() for s in slots)
+            m = None if kind == "v" else mean
+            if self.residual:
+                alphas = [getattr(s, kind + "_alpha") for s in slots if getattr(s, kind + "_alpha") is not None]
+                enc = residual.EncodedGroup(codes, jnp.stack(alphas) if alphas else None)
+                z = residual.decode_loop(enc, cfg, loop, m)
+            else:
+                enc = residual.EncodedGroup(codes[loop : loop + 1], None)
+                z = residual.decode_loop(enc, self._direct(cfg, loop), 0, None if m is None else m[loop : loop + 1])
+            x = jnp.einsum("bkse,ked->bksd", z, u, precision=_HI)
+            out.append(jnp.where(base.valid_tokens(lengths, x.shape[2])[:, None, :, None], x, 0.0))
+        return tuple(out)
 
     def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
         """Average stored bits per K or V element over the loops, by the toolbox's accounting."""
-        total = sum((qbits.residual_bits(self.group_config(len(g), g.start), head_dim) * len(g)
-                     for g in self.groups(num_loops)), Fraction(0))
+        total = Fraction(0)
+        for seg in base.segments(num_loops, self.group_len):
+            cfg = self.group_config(seg.size)
+            group = (qbits.residual_bits(cfg, head_dim) if self.residual else
+                     qbits.direct_bits([cfg.quant_config(r) for r in range(seg.size)]))
+            total += group * seg.num_loops
         return total / num_loops
 
 
-def _stored(q: affine.Quantized, bits: int) -> LoopCodes:
-    """What a loop stores: its codes packed, and its metadata."""
-    return LoopCodes(packing.pack(q.codes, bits), q.scale, q.offset)
-
-
-def _rotate_kv(x: Float[Array, "l n b k t d"], u: Float[Array, "n k d d"]) -> Float[Array, "l n b k t d"]:
-    """z = U x with U per layer and kv head."""
-    return jnp.einsum("lnbktd,nked->lnbkte", x.astype(jnp.float32), u, precision=jax.lax.Precision.HIGHEST)
-
-
-def _unrotate_kv(z: Float[Array, "b k s d"], u: Float[Array, "k d d"]) -> Float[Array, "b k s d"]:
-    """x = Uᵀ z with U per kv head."""
-    return jnp.einsum("bkse,ked->bksd", z, u, precision=jax.lax.Precision.HIGHEST)
-
-
-def _mean(mean: Float[Array, "l ... k d"]) -> Array:
-    """Key means [L, (N,) K, D] broadcast against codes [L, (N,) B, K, S, D]."""
-    return mean[..., None, :, None, :]
-
-
 def _per_token(alpha: Float[Array, "b k s"]) -> Float[Array, "b 1 k 1 s"]:
-    """α of each stored token, broadcast against scores [B, T, K, Gq, S]."""
+    """α of each stored token, broadcast against scores [B, T, K, H/K, S]."""
     return alpha.astype(jnp.float32)[:, None, :, None, :]
 
 

@@ -6,25 +6,26 @@ coded by two 4-bit indices: stage 1 the nearest of `n_codes` (≤ 16) codewords 
 nearest codeword of C2 for the stage-1 residual. The two indices share one byte, `i1 | i2 << 4`
 (`rq_jax.quant.rvq.encode`), so the state is
 
-    RVQState.k, RVQState.v: uint8 [L, N, B, K, S, D // group]      (8 bits / group = 2 bits / element)
+    RVQSlot.k, RVQSlot.v: uint8 [G, N, B, K, S, D // group]      (8 bits / group = 2 bits / element)
 
 and decoding is x̂ = (C1[i1] + C2[i2]) · scale (`rq_jax.quant.rvq.decode`). Nothing else is stored.
+Every loop is its own group (G = loops of the segment), so a segment state is `(RVQSlot,)`.
 
 Calibration (static state passed alongside the cache, never in it): `RVQCalib(k, v)`, one
-`rq_jax.quant.rvq.RVQCodebooks` each for keys and values with leading [L, N] slot axes:
+`rq_jax.quant.rvq.RVQCodebooks` each for keys and values with leading [G, N] slot axes:
 
-    c1, c2: float32 [L, N, n_codes, group]   one codebook pair per (loop, layer) slot, shared by its heads
-    scale:  float32 [L, N, K, D]             per-channel RMS per (loop, layer, kv head)
+    c1, c2: float32 [G, N, n_codes, group]   one codebook pair per (loop, layer) slot, shared by its heads
+    scale:  float32 [G, N, K, D]             per-channel RMS per (loop, layer, kv head)
 
 Per-slot codebooks (rather than one per layer shared by loops) cost 2·n_codes·group floats per slot,
 which is negligible side data, and follow the states' drift across loops; scales are per
 (loop, layer, head) as RVQ.md asks. Codebooks and scales are side data: `bits_per_element` counts the
 indices only, like every format's accounting in `rq_jax.quant.bits`.
 
-Calibration policy. There is no data-free default: `default_calib` raises, and `attend`/`write`/
-`reconstruct` raise the same ValueError when given `calib=None`. Pass a fitted `RVQCalib` (e.g. from
-`rq_jax.cache.calibrate` on a dense cache of representative prompts), or let `rq_jax.sampling.Sampler`
-fit one on each batch's own prompts (a dense prefill first, then `calibrate`). `calibrate` uses only
+Calibration policy. There is no data-free default: `default_calib` raises a ValueError saying how
+to fit one, and a model call with this format and no calibration raises before tracing. Pass a fitted
+`RVQCalib` (e.g. from `rq_jax.cache.calibrate` on a dense cache of representative prompts), or let
+`rq_jax.sampling.Sampler` fit one on each batch's own prompts (a dense prefill first, then `calibrate`). `calibrate` uses only
 tokens s < lengths[b]: it picks `calib_tokens` (at most B·S) positions evenly spaced over the valid
 tokens of the batch — a strided subsample when there are more, an even repetition when there are
 fewer — so padding never reaches the fit and shapes stay fixed (it jits). Each slot is fitted with
@@ -58,32 +59,23 @@ _PATHS = ("auto", "lut", "decode")
 _NIBBLE = 16  # codes per stage addressable by a 4-bit index
 
 
-class RVQState(NamedTuple):
-    """Packed index bytes (i1 | i2 << 4) of keys and values, uint8 [L, N, B, K, S, D // group] each."""
+class RVQSlot(NamedTuple):
+    """Packed index bytes (i1 | i2 << 4) of keys and values, uint8 [G, N, B, K, S, D // group] each."""
 
-    k: UInt8[Array, "l n b k s g"]
-    v: UInt8[Array, "l n b k s g"]
+    k: UInt8[Array, "g n b k s c"]
+    v: UInt8[Array, "g n b k s c"]
 
 
 class RVQCalib(NamedTuple):
-    """Static calibration: codebooks c1, c2 [L, N, n_codes, group] and scales [L, N, K, D] for K and V."""
+    """Static calibration: codebooks c1, c2 [G, N, n_codes, group] and scales [G, N, K, D] for K and V."""
 
     k: rvq.RVQCodebooks
     v: rvq.RVQCodebooks
 
 
-def _need_calib(calib) -> None:
-    if calib is None:
-        raise ValueError(
-            "the residual_vq cache format needs calibration (codebooks and per-channel scales fitted on "
-            "data) and has no data-free default: pass calib=CacheCalib(looped=fmt.calibrate(k, v, lengths), "
-            "...) (e.g. rq_jax.cache.calibrate on a dense cache of representative prompts), or generate "
-            "with rq_jax.sampling.Sampler without calib, which fits the codebooks on each batch's prompt")
-
-
-def _slot_books(books: rvq.RVQCodebooks, loop: int, layer: int) -> rvq.RVQCodebooks:
-    """The (loop, layer) slot's codebooks with scale [K, 1, D], broadcastable to [B, K, S, D]."""
-    return rvq.RVQCodebooks(books.c1[loop, layer], books.c2[loop, layer], books.scale[loop, layer][:, None, :])
+def _slot_books(books: rvq.RVQCodebooks, index: base.Index) -> rvq.RVQCodebooks:
+    """Slot `index`'s codebooks with scale [K, 1, D], broadcastable to [B, K, S, D]."""
+    return rvq.RVQCodebooks(books.c1[index], books.c2[index], books.scale[index][:, None, :])
 
 
 def _pad_codes(codebook: Float[Array, "c g"]) -> Float[Array, "16 g"]:
@@ -91,8 +83,8 @@ def _pad_codes(codebook: Float[Array, "c g"]) -> Float[Array, "16 g"]:
     return jnp.zeros((_NIBBLE, codebook.shape[-1]), jnp.float32).at[: codebook.shape[0]].set(codebook)
 
 
-def _encode_slots(x: Float[Array, "l n b k t d"], books: rvq.RVQCodebooks) -> UInt8[Array, "l n b k t g"]:
-    """Encode every (loop, layer) slot of x with its own codebooks ([L, N]-leading `books`)."""
+def _encode_slots(x: Float[Array, "g n b k t d"], books: rvq.RVQCodebooks) -> UInt8[Array, "g n b k t c"]:
+    """Encode every (loop, layer) slot of x with its own codebooks ([G, N]-leading `books`)."""
     def one(x, c1, c2, scale):
         return rvq.encode(x, rvq.RVQCodebooks(c1, c2, scale[:, None, :]))
 
@@ -131,6 +123,8 @@ class ResidualVQ:
     calib_tokens: int = 4096
     attend_path: str = "auto"
     name: str = dataclasses.field(default="residual_vq", init=False)
+    group_len: int = dataclasses.field(default=1, init=False)
+    needs_calib: bool = dataclasses.field(default=True, init=False)
     needs_data: bool = dataclasses.field(default=True, init=False)
 
     def __post_init__(self):
@@ -147,22 +141,27 @@ class ResidualVQ:
             raise ValueError(f"residual_vq group {self.group} must divide the head dim {head_dim}: a group "
                              "never crosses a head boundary")
 
-    def init(self, num_loops, num_layers, batch, max_len, num_kv_heads, head_dim) -> RVQState:
-        """Zeroed index bytes, uint8 [L, N, B, K, S, D // group] for K and for V."""
+    def init(self, seg, num_layers, batch, max_len, num_kv_heads, head_dim) -> tuple[RVQSlot]:
+        """Zeroed index bytes, uint8 [G, N, B, K, S, D // group] for K and for V."""
         self._check_dim(head_dim)
-        shape = (num_loops, num_layers, batch, num_kv_heads, max_len, head_dim // self.group)
-        return RVQState(jnp.zeros(shape, jnp.uint8), jnp.zeros(shape, jnp.uint8))
+        shape = (seg.groups, num_layers, batch, num_kv_heads, max_len, head_dim // self.group)
+        return (RVQSlot(jnp.zeros(shape, jnp.uint8), jnp.zeros(shape, jnp.uint8)),)
 
-    def default_calib(self, num_loops, num_layers, num_kv_heads, head_dim):
+    def default_calib(self, seg, num_layers, num_kv_heads, head_dim):
         """Always raises ValueError: residual_vq has no data-free calibration."""
-        _need_calib(None)
+        raise ValueError(
+            "the residual_vq cache format needs calibration (codebooks and per-channel scales fitted on "
+            "data) and has no data-free default: fit one with rq_jax.cache.calibrate on a dense cache of "
+            "representative prompts and pass it as calib=..., or generate with rq_jax.sampling.Sampler "
+            "without calib, which fits the codebooks on each batch's prompt")
 
-    def calibrate(self, k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"],
+    def calibrate(self, seg, k: Float[Array, "g 1 n b k s d"], v: Float[Array, "g 1 n b k s d"],
                   lengths: Int[Array, "b"]) -> RVQCalib:
-        """Fit per-slot codebooks [L, N, n_codes, group] and scales [L, N, K, D] on tokens s < lengths[b].
+        """Fit per-slot codebooks [G, N, n_codes, group] and scales [G, N, K, D] on tokens s < lengths[b].
 
         Jit-able (fixed shapes); slots are fitted one after another (`lax.map`) to bound memory.
         """
+        k, v = k[:, 0], v[:, 0]
         num_loops, num_layers, batch, heads, max_len, head_dim = k.shape
         self._check_dim(head_dim)
         index = calib_token_index(lengths, max_len, min(self.calib_tokens, batch * max_len))
@@ -183,51 +182,46 @@ class ResidualVQ:
         books = jax.tree_util.tree_map(lambda a: a.reshape(2, num_loops, num_layers, *a.shape[1:]), books)
         return RVQCalib(*(jax.tree_util.tree_map(lambda a, i=i: a[i], books) for i in (0, 1)))
 
-    def reconstruct(self, state: RVQState, loop: int, layer: int, calib: RVQCalib
-                    ) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
-        """The stored K, V of slot (loop, layer) decoded to float32 [B, K, S, D]."""
-        _need_calib(calib)
-        return (rvq.decode(state.k[loop, layer], _slot_books(calib.k, loop, layer)),
-                rvq.decode(state.v[loop, layer], _slot_books(calib.v, loop, layer)))
+    def reconstruct(self, state: tuple[RVQSlot], index: base.Index, loop: int, lengths: Int[Array, "b"],
+                    calib: RVQCalib) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
+        """The stored K, V of slot `index` decoded to float32 [B, K, S, D] (0 at s ≥ lengths[b])."""
+        slot, valid = base.at(state[0], index), base.valid_tokens(lengths, state[0].k.shape[base.TOKEN_AXIS])
+        return tuple(jnp.where(valid[:, None, :, None], rvq.decode(codes, _slot_books(books, index)), 0.0)
+                     for codes, books in ((slot.k, calib.k), (slot.v, calib.v)))
 
-    def attend(self, state: RVQState, q: Float[Array, "b t h d"], loop: int, layer: int,
+    def attend(self, state: tuple[RVQSlot], index: base.Index, loop: int, q: Float[Array, "b t h d"],
                lengths: Int[Array, "b"], calib: RVQCalib) -> base.Partial:
-        """Partial attention of q [B, T, H, D] to the stored tokens s < lengths[b] of slot (loop, layer).
+        """Partial attention of q [B, T, H, D] to the stored tokens s < lengths[b] of slot `index`.
 
         Equals `base.reference_attend` to float tolerance; scores come from per-query byte tables.
         """
-        _need_calib(calib)
         b, t, h, d = q.shape
-        heads, max_len, groups = state.k.shape[3:]
+        heads, max_len, groups = state[0].k.shape[3:]
         rows = t * (h // heads)
         use_lut = self.attend_path == "lut" or (self.attend_path == "auto" and max_len * self.group > _NIBBLE**2 * rows)
         if not use_lut:
-            return base.reference_attend(self, state, q, loop, layer, lengths, calib)
+            return base.reference_attend(self, state, index, loop, q, lengths, calib)
         books = calib.k
         # Per-query tables: qs[b, t, k, g, G, j] = q·scale/sqrt(D) over group G; LUT over the code byte.
-        qs = base.group_queries(q.astype(jnp.float32), heads) * books.scale[loop, layer][:, None, :] * d**-0.5
+        slot = base.at(state[0], index)
+        qs = base.group_queries(q.astype(jnp.float32), heads) * books.scale[index][:, None, :] * d**-0.5
         qs = qs.reshape(b, t, heads, h // heads, groups, self.group)
-        lut1, lut2 = (jnp.einsum("btkhGj,cj->bktGhc", qs, _pad_codes(c[loop, layer])) for c in (books.c1, books.c2))
+        lut1, lut2 = (jnp.einsum("btkhGj,cj->bktGhc", qs, _pad_codes(c[index])) for c in (books.c1, books.c2))
         lut = (lut2[..., :, None] + lut1[..., None, :]).reshape(b, heads, t, groups, -1, _NIBBLE**2)
         # scores[b, k, t, h, s] = Σ_G lut[b, k, t, G, h, byte[b, k, s, G]]
-        codes = jnp.moveaxis(state.k[loop, layer].astype(jnp.int32), -1, 2)  # [B, K, G, S]
+        codes = jnp.moveaxis(slot.k.astype(jnp.int32), -1, 2)  # [B, K, G, S]
         gathered = jnp.take_along_axis(lut, codes[:, :, None, :, None, :], axis=-1)  # [B, K, T, G, Hg, S]
         scores = jnp.moveaxis(jnp.sum(gathered, axis=3), 1, 2).reshape(b, t, h, max_len)
         p, m, l = base.softmax_partial(scores, base.past_mask(lengths, t, max_len))
-        values = rvq.decode(state.v[loop, layer], _slot_books(calib.v, loop, layer))  # [B, K, S, D]
+        values = rvq.decode(slot.v, _slot_books(calib.v, index))  # [B, K, S, D]
         acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, heads, -1, max_len), values)
         return base.Partial(acc.reshape(b, t, h, d), m, l)
 
-    def write(self, state: RVQState, k: Float[Array, "l n b k t d"], v: Float[Array, "l n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: RVQCalib) -> RVQState:
-        """Encode the new K/V [L, N, B, K, T, D] of every slot at once; store t < num_new[b] at lengths[b] + t."""
-        _need_calib(calib)
-        new = RVQState(_encode_slots(k, calib.k), _encode_slots(v, calib.v))
-        return base.scatter_tokens(state, new, lengths, num_new, token_axis=4)
-
-    def nbytes(self, state: RVQState) -> int:
-        """Bytes of the stored index arrays."""
-        return base.tree_nbytes(state)
+    def write(self, state: tuple[RVQSlot], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
+              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: RVQCalib) -> tuple[RVQSlot]:
+        """Encode the new K/V [G, 1, N, B, K, T, D] of every slot at once; store t < num_new[b] at lengths[b] + t."""
+        new = RVQSlot(_encode_slots(k[:, 0], calib.k), _encode_slots(v[:, 0], calib.v))
+        return (base.scatter_tokens(state[0], new, lengths, num_new),)
 
     def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
         """Two 4-bit indices per group: 8 / group bits (2 for groups of 4); codebooks/scales excluded."""

@@ -1,8 +1,10 @@
 """Hugging Face checkpoints (Ouro, Huginn) → Flax NNX models.
 
 Names map mechanically: our parameter path joined with dots, under the family's prefix, with
-`kernel` → `weight` (transposed: HF linears are [out, in]) and `embedding` → `weight`. Every tensor is
-checked: a missing, unexpected or mis-shaped one raises an error naming it.
+`kernel` → `weight` (transposed: HF linears are [out, in]) and `embedding` → `weight`. Layer stacks
+(`layers`, `prelude`, `core_block`, `coda`) hold every layer's parameter on a leading [N] axis; layer i
+is HF's `<stack>.<i>.…`. Every tensor is checked: a missing, unexpected or mis-shaped one raises an error
+naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rq_jax.config import ModelConfig, from_hf_config
 from rq_jax.nn.layers import rope_angles
 
 _PREFIX = {"ouro": "model.", "huginn": "transformer."}
+_STACKS = ("layers", "prelude", "core_block", "coda")
 
 
 class CheckpointError(ValueError):
@@ -60,13 +63,23 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def hf_name(config: ModelConfig, path: tuple[Any, ...]) -> tuple[str, bool]:
-    """The HF tensor name of our parameter `path`, and whether it is stored transposed."""
+def hf_name(config: ModelConfig, path: tuple[Any, ...], layer: int | None = None) -> tuple[str, bool]:
+    """The HF tensor name of our parameter `path` (of stacked layer `layer`), and whether HF stores
+    it transposed."""
     *parts, leaf = (str(p) for p in path)
     transpose = leaf == "kernel"
     leaf = "weight" if leaf in ("kernel", "embedding") else leaf
     prefix = "" if parts[:1] == ["lm_head"] else _PREFIX[config.family]
+    if layer is not None:
+        parts.insert(1, str(layer))
     return prefix + ".".join([*parts, leaf]), transpose
+
+
+def _layer_names(config: ModelConfig, path: tuple[Any, ...], shape: tuple[int, ...]) -> list[tuple[str, bool]]:
+    """HF names of a parameter: one per layer of a stack (leading axis of `shape`), else one."""
+    if str(path[0]) in _STACKS:
+        return [hf_name(config, path, i) for i in range(shape[0])]
+    return [hf_name(config, path)]
 
 
 def _check_huginn_rope(config: ModelConfig, freqs_cis: np.ndarray) -> None:
@@ -98,14 +111,20 @@ def load_model(path_or_id: str | os.PathLike, *, dtype=jnp.float32, param_dtype=
     used = set()
     leaves = []
     for path, var in flat:
-        name, transpose = hf_name(config, path)
-        if name not in tensors:
-            raise CheckpointError(f"checkpoint {folder} is missing tensor {name!r}")
-        value, shape = (tensors[name].T if transpose else tensors[name]), var.get_value().shape
-        if value.shape != shape:
-            raise CheckpointError(f"tensor {name!r} has shape {tensors[name].shape}, expected "
-                                  f"{shape[::-1] if transpose else shape}")
-        used.add(name)
+        shape = var.get_value().shape
+        names = _layer_names(config, path, shape)
+        stacked = str(path[0]) in _STACKS
+        values = []
+        for name, transpose in names:
+            if name not in tensors:
+                raise CheckpointError(f"checkpoint {folder} is missing tensor {name!r}")
+            value, want = (tensors[name].T if transpose else tensors[name]), shape[1:] if stacked else shape
+            if value.shape != want:
+                raise CheckpointError(f"tensor {name!r} has shape {tensors[name].shape}, expected "
+                                      f"{want[::-1] if transpose else want}")
+            used.add(name)
+            values.append(value)
+        value = np.stack(values) if stacked else values[0]
         leaves.append(var.replace(jnp.asarray(value, param_dtype)))
     if config.family == "huginn":
         if "freqs_cis" in tensors:
@@ -154,9 +173,11 @@ def save_hf(model, folder: str | os.PathLike, *, dtype=np.float32, extra_config:
     os.makedirs(folder, exist_ok=True)
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, transpose = hf_name(model.config, path)
         value = np.asarray(var.get_value()).astype(dtype)
-        tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+        names = _layer_names(model.config, path, value.shape)
+        layers = value if str(path[0]) in _STACKS else [value]
+        for (name, transpose), layer in zip(names, layers):
+            tensors[name] = np.ascontiguousarray(layer.T if transpose else layer)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({**hf_config(model.config), **(extra_config or {})}, f, indent=2)

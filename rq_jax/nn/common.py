@@ -1,18 +1,29 @@
-"""What both model families share: the call's output type, input checks, and attention plumbing."""
+"""What both model families share: the output type, input checks, stacked layers and the loop engine.
+
+The engine keeps the trace small and pure: the layers of a stack run under `jax.lax.scan` over their
+stacked parameters, and the loops of a cache segment under `jax.lax.scan` over its groups with the
+group's positions unrolled (their storage widths differ). The K/V each attention produced come back as
+scan outputs, [G, p, N, B, K, T, D] per segment, and are written to the cache once, after the loops.
+"""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from flax import nnx
-
-from rq_jax.cache.kv import CallContext, Group, KVCache, init_cache
+from rq_jax.cache import base
+from rq_jax.cache.kv import KV, CacheCalib, CallContext, Group, KVCache, check_calib, init_cache
 from rq_jax.config import ModelConfig
 from rq_jax.nn.layers import linear
+
+#: attend(q [B, T, H, D], k [B, K, T, D], v [B, K, T, D]) -> (o [B, T, H, D], the (k, v) to store).
+Attend = Callable[[Array, Array, Array], tuple[Array, KV]]
 
 
 class ModelOutput(NamedTuple):
@@ -48,15 +59,77 @@ def output_logits(embed: nnx.Embed, head: nnx.Linear | None, x: Float[Array, "..
     return (embed.attend(x) if head is None else head(x)).astype(jnp.float32)
 
 
+def stacked(make: Callable[[], nnx.Module], n: int) -> nnx.Module | None:
+    """One module holding `n` layers built by `make`, every parameter stacked on a leading [n] axis
+    (the layout `scan_layers` runs and the converter maps); None for n = 0."""
+    if n == 0:
+        return None
+    layers = [make() for _ in range(n)]
+    graphdef = nnx.graphdef(layers[0])
+    return nnx.merge(graphdef, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *map(nnx.state, layers)))
+
+
+def scan_layers(layers: nnx.Module, x: Array, call: Callable[[nnx.Module, Array, Array, Any], tuple[Array, Any]],
+                extra: Any = None) -> tuple[Array, Any]:
+    """Run `x` through a `stacked` module's layers under `jax.lax.scan`.
+
+    `call(layer, i, x, extra_i) -> (x, out)` runs layer i (a traced index) on x, with `extra`'s slice
+    i (a pytree with a leading [N] axis, or None). Returns the final x and the outputs stacked [N, ...].
+    """
+    graphdef, params = nnx.split(layers)
+    n = jax.tree_util.tree_leaves(params)[0].shape[0]
+
+    def body(x, xs):
+        p, i, e = xs
+        return call(nnx.merge(graphdef, p), i, x, e)
+
+    return jax.lax.scan(body, x, (params, jnp.arange(n), extra))
+
+
+def run_loops(segments: tuple[base.Segment, ...], carry: Any,
+              step: Callable[[Any, int, Array, int], tuple[Any, Any]]) -> tuple[Any, tuple[Any, ...]]:
+    """Run every loop: per segment a `jax.lax.scan` over its groups, the group's positions unrolled.
+
+    `step(carry, segment, group, position) -> (carry, out)` runs one loop (`group` is traced).
+    Returns the final carry and, per segment, the outputs stacked [G, p, ...].
+    """
+    outs = []
+    for si, seg in enumerate(segments):
+        def group(carry, g, si=si, seg=seg):
+            results = []
+            for r in range(seg.size):
+                carry, out = step(carry, si, g, r)
+                results.append(out)
+            return carry, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *results)
+
+        carry, out = jax.lax.scan(group, carry, jnp.arange(seg.groups))
+        outs.append(out)
+    return carry, tuple(outs)
+
+
+def flatten_loops(per_segment: tuple[Any, ...]) -> Any:
+    """Per-segment outputs [G, p, ...] → one [L, ...] stack in loop order."""
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate([x.reshape(-1, *x.shape[2:]) for x in xs]),
+                                  *per_segment)
+
+
+def slot_attend(ctx: CallContext, group: Group, seg: int, index: base.Index, loop: int) -> Attend:
+    """The `Attend` of one slot: its stored past and the call's own K/V; stores the K/V it was given."""
+    return lambda q, k, v: (ctx.attend(group, seg, index, loop, q, k, v), (k, v))
+
+
 def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Array, "b"] | None,
-               num_loops: int, calib: Any) -> CallContext:
-    """Validate a forward call and build its `CallContext`.
+               num_loops: int, calib: CacheCalib | None) -> CallContext:
+    """Check a forward call's shapes, loop count and calibration (at trace time), and build its context.
 
     `num_new[b]` (default T) is how many of row b's T tokens are real; the rest are padding. Raises
-    ValueError when the tokens do not fit in the cache or the loop count differs from the cache's.
+    ValueError for a bad shape or loop count, a loop count that differs from the cache's, or a missing
+    or mismatched calibration. Value checks are `check_values`'s, made on the host before compiling.
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+    if isinstance(num_loops, bool) or not isinstance(num_loops, int) or num_loops < 1:
+        raise ValueError(f"the loop count must be a positive integer, got {num_loops!r}")
     b, t = tokens.shape
     num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
     if num_new.shape != (b,):
@@ -68,20 +141,41 @@ def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Ar
             raise ValueError(f"cache was built for {cache.num_loops} loops, this call runs {num_loops}")
         if t > cache.max_len:
             raise ValueError(f"{t} tokens do not fit in a cache of max_len {cache.max_len}")
-        try:  # checkable only outside jit; inside, `scatter_tokens` drops what does not fit
-            end = int(jnp.max(cache.lengths + num_new))
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-            end = 0
+        check_calib(cache, calib or CacheCalib())
+    return CallContext.build(cache, num_new, t, calib)
+
+
+def check_values(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Array, "b"] | None,
+                 vocab_size: int) -> None:
+    """Host-side value checks of an un-jitted call: token ids inside the vocabulary and no tokens past
+    the cache's end (inside a compiled program neither can raise, so `run` and the Sampler check first)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got ids from {tokens.min()} to {tokens.max()}")
+    if cache is not None and tokens.ndim == 2:
+        if tokens.shape[1] > cache.max_len:
+            raise ValueError(f"{tokens.shape[1]} tokens do not fit in a cache of max_len {cache.max_len}")
+        new = tokens.shape[1] if num_new is None else np.asarray(num_new)
+        end = int(np.max(np.asarray(cache.lengths) + new))
         if end > cache.max_len:
             raise ValueError(f"prompt plus cached tokens ({end}) exceed the cache's max_len {cache.max_len}")
-    return CallContext(cache, num_new, t, calib)
 
 
-def attend(ctx: CallContext, group: Group, loop: int, layer: int, q: Float[Array, "b t h d"],
-           k: Float[Array, "b t k d"], v: Float[Array, "b t k d"]) -> Float[Array, "b t e"]:
-    """Attention of RoPE'd q over the slot's past and this call's k/v; returns heads merged [B, T, H·D]."""
-    o = ctx.attend(group, loop, layer, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-    return o.reshape(*o.shape[:2], -1)
+def run(model: "LoopedModule", tokens, cache: KVCache | None, dynamic: dict[str, Any],
+        static: dict[str, Any]) -> ModelOutput:
+    """A model call: traced inputs (inside the caller's jit, grad, scan ...) run `model._forward`
+    directly; concrete ones are checked on the host (`check_values`) and run compiled, once per shape
+    and static configuration. `dynamic` holds array arguments, `static` hashable ones."""
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((tokens, cache, dynamic)))
+    if not concrete:
+        return model._forward(tokens, cache, **dynamic, **static)
+    check_values(tokens, cache, dynamic.get("num_new"), model.config.vocab_size)
+    return _compiled(model, jnp.asarray(tokens), cache, dynamic, tuple(sorted(static.items())))
+
+
+@functools.partial(nnx.jit, static_argnames="static")
+def _compiled(model, tokens, cache, dynamic, static):
+    return model._forward(tokens, cache, **dynamic, **dict(static))
 
 
 def take_last(x: Float[Array, "... b t e"], num_new: Int[Array, "b"]) -> Float[Array, "... b e"]:

@@ -7,7 +7,8 @@
 
 Sandwich blocks norm the residual sum: x = n2(x + attn(n1(x))); x = n4(x + mlp(n3(x))).
 Cache slots: core step t, block j → looped slot (t, j); prelude p → plain slot p; coda c → plain
-slot num_prelude + c.
+slot num_prelude + c. The loop count is `num_loops` as in Ouro; `num_steps`, the reference's name, is
+accepted as an alias.
 
 Adaptive compute (`AdaptiveExit`): each token stops its recurrence once a convergence criterion
 fires; its later steps' K/V repeat those of its last computed step (the reference's `latest-m4`
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from rq_jax.cache.kv import CallContext, Group, KVCache
+from rq_jax.cache.kv import KV, CallContext, KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_interleaved
@@ -94,23 +95,15 @@ def _exit_fires(rule: AdaptiveExit, tracker: _ExitTracker, logits: Float[Array, 
     return stable >= rule.threshold, tracker._replace(argmax=argmax, stable=stable)
 
 
-class _FrozenKV:
-    """A `CallContext` view that keeps exited tokens' K/V at their last computed values.
+def _frozen(attend: common.Attend, exited: Bool[Array, "b t"], prev: KV) -> common.Attend:
+    """`attend` with exited tokens' K/V replaced by `prev` ([B, K, T, D] each, their K/V of the previous
+    step: by induction their last computed step, the reference's `latest-m4`), for the attention of the
+    other tokens and for storage."""
+    def call(q, k, v):
+        frozen = exited[:, None, :, None]
+        return attend(q, jnp.where(frozen, prev[0], k), jnp.where(frozen, prev[1], v))
 
-    While `exited` [B, T] is set, an attention call for looped slot (t, j) records, for exited tokens,
-    the in-flight K/V of slot (t − 1, j) (by induction their last computed step: `latest-m4`), and a
-    plain (coda) slot keeps its previous in-flight K/V. Other tokens of the call attend to those.
-    """
-
-    def __init__(self, ctx: CallContext):
-        self.ctx, self.exited = ctx, None
-
-    def attend(self, group: Group, loop: int, layer: int, q, k, v):
-        prev = self.ctx.inflight.get((group, loop - 1, layer) if group == "looped" else (group, loop, layer))
-        if self.exited is not None and prev is not None:
-            frozen = self.exited[:, None, :, None]
-            k, v = jnp.where(frozen, prev[0], k), jnp.where(frozen, prev[1], v)
-        return self.ctx.attend(group, loop, layer, q, k, v)
+    return call
 
 
 class HuginnAttention(nnx.Module):
@@ -123,7 +116,8 @@ class HuginnAttention(nnx.Module):
         self.proj = linear(c.hidden_size, c.hidden_size, **kw)
         self.shape = (c.num_heads, c.num_kv_heads, c.head_dim)
 
-    def __call__(self, x, angles, ctx: CallContext, group: Group, loop: int, layer: int):
+    def __call__(self, x, angles, attend: common.Attend):
+        """x [B, T, E] → (output [B, T, E], the stored K/V [B, K, T, D] each)."""
         h, k, d = self.shape
         bt = x.shape[:2]
         q, key, value = jnp.split(self.Wqkv(x), [h * d, (h + k) * d], axis=-1)
@@ -132,7 +126,8 @@ class HuginnAttention(nnx.Module):
             bias = self.qk_bias[...].astype(x.dtype)
             q, key = q + bias[0], key + bias[1]
         q, key = rope_interleaved(q, angles), rope_interleaved(key, angles)
-        return self.proj(common.attend(ctx, group, loop, layer, q, key, value))
+        o, kv = attend(q, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3))
+        return self.proj(o.reshape(*bt, h * d)), kv
 
 
 class HuginnMLP(nnx.Module):
@@ -158,9 +153,11 @@ class SandwichBlock(nnx.Module):
         self.attn = HuginnAttention(c, **kw)
         self.mlp = HuginnMLP(c, **kw)
 
-    def __call__(self, x, angles, ctx: CallContext, group: Group, loop: int, layer: int):
-        x = self.norm_2(x + self.attn(self.norm_1(x), angles, ctx, group, loop, layer))
-        return self.norm_4(x + self.mlp(self.norm_3(x)))
+    def __call__(self, x, angles, attend: common.Attend):
+        """x [B, T, E] → (x [B, T, E], the stored K/V)."""
+        a, kv = self.attn(self.norm_1(x), angles, attend)
+        x = self.norm_2(x + a)
+        return self.norm_4(x + self.mlp(self.norm_3(x))), kv
 
 
 class Huginn(common.LoopedModule):
@@ -172,10 +169,10 @@ class Huginn(common.LoopedModule):
         c = self.config = config
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.wte, self.lm_head = common.embedding_and_head(c, **kw)
-        self.prelude = nnx.List([SandwichBlock(c, **kw) for _ in range(c.num_prelude)])
+        self.prelude = common.stacked(lambda: SandwichBlock(c, **kw), c.num_prelude)
         self.adapter = linear(2 * c.hidden_size, c.hidden_size, std=c.init_std, **kw)
-        self.core_block = nnx.List([SandwichBlock(c, **kw) for _ in range(c.num_layers)])
-        self.coda = nnx.List([SandwichBlock(c, **kw) for _ in range(c.num_coda)])
+        self.core_block = common.stacked(lambda: SandwichBlock(c, **kw), c.num_layers)
+        self.coda = common.stacked(lambda: SandwichBlock(c, **kw), c.num_coda)
         self.ln_f = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
 
     def head(self, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
@@ -192,77 +189,113 @@ class Huginn(common.LoopedModule):
         return (noise * self.config.embed_scale).astype(embeds.dtype)
 
     def __call__(self, tokens: Int[Array, "b t"], cache: KVCache | None = None, *,
-                 num_new: Int[Array, "b"] | None = None, num_steps: int | None = None,
-                 rng: jax.Array | None = None, init_scale: float = 1.0, last_only: bool = False,
-                 calib: Any = None, adaptive: AdaptiveExit | None = None) -> common.ModelOutput:
-        """Run `num_steps` core steps (default the config's mean recurrence) over tokens [B, T].
+                 num_new: Int[Array, "b"] | None = None, num_loops: int | None = None,
+                 num_steps: int | None = None, rng: jax.Array | None = None, init_scale: float = 1.0,
+                 last_only: bool = False, calib: Any = None,
+                 adaptive: AdaptiveExit | None = None) -> common.ModelOutput:
+        """Run `num_loops` core steps (default the config's mean recurrence) over tokens [B, T].
 
-        The initial latent state is zeros unless `rng` is given. With a cache, token t of row b sits at
-        position cache.lengths[b] + t and the first num_new[b] tokens are written. Returns logits
-        [B, T, V] ([B, V] with `last_only`), the new cache, and extras `latents` [B, T, E] (ln_f of
-        the final state, the coda's input).
+        `num_steps` is the reference's name for `num_loops` (give one). The initial latent state is
+        zeros unless `rng` is given. With a cache, token t of row b sits at position cache.lengths[b] + t
+        and the first num_new[b] tokens are written. Returns logits [B, T, V] ([B, V] with
+        `last_only`), the new cache, and extras `latents` [B, T, E] (ln_f of the final state, the
+        coda's input).
 
         With `adaptive`, every token stops at the step where its criterion fires (see
         `AdaptiveExit`): its state, logits and K/V stay those of that step, its later looped slots
         hold its last computed step's K/V, and extras add `steps_used` [B, T] int32 (core steps each
-        token computed, 1..num_steps). All steps still run for the batch (static shapes) and the coda
+        token computed, 1..num_loops). All steps still run for the batch (static shapes) and the coda
         and head run after every step to evaluate the criterion. It is meant for decode (T = 1), as in
         the reference; with T > 1 tokens exit independently, and a token's criterion at step i sees
         the other tokens of the call at step i (or frozen at their exit).
         """
+        if num_steps is not None and num_loops is not None and num_steps != num_loops:
+            raise ValueError(f"num_steps ({num_steps}) is an alias of num_loops ({num_loops}): give one")
+        num_loops = next((n for n in (num_loops, num_steps) if n is not None), self.config.num_loops)
+        return common.run(self, tokens, cache, dict(num_new=num_new, calib=calib, rng=rng),
+                          dict(num_loops=num_loops, init_scale=init_scale, last_only=last_only, adaptive=adaptive))
+
+    def _forward(self, tokens, cache, *, num_new, num_loops, rng, init_scale, last_only, calib,
+                 adaptive) -> common.ModelOutput:
         c = self.config
-        num_steps = num_steps or c.num_loops
-        ctx = common.start_call(tokens, cache, num_new, num_steps, calib)
-        angles = rope_angles(ctx.positions(), c.head_dim, c.rope_theta)
+        ctx = common.start_call(tokens, cache, num_new, num_loops, calib)
+        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
         e = self.wte(tokens) * jnp.asarray(c.embed_scale, self.wte.dtype)
-        for p, block in enumerate(self.prelude):
-            e = block(e, angles, ctx, "plain", 0, p)
+        prelude_kv = None
+        if self.prelude is not None:
+            e, prelude_kv = self._plain(self.prelude, 0, e, angles, ctx)
         s = self.initial_state(e, rng, init_scale)
+        segments = ctx.segments("looped", num_loops)
         if adaptive is not None:
-            s, logits, steps_used = self._adaptive_steps(e, s, angles, ctx, num_steps, adaptive)
-            if last_only:
-                logits = common.take_last(logits, ctx.num_new)
-            return common.ModelOutput(logits, ctx.finish(), dict(latents=self.ln_f(s), steps_used=steps_used))
-        for step in range(num_steps):
-            s = self.adapter(jnp.concatenate([s, e], axis=-1))
-            for j, block in enumerate(self.core_block):
-                s = block(s, angles, ctx, "looped", step, j)
-        logits = self.predict_from_latents(s, angles, ctx, ctx.num_new if last_only else None)
-        return common.ModelOutput(logits, ctx.finish(), dict(latents=self.ln_f(s)))
+            s, logits, steps_used, looped_kv, coda_kv = self._adaptive(e, s, angles, ctx, segments, adaptive)
+            extras = dict(latents=self.ln_f(s), steps_used=steps_used)
+        else:
+            def step(s, seg, g, r):
+                return self._core(s, e, angles, ctx, seg, g, r)
 
-    def predict_from_latents(self, s: Float[Array, "b t e"], angles, ctx,
-                             last_of: Int[Array, "b"] | None = None) -> Float[Array, "b t v"]:
-        """Logits [B, T, V] float32 from core states [B, T, E]: ln_f → coda → ln_f → head.
+            s, looped_kv = common.run_loops(segments, s, step)
+            x, coda_kv = self._coda(s, angles, ctx)
+            logits = self.head(common.take_last(x, ctx.num_new) if last_only else x)
+            extras = dict(latents=self.ln_f(s))
+        if last_only and adaptive is not None:
+            logits = common.take_last(logits, ctx.num_new)
+        plain_kv = [kv for kv in (prelude_kv, coda_kv) if kv is not None]
+        plain_kv = tuple(jnp.concatenate(x)[None, None] for x in zip(*plain_kv)) if plain_kv else None
+        return common.ModelOutput(logits, ctx.finish(looped_kv, plain_kv), extras)
 
-        With `last_of` (tokens per row), only each row's last real token goes through the head: [B, V].
-        """
+    def _plain(self, blocks: nnx.Module, first: int, x, angles, ctx: CallContext, frozen=None):
+        """x through prelude or coda blocks (plain slots `first` + i): (x, K/V [N, B, K, T, D] each).
+        `frozen` = (exited [B, T], previous K/V [N, B, K, T, D] each) holds exited tokens' K/V."""
+        def block(module, i, x, prev):
+            attend = common.slot_attend(ctx, "plain", 0, (0, first + i), 0)
+            return module(x, angles, attend if frozen is None else _frozen(attend, frozen[0], prev))
+
+        return common.scan_layers(blocks, x, block, None if frozen is None else frozen[1])
+
+    def _core(self, s, e, angles, ctx: CallContext, seg: int, g, r: int, frozen=None):
+        """One recurrence step from state s: adapter, then the core blocks (looped slots of segment
+        `seg`, group g, position r). Returns the new state and the K/V [N, B, K, T, D] each."""
+        s = self.adapter(jnp.concatenate([s, e], axis=-1))
+
+        def block(module, i, s, prev):
+            attend = common.slot_attend(ctx, "looped", seg, (g, i), r)
+            return module(s, angles, attend if frozen is None else _frozen(attend, frozen[0], prev))
+
+        return common.scan_layers(self.core_block, s, block, None if frozen is None else frozen[1])
+
+    def _coda(self, s, angles, ctx: CallContext, frozen=None):
+        """ln_f then the coda blocks: the head's input [B, T, E] and the coda's K/V (None without coda)."""
         x = self.ln_f(s)
-        for i, block in enumerate(self.coda):
-            x = block(x, angles, ctx, "plain", 0, self.config.num_prelude + i)
-        return self.head(x if last_of is None else common.take_last(x, last_of))
+        if self.coda is None:
+            return x, None
+        return self._plain(self.coda, self.config.num_prelude, x, angles, ctx, frozen)
 
-    def _adaptive_steps(self, e: Float[Array, "b t e"], s: Float[Array, "b t e"], angles, ctx: CallContext,
-                        num_steps: int, rule: AdaptiveExit):
+    def _adaptive(self, e, s, angles, ctx: CallContext, segments, rule: AdaptiveExit):
         """The core recurrence with per-token exit: final states [B, T, E] (frozen at exit), logits
-        [B, T, V] of each token's exit step (else the last), and steps used [B, T] int32."""
-        view = _FrozenKV(ctx)
-        bt = e.shape[:2]
-        exited, steps_used = jnp.zeros(bt, bool), jnp.zeros(bt, jnp.int32)
-        vocab = self.config.vocab_size
-        tracker = _ExitTracker(jnp.full((*bt, vocab), -math.log(vocab), jnp.float32), jnp.full(bt, 100.0),
-                               jnp.full(bt, -1, jnp.int32), jnp.zeros(bt, jnp.int32))
-        logits = None
-        for step in range(num_steps):
-            view.exited = exited if step else None
-            s_new = self.adapter(jnp.concatenate([s, e], axis=-1))
-            for j, block in enumerate(self.core_block):
-                s_new = block(s_new, angles, view, "looped", step, j)
-            step_logits = self.predict_from_latents(s_new, angles, view)
+        [B, T, V] of each token's exit step (else the last), steps used [B, T] int32, the looped K/V
+        per segment and the coda's K/V."""
+        c = self.config
+        b, t = e.shape[:2]
+        vocab = c.vocab_size
+        kv_zeros = lambda n: (jnp.zeros((n, b, c.num_kv_heads, t, c.head_dim), e.dtype),) * 2  # noqa: E731
+        tracker = _ExitTracker(jnp.full((b, t, vocab), -math.log(vocab), jnp.float32), jnp.full((b, t), 100.0),
+                               jnp.full((b, t), -1, jnp.int32), jnp.zeros((b, t), jnp.int32))
+        carry = (s, jnp.zeros((b, t), bool), jnp.zeros((b, t), jnp.int32), tracker,
+                 jnp.zeros((b, t, vocab), jnp.float32), kv_zeros(c.num_layers), kv_zeros(c.num_coda))
+
+        def step(carry, seg, g, r):
+            s, exited, steps_used, tracker, logits, core_kv, coda_kv = carry
+            s_new, core_kv = self._core(s, e, angles, ctx, seg, g, r, frozen=(exited, core_kv))
+            x, new_coda = self._coda(s_new, angles, ctx, frozen=(exited, coda_kv))
+            step_logits = self.head(x)
             keep = exited[..., None]
-            logits = step_logits if logits is None else jnp.where(keep, logits, step_logits)
+            logits = jnp.where(keep, logits, step_logits)
             steps_used = steps_used + (~exited).astype(jnp.int32)
-            if step < num_steps - 1:  # an exit after the last step changes nothing
-                fires, tracker = _exit_fires(rule, tracker, step_logits, s, s_new)
-                exited = exited | fires
+            fires, tracker = _exit_fires(rule, tracker, step_logits, s, s_new)  # after the last step: unused
             s = jnp.where(keep, s, s_new)
-        return s, logits, steps_used
+            coda_kv = coda_kv if new_coda is None else new_coda
+            return (s, exited | fires, steps_used, tracker, logits, core_kv, coda_kv), core_kv
+
+        carry, looped_kv = common.run_loops(segments, carry, step)
+        s, _, steps_used, _, logits, _, coda_kv = carry
+        return s, logits, steps_used, looped_kv, (coda_kv if self.coda is not None else None)

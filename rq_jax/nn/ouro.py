@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from rq_jax.cache.kv import CallContext, KVCache
+from rq_jax.cache.kv import KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_half
@@ -66,13 +66,15 @@ class OuroAttention(nnx.Module):
         self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, **kw)
         self.shape = (c.num_heads, c.num_kv_heads, c.head_dim)
 
-    def __call__(self, x, angles, ctx: CallContext, loop: int, layer: int):
+    def __call__(self, x, angles, attend: common.Attend):
+        """x [B, T, E] → (output [B, T, E], the stored K/V [B, K, T, D] each)."""
         h, k, d = self.shape
         bt = x.shape[:2]
         q = rope_half(self.q_proj(x).reshape(*bt, h, d), angles)
         key = rope_half(self.k_proj(x).reshape(*bt, k, d), angles)
         value = self.v_proj(x).reshape(*bt, k, d)
-        return self.o_proj(common.attend(ctx, "looped", loop, layer, q, key, value))
+        o, kv = attend(q, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3))
+        return self.o_proj(o.reshape(*bt, h * d)), kv
 
 
 class OuroMLP(nnx.Module):
@@ -99,9 +101,11 @@ class OuroLayer(nnx.Module):
         self.input_layernorm, self.input_layernorm_2 = norm(), norm()
         self.post_attention_layernorm, self.post_attention_layernorm_2 = norm(), norm()
 
-    def __call__(self, x, angles, ctx: CallContext, loop: int, layer: int):
-        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), angles, ctx, loop, layer))
-        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+    def __call__(self, x, angles, attend: common.Attend):
+        """x [B, T, E] → (x [B, T, E], the stored K/V)."""
+        a, kv = self.self_attn(self.input_layernorm(x), angles, attend)
+        x = x + self.input_layernorm_2(a)
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x))), kv
 
 
 class Ouro(common.LoopedModule):
@@ -113,7 +117,7 @@ class Ouro(common.LoopedModule):
         c = self.config = config
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens, self.lm_head = common.embedding_and_head(c, **kw)
-        self.layers = nnx.List([OuroLayer(c, **kw) for _ in range(c.num_layers)])
+        self.layers = common.stacked(lambda: OuroLayer(c, **kw), c.num_layers)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.early_exit_gate = linear(c.hidden_size, 1, bias=True, std=c.init_std, **kw)
 
@@ -133,20 +137,28 @@ class Ouro(common.LoopedModule):
         extras `hidden_steps` [L, B, T, E], `gate_logits` [L, B, T], `exit_steps` [B, T]. Ouro is
         deterministic: `rng` is accepted for a signature shared with Huginn and unused.
         """
+        return common.run(self, tokens, cache, dict(num_new=num_new, calib=calib, rng=rng),
+                          dict(num_loops=num_loops, exit=exit, last_only=last_only))
+
+    def _forward(self, tokens, cache, *, num_new, num_loops, exit, last_only, calib, rng) -> common.ModelOutput:
+        del rng  # Ouro is deterministic
         c = self.config
-        num_loops = num_loops or c.num_loops
+        num_loops = c.num_loops if num_loops is None else num_loops
         exit = exit or ExitRule("threshold", c.early_exit_threshold)
         ctx = common.start_call(tokens, cache, num_new, num_loops, calib)
-        angles = rope_angles(ctx.positions(), c.head_dim, c.rope_theta)
-        h = self.embed_tokens(tokens)
-        hidden, gates = [], []
-        for loop in range(num_loops):
-            for i, layer in enumerate(self.layers):
-                h = layer(h, angles, ctx, loop, i)
+        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
+
+        def loop(h, seg, g, r):
+            def layer(module, i, h, _):
+                return module(h, angles, common.slot_attend(ctx, "looped", seg, (g, i), r))
+
+            h, kv = common.scan_layers(self.layers, h, layer)
             h = self.norm(h)
-            hidden.append(h)
-            gates.append(self.early_exit_gate(h)[..., 0].astype(jnp.float32))
-        hidden, gates = jnp.stack(hidden), jnp.stack(gates)
+            return h, (h, self.early_exit_gate(h)[..., 0].astype(jnp.float32), kv)
+
+        h, outs = common.run_loops(ctx.segments("looped", num_loops), self.embed_tokens(tokens), loop)
+        hidden, gates = common.flatten_loops(tuple(o[:2] for o in outs))
+        new_cache = ctx.finish(tuple(o[2] for o in outs), None)
         pdf = exit_distribution(gates)
         steps = jnp.broadcast_to(jnp.int32(0), pdf.shape[1:])
         if exit.kind == "weighted":
@@ -162,4 +174,4 @@ class Ouro(common.LoopedModule):
         if last_only:
             chosen = common.take_last(chosen, ctx.num_new)
         extras = dict(hidden_steps=hidden, gate_logits=gates, exit_pdf=pdf, exit_steps=steps)
-        return common.ModelOutput(self.head(chosen), ctx.finish(), extras)
+        return common.ModelOutput(self.head(chosen), new_cache, extras)

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
+
+from rq_jax.quant import affine
 
 _PER_BYTE = {1: 8, 2: 4, 4: 2, 8: 1}
 
@@ -90,3 +93,38 @@ def unpack(packed: jax.Array, bits: int, dim: int) -> jax.Array:
     return jnp.concatenate(
         [(packed >> (k * bits)) & mask for k in range(_PER_BYTE[bits])], axis=-1
     )
+
+
+@struct.dataclass
+class PackedCodes:
+    """Affine-quantized vectors as stored: packed codes with their metadata, carrying their own width.
+
+    codes:  uint8 ``[..., packed_dim(dim, bits)]`` (bfloat16 ``[..., dim]`` at 16 bits).
+    scale, offset: ``[..., dim // group_size]`` in the metadata dtype (``[..., 0]`` at 16 bits).
+    ``bits``, ``dim`` and ``group_size`` are static (part of the pytree structure, not leaves).
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    offset: jax.Array
+    bits: int = struct.field(pytree_node=False)
+    dim: int = struct.field(pytree_node=False)
+    group_size: int = struct.field(pytree_node=False)
+
+    @classmethod
+    def from_quantized(cls, q: affine.Quantized, cfg: affine.QuantConfig) -> "PackedCodes":
+        """Pack ``affine.quantize``'s output ``[..., D]`` (the metadata is kept as it is)."""
+        return cls(pack(q.codes, cfg.bits), q.scale, q.offset, cfg.bits, q.codes.shape[-1], cfg.group_size)
+
+    def unpacked(self) -> affine.Quantized:
+        """The unpacked codes ``[..., dim]`` with their metadata."""
+        return affine.Quantized(unpack(self.codes, self.bits, self.dim), self.scale, self.offset)
+
+    def dequantize(self) -> jax.Array:
+        """The stored vectors ``[..., dim]`` in float32 (``offset + scale * code`` per group)."""
+        cfg = affine.QuantConfig(self.bits, self.group_size, meta_dtype=self.scale.dtype)
+        return affine.dequantize(self.unpacked(), cfg)
+
+    def map(self, fn) -> "PackedCodes":
+        """The same codes with ``fn`` applied to every array (e.g. indexing a slot out of a stack)."""
+        return jax.tree_util.tree_map(fn, self)
