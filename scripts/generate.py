@@ -66,6 +66,7 @@ def cache_policy(args) -> dict:
 
 
 def main(argv=None):
+    """Run the command line; returns the `Generation` it printed."""
     args = parse_args(argv)
     source = args.checkpoint or os.path.relpath(os.path.join(SHIPPED, f"{args.model}-small"))
     model, folder = checkpoint.load(source, dtype=jnp.dtype(args.dtype))
@@ -87,7 +88,7 @@ def main(argv=None):
             sys.exit("generate.py: --exit-criterion is for Huginn")
         kwargs = dict(num_loops=args.loops)
     else:
-        kwargs = dict(num_steps=args.loops, init_scale=1.0 if args.init_state == "random" else 0.0)
+        kwargs = dict(num_loops=args.loops, init_scale=1.0 if args.init_state == "random" else 0.0)
         if args.exit_criterion:
             kwargs["decode_kwargs"] = dict(adaptive=AdaptiveExit(args.exit_criterion, args.exit_threshold))
     try:
@@ -114,6 +115,7 @@ def main(argv=None):
     nbytes = cache_nbytes(out.cache)
     print(f"KV cache ({args.cache}, looped layers at {bits:.4g} bits/element): {nbytes:,} bytes for "
           f"{out.cache.max_len} positions (dense bf16 would take {dense_bytes:,}: {nbytes / dense_bytes:.1%})")
+    return out
 
 
 if __name__ == "__main__":

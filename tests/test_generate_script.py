@@ -1,11 +1,21 @@
 """scripts/generate.py runs end to end on the shipped checkpoints."""
 
+import ast
 import importlib.util
 import pathlib
+import re
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from rq_jax import checkpoint
+from rq_jax.cache import cache_nbytes
+from rq_jax.sampling import Sampler, SamplingConfig
+from rq_jax.tokenizer import load_tokenizer
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "generate.py"
+SHIPPED = SCRIPT.parents[1] / "checkpoints"
 
 
 def load_script():
@@ -15,22 +25,55 @@ def load_script():
     return module
 
 
+def printed(out: str, pattern: str) -> tuple[str, ...]:
+    match = re.search(pattern, out)
+    assert match, f"{pattern!r} not in {out!r}"
+    return match.groups()
+
+
 @pytest.mark.parametrize("model,extra", [("huginn", ["--num-steps", "4"]), ("ouro", ["--dtype", "bfloat16"])])
-def test_generate_prints_text_speed_and_bytes(model, extra, capsys):
-    load_script().main(["--model", model, "--max-new-tokens", "4", "--prompt", "Hello", *extra])
+def test_generate_prints_the_library_tokens_and_exact_bytes(model, extra, capsys):
+    """The printed text is the Sampler's greedy tokens decoded; the printed bytes are the dense bf16
+    cache's: 2 (K, V) · loops · layers · kv heads · positions · head dim · 2 bytes (+ Huginn's plain layers)."""
+    script = load_script()
+    gen = script.main(["--model", model, "--max-new-tokens", "4", "--prompt", "Hello", *extra])
     out = capsys.readouterr().out
     assert f"checkpoints/{model}-small" in out and "random initialisation" in out
-    assert "generated:" in out and "tok/s" in out
-    assert "KV cache (dense, looped layers at 16 bits/element):" in out and "dense bf16 would take" in out
+    folder = SHIPPED / f"{model}-small"
+    lm, _ = checkpoint.load(folder, dtype=jnp.dtype(extra[1]) if extra[0] == "--dtype" else jnp.float32)
+    tokenizer = load_tokenizer(folder)
+    kw = dict(num_loops=4, init_scale=1.0) if model == "huginn" else {}
+    prompt = tokenizer.encode("Hello").ids
+    stops = tuple(i for i in map(tokenizer.token_to_id, script.STOP_STRINGS) if i is not None)
+    library = Sampler(lm, SamplingConfig(max_new_tokens=4, stop_tokens=stops), **kw)([prompt])
+    np.testing.assert_array_equal(gen.tokens, library.tokens)
+    (text,) = printed(out, r"generated: (.*)\n")
+    assert ast.literal_eval(text) == tokenizer.decode(library.tokens[0, : int(library.num_generated[0])].tolist())
+    nbytes, positions, dense = (int(x.replace(",", "")) for x in printed(
+        out, r"KV cache \(dense, looped layers at 16 bits/element\): ([\d,]+) bytes for (\d+) positions "
+             r"\(dense bf16 would take ([\d,]+)"))
+    c = lm.config
+    loops = 4 if model == "huginn" else c.num_loops
+    assert positions == len(prompt) + 4
+    assert nbytes == dense == 2 * (loops * c.num_layers + c.num_plain_layers) * c.num_kv_heads * positions * c.head_dim * 2
+    assert printed(out, r"prefill: ([\d,.]+) tok/s")[0] != "0.0"
 
 
 @pytest.mark.parametrize("cache", [["--cache", "residual"], ["--cache", "uniform", "--bits", "2", "--group-size", "16"],
                                    ["--cache", "rotated", "--rotation", "random"], ["--cache", "kivi"],
                                    ["--cache", "residual_vq"]])
 def test_generate_with_compressed_caches(cache, capsys):
-    load_script().main(["--model", "ouro", "--max-new-tokens", "3", *cache])
+    """Printed bytes equal the arrays' own; for the loop formats also the toolbox's bits per element."""
+    gen = load_script().main(["--model", "ouro", "--max-new-tokens", "3", *cache])
     out = capsys.readouterr().out
-    assert f"KV cache ({cache[1]}, looped layers at" in out and "generated:" in out
+    bits, nbytes = printed(out, rf"KV cache \({cache[1]}, looped layers at ([\d.]+) bits/element\): ([\d,]+) bytes")
+    nbytes = int(nbytes.replace(",", ""))
+    assert nbytes == cache_nbytes(gen.cache)
+    if cache[1] in ("residual", "uniform", "rotated"):
+        c = gen.cache
+        elements = 2 * c.num_loops * 2 * 4 * c.max_len * 32  # K and V · loops · layers · kv heads · S · D
+        assert nbytes == float(bits) * elements / 8
+    assert len(gen.tokens[0]) == 3
 
 
 def test_bad_cache_policy_is_reported():

@@ -2,7 +2,10 @@
 
 import importlib.util
 import json
+import math
 import pathlib
+
+from rq_jax.cache import get_format
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 
@@ -14,14 +17,34 @@ def run_script(name, argv):
     module.main(argv)
 
 
-def test_bench_decode_writes_a_row_per_format(tmp_path):
+def test_bench_decode_rows_match_the_accounting(tmp_path):
+    """One row per format, finite positive times, and bytes equal to the toolbox's bits per element
+    (kivi adds its full-precision open key group: bf16 [L, N, B, K, g, D])."""
     out = tmp_path / "bench.json"
     run_script("bench_decode", ["--context", "32", "--heads", "2", "--head-dim", "32", "--layers", "1",
                                 "--repeats", "1", "--json", str(out)])
+    rows = {r["format"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["dense bf16", "uniform INT2", "rotated INT2", "kivi INT2", "residual [2,2,2,4]"]
+    assert all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in rows.values())
+    elements = 2 * 4 * 1 * 1 * 2 * 33 * 32  # K and V · loops · layers · batch · kv heads · positions · D
+    for label, name in (("dense bf16", "dense"), ("uniform INT2", "uniform"), ("rotated INT2", "rotated"),
+                        ("residual [2,2,2,4]", "residual")):
+        assert rows[label]["nbytes"] == get_format(name).bits_per_element(4, 32) * elements / 8, label
+    # kivi per (loop, kv head): 2-bit key codes of the one complete group of g = 32 tokens, its fp8
+    # scale/offset per channel, the bf16 open group [g, D], 2-bit value codes of all 33 positions and
+    # their fp8 scale/offset per 32 channels.
+    s, g, d = 33, 32, 32
+    assert rows["kivi INT2"]["nbytes"] == 4 * 2 * (g * d // 4 + 2 * d + g * d * 2 + s * d // 4 + 2 * s * d // 32)
+
+
+def test_bench_compile_table(tmp_path):
+    out = tmp_path / "compile.json"
+    run_script("bench_compile", ["--models", "ouro-1.4b", "--formats", "dense", "--width", "32", "--head-dim", "16",
+                                 "--context", "8", "--repeats", "1", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [r["format"] for r in rows][0] == "dense bf16" and len(rows) == 5
-    assert all(r["ms"] > 0 for r in rows)
-    assert rows[-1]["nbytes"] < rows[0]["nbytes"] / 3  # ResidualQuant vs dense bf16
+    assert [(r["depth"], r["layers"], r["loops"]) for r in rows] == [("half", 12, 4), ("full", 24, 4)]
+    assert all(math.isfinite(r["first_s"]) and r["first_s"] > 0 and r["step_ms"] > 0 for r in rows)
+    assert rows[1]["full_over_half"] == rows[1]["first_s"] / rows[0]["first_s"]
 
 
 def test_kv_error_table(tmp_path):

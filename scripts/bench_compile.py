@@ -1,0 +1,106 @@
+"""Compile time of one jitted decode step at real depth and reduced width; prints a table, writes JSON.
+
+    python scripts/bench_compile.py [--json out.json]
+
+For Ouro-1.4B's depth (24 layers × 4 loops) and Huginn-0125's (2 prelude + 4 core + 2 coda blocks,
+32 recurrence steps), at full and half depth, a randomly initialised model of reduced width decodes one
+token against a `--context`-token cache, with the `dense` and `residual` formats. "first call" is trace
++ compile + one run of a fresh `jax.jit`; "step" the median of later calls. The "before" column is the unrolled engine's first call measured on this 2-core
+CPU when the scan engine was proposed (issue 7); the scan engine's trace does not grow with depth.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rq_jax.cache import default_calib, get_format
+from rq_jax.config import ModelConfig
+from rq_jax.models import init_model
+
+#: First-call seconds of the unrolled engine (issue 7), full depth, by (model, format).
+BEFORE = {("ouro-1.4b", "dense"): 28.0, ("ouro-1.4b", "residual"): 46.0,
+          ("huginn-0125", "dense"): 37.0, ("huginn-0125", "residual"): 32.0}
+
+
+def depth_config(name: str, half: bool, width: int, head_dim: int) -> ModelConfig:
+    """The model's depth (halved with `half`) at a reduced width of `width` = heads · head_dim."""
+    heads = width // head_dim
+    common = dict(vocab_size=512, hidden_size=width, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+                  intermediate_size=2 * width, max_position_embeddings=4096)
+    div = 2 if half else 1
+    if name == "ouro-1.4b":
+        return ModelConfig(family="ouro", num_layers=24 // div, num_loops=4, rope_theta=1e6, **common)
+    return ModelConfig(family="huginn", num_layers=4 // div, num_prelude=2 // div, num_coda=2 // div,
+                       num_loops=32 // div, rope_theta=50000.0, tie_word_embeddings=True, qk_bias=True, **common)
+
+
+def measure(config: ModelConfig, fmt_name: str, context: int, repeats: int) -> dict:
+    """First-call seconds (trace + compile + run) and steady-state milliseconds of one decode step."""
+    model = init_model(config)
+    graphdef, params = nnx.split(model)
+    fmt = get_format(fmt_name)
+    cache = model.init_cache(1, context + 1, fmt)
+    cache = cache.replace(lengths=jnp.full((1,), context, jnp.int32))
+    calib = default_calib(cache)
+
+    def step(params, tok, cache, calib):
+        return nnx.merge(graphdef, params)(tok, cache, last_only=True, calib=calib).logits
+
+    tok = jnp.zeros((1, 1), jnp.int32)
+    fn = jax.jit(step)
+    start = time.perf_counter()
+    jax.block_until_ready(fn(params, tok, cache, calib))
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(params, tok, cache, calib))
+        times.append(time.perf_counter() - start)
+    return dict(first_s=first, step_ms=1e3 * statistics.median(times))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=256, help="hidden size (heads x head dim)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--models", default="ouro-1.4b,huginn-0125")
+    p.add_argument("--formats", default="dense,residual")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    print(f"width {args.width} (head dim {args.head_dim}), context {args.context}, float32, "
+          f"{jax.devices()[0].platform}, jax {jax.__version__}")
+    print(f"{'model':12s} {'depth':>6s} {'format':9s} {'first call s':>13s} {'step ms':>8s} {'before s':>9s} "
+          f"{'full/half':>10s}")
+    rows = []
+    for name in args.models.split(","):
+        for fmt_name in args.formats.split(","):
+            pair = {}
+            for half in (True, False):
+                config = depth_config(name, half, args.width, args.head_dim)
+                row = dict(model=name, depth="half" if half else "full", format=fmt_name,
+                           layers=config.num_layers + config.num_plain_layers, loops=config.num_loops,
+                           **measure(config, fmt_name, args.context, args.repeats))
+                pair[row["depth"]] = row
+                rows.append(row)
+            pair["full"]["full_over_half"] = pair["full"]["first_s"] / pair["half"]["first_s"]
+            for depth in ("half", "full"):
+                r = pair[depth]
+                before = BEFORE.get((name, fmt_name)) if depth == "full" else None
+                ratio = f"{r['full_over_half']:10.2f}" if depth == "full" else f"{'':10s}"
+                print(f"{name:12s} {depth:>6s} {fmt_name:9s} {r['first_s']:13.2f} {r['step_ms']:8.2f} "
+                      f"{before if before else '':>9} {ratio}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), before=[dict(model=m, format=f, first_s=s) for (m, f), s in BEFORE.items()],
+                           rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
