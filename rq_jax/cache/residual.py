@@ -113,9 +113,33 @@ def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths:
     return base.Partial(acc.reshape(b, t, heads * per_kv, d), m, l)
 
 
-#: Attention implementations over `LoopOperands`, by name. One may raise NotImplementedError (at trace
-#: time) for a configuration it does not cover; `LoopQuant.attend` then falls back to "xla".
-ATTEND_IMPLS: dict[str, Callable[[Array, LoopOperands, Array], base.Partial]] = {"xla": attend_rotated}
+def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
+    """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
+    compiled for Triton on a GPU, run in interpret mode elsewhere. Raises NotImplementedError (at
+    trace time) for configurations the kernel does not cover."""
+    from pallas_kernels import QuantStream, residual_decode_attention
+
+    b, t, heads, per_kv, d = q_rot.shape
+    q = q_rot.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
+    num_layers = ops.k[0].codes.shape[1]
+    slot = ops.index[0] * num_layers + ops.index[1]
+    flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])  # noqa: E731  [G, N, ...] → [G·N, ...]
+    streams = lambda codes: tuple(QuantStream(flat(c.codes), flat(c.scale), flat(c.offset)) for c in codes)  # noqa: E731
+    means = tuple(None if mu is None else jnp.einsum("bkrd,kd->bkr", q, mu) for mu in ops.k_mean)
+    acc, m, l = residual_decode_attention(
+        q, streams(ops.k), streams(ops.v), tuple(map(flat, ops.k_alpha)), tuple(map(flat, ops.v_alpha)),
+        means, lengths, jnp.asarray(slot, jnp.int32), k_bits=tuple(c.bits for c in ops.k),
+        v_bits=tuple(c.bits for c in ops.v), k_group_sizes=tuple(c.group_size for c in ops.k),
+        v_group_sizes=tuple(c.group_size for c in ops.v), interpret=jax.default_backend() != "gpu")
+    rows = lambda x: jnp.moveaxis(x.reshape(b, heads, t, per_kv, *x.shape[3:]), 2, 1).reshape(b, t, heads * per_kv, *x.shape[3:])  # noqa: E731
+    return base.Partial(rows(acc), rows(m), rows(l))
+
+
+#: Attention implementations over `LoopOperands`, by name ("auto": "pallas" on a GPU, else "xla"). One
+#: may raise NotImplementedError (at trace time) for a configuration it does not cover; `LoopQuant.attend`
+#: then falls back to "xla" with a logged reason.
+ATTEND_IMPLS: dict[str, Callable[[Array, LoopOperands, Array], base.Partial]] = {
+    "xla": attend_rotated, "pallas": attend_pallas}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +147,7 @@ class LoopQuant:
     """Loop-group quantization policy (see the module docstring); `name` is its registry name.
 
     `key_means`: `calibrate` fits per-(loop, layer, head) key means in the rotated basis.
-    `attend_impl`: a key of `ATTEND_IMPLS`.
+    `attend_impl`: a key of `ATTEND_IMPLS`, or "auto" (the Pallas kernel on a GPU, XLA elsewhere).
     """
 
     bits: tuple[int, ...] = (2, 2, 2, 4)
@@ -135,7 +159,7 @@ class LoopQuant:
     reference: str = "last"
     rotation_seed: int = 0
     key_means: bool = False
-    attend_impl: str = "xla"
+    attend_impl: str = "auto"
     name: str = "residual"
     needs_calib: bool = dataclasses.field(default=True, init=False)
     needs_data: bool = dataclasses.field(default=False, init=False)
@@ -149,8 +173,8 @@ class LoopQuant:
             raise ValueError(f"{self.name}: group_size {sizes} needs one entry per loop of bits {self.bits}")
         if self.rotation not in rotation.ROTATION_KINDS:
             raise ValueError(f"unknown rotation {self.rotation!r}: expected one of {rotation.ROTATION_KINDS}")
-        if self.attend_impl not in ATTEND_IMPLS:
-            raise ValueError(f"unknown attend_impl {self.attend_impl!r}: available {sorted(ATTEND_IMPLS)}")
+        if self.attend_impl != "auto" and self.attend_impl not in ATTEND_IMPLS:
+            raise ValueError(f"unknown attend_impl {self.attend_impl!r}: available {['auto', *sorted(ATTEND_IMPLS)]}")
         self.group_config(len(self.bits))  # validates bits, group sizes, metadata dtype and reference
 
     @property
@@ -293,10 +317,11 @@ class LoopQuant:
         q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, key_rot.shape[0]).astype(jnp.float32),
                            key_rot, precision=_HI)
         ops = self.operands(state, index, loop, calib)
+        impl = self.attend_impl if self.attend_impl != "auto" else "pallas" if jax.default_backend() == "gpu" else "xla"
         try:
-            part = ATTEND_IMPLS[self.attend_impl](q_rot, ops, lengths)
+            part = ATTEND_IMPLS[impl](q_rot, ops, lengths)
         except NotImplementedError as why:
-            log.warning("%s attend_impl=%r does not cover this slot (%s); using xla", self.name, self.attend_impl, why)
+            log.warning("%s attend_impl=%r does not cover this slot (%s); using xla", self.name, impl, why)
             part = attend_rotated(q_rot, ops, lengths)
         acc = part.acc.reshape(q_rot.shape)
         acc = jnp.einsum("btkqe,ked->btkqd", acc, value_rot, precision=_HI)

@@ -1,0 +1,195 @@
+"""Machinery shared by the decode-attention kernels: Triton-backend compatibility, the split-K plan
+(block sizes per shape), in-kernel helpers, and the log-sum-exp combine of the splits.
+
+Every kernel here is flash-decoding: the grid is (batch, kv head, query-row block, split); each program
+walks its split of the stored sequence tile by tile with an online softmax and writes an unnormalised
+partial (acc, m, l); `combine_splits` merges the splits outside the kernel. The caller merges that
+partial with the current tokens' one (a log-sum-exp merge), so nothing is normalised here.
+
+Triton constraints this module encodes: power-of-two tile shapes; dot operands at least 16 along every
+dimension (query rows are padded to >= 16); no value slicing or concatenation inside a kernel (slice
+refs instead, with masked loads where a slice runs past the real data); scalar prefetch does not exist
+on the Triton backend, so a stacked operand's slot is picked by offsetting its ref inside the kernel
+(`ref.at[slot]`: pointer arithmetic, no copy).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# jax >= 0.11 warns at every Triton-backend lowering that the backend is deprecated; JAX's own Pallas
+# tests filter exactly this message. Nothing else is silenced.
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+warnings.filterwarnings("ignore", category=DeprecationWarning, message=TRITON_DEPRECATION)
+
+_CompilerParams = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+dot = getattr(pltriton, "dot", None) or pl.dot  # pl.dot is deprecated in favour of the triton module's
+load = pltriton.load
+store = pltriton.store
+
+#: Finite "minus infinity" of the running max: a row that saw no valid token keeps m = NEG, l = 0 and
+#: acc = 0, and every merge stays finite (exp(NEG - NEG) = 1 multiplies zeros).
+NEG = -1e30
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    """Triton compiler params. Always passed: without them jax 0.10 routes a GPU pallas_call to Mosaic GPU."""
+    return _CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= max(n, 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# ---- the split-K plan ---------------------------------------------------------------------------------
+
+#: Programs the split count aims for: ~4 per SM of an H100/H200 (132 SMs), so even batch 1 with few kv
+#: heads keeps the whole GPU streaming.
+TARGET_PROGRAMS = 512
+#: A split holds at least this many tiles, so the per-program setup (query pieces, stores) stays small
+#: against its streaming loop.
+MIN_TILES_PER_SPLIT = 4
+#: Query rows per program at most; more rows get more programs along the row-block grid axis.
+MAX_BLOCK_R = 64
+
+
+class DecodePlan(NamedTuple):
+    """Static tiling of one decode-attention call.
+
+    block_s: tokens per tile (the online-softmax step); split_len: tokens per split (a multiple of
+    block_s); num_splits: splits along the sequence (ceil(S / split_len)); block_r: query rows per
+    program (>= 16, a power of two); num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_s: int
+    split_len: int
+    num_splits: int
+    block_r: int
+    num_warps: int
+    num_stages: int
+
+
+def default_block_s(streams: int, head_dim: int) -> int:
+    """Tokens per tile, by the number of packed streams a tile reads and the head dim.
+
+    | kernel                           | block_s |
+    |----------------------------------|---------|
+    | dense, D <= 64                   | 128     |
+    | dense, D > 64                    | 64      |
+    | quantized, one stream per K/V    | 64      |
+    | quantized, a chain of 2+ streams | 32      |
+
+    The quantized kernels keep one accumulator per channel piece and a reconstructed score tile per
+    chain link, so longer chains get shorter tiles to stay within registers. These are starting points
+    chosen without a GPU at hand: `scripts/bench_attention.py --block-s/--num-splits` overrides them
+    for tuning.
+    """
+    if streams == 0:  # dense
+        return 128 if head_dim <= 64 else 64
+    return 64 if streams == 1 else 32
+
+
+def plan_decode(batch: int, kv_heads: int, rows: int, seq_len: int, *, block_s: int,
+                num_splits: int | None = None, block_r: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> DecodePlan:
+    """Choose the split count and row block for a [batch, kv_heads, rows] x seq_len decode call.
+
+    num_splits (default): the power of two that brings batch * kv_heads * row_blocks * splits to
+    about TARGET_PROGRAMS, capped so every split still has MIN_TILES_PER_SPLIT tiles. The plan is
+    static (it depends on the cache capacity, not on the valid lengths): splits past a row's length
+    exit at once.
+    """
+    if block_s < 16 or block_s != next_pow2(block_s):
+        raise NotImplementedError(f"block_s={block_s}: Triton needs a power of two >= 16")
+    block_r = block_r or min(next_pow2(max(rows, 16)), MAX_BLOCK_R)
+    if block_r < 16 or block_r != next_pow2(block_r):
+        raise NotImplementedError(f"block_r={block_r}: Triton needs a power of two >= 16")
+    tiles = max(1, math.ceil(seq_len / block_s))
+    if num_splits is None:
+        programs = batch * kv_heads * math.ceil(rows / block_r)
+        want = next_pow2(math.ceil(TARGET_PROGRAMS / max(programs, 1)))
+        num_splits = max(1, min(want, tiles // MIN_TILES_PER_SPLIT))
+    num_splits = max(1, min(int(num_splits), tiles))
+    split_len = math.ceil(tiles / num_splits) * block_s
+    num_splits = math.ceil(max(seq_len, 1) / split_len)
+    return DecodePlan(block_s, split_len, num_splits, block_r, num_warps or 4, num_stages or 2)
+
+
+# ---- in-kernel helpers ------------------------------------------------------------------------------
+
+
+def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """x as hi + lo, both bfloat16 (lo None when x is bfloat16 already): a float32 operand of a
+    tensor-core dot at ~16 mantissa bits instead of tf32's 10."""
+    if x.dtype == jnp.bfloat16:
+        return x, None
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def dot_split(a: tuple[jax.Array, jax.Array | None], b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+    """float32 a @ b (or a @ b.T) for `a = split_bf16(x)` and a bfloat16 `b` that is exact in bfloat16
+    (integer codes, bf16 cache entries): one or two bf16 dots with float32 accumulation."""
+    hi, lo = a
+    out = dot(hi, b, trans_b=trans_b)
+    return out if lo is None else out + dot(lo, b, trans_b=trans_b)
+
+
+def online_softmax(scores: jax.Array, m_prev: jax.Array, l_prev: jax.Array):
+    """One flash step on a [rows, tile] score tile (masked entries -inf, at least one finite per
+    processed tile): returns p = exp(scores - m_new), m_new, l_new and the correction exp(m_prev - m_new)
+    that rescales the running accumulator."""
+    m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+    corr = jnp.exp(m_prev - m_new)
+    p = jnp.exp(scores - m_new[:, None])
+    return p, m_new, corr * l_prev + jnp.sum(p, axis=1), corr
+
+
+def num_tiles(length: jax.Array, split: jax.Array, plan: DecodePlan) -> jax.Array:
+    """Tiles of this split that hold a valid token: clamp(ceil((length - split start) / block_s))."""
+    left = length - split * plan.split_len
+    return jnp.clip((left + plan.block_s - 1) // plan.block_s, 0, plan.split_len // plan.block_s)
+
+
+def scalar_spec() -> pl.BlockSpec:
+    """A 0-d operand (the slot index) seen whole by every program."""
+    return pl.BlockSpec((), lambda *_: ())
+
+
+# ---- outside the kernel -----------------------------------------------------------------------------
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array):
+    """Log-sum-exp merge of per-split partials along axis 2.
+
+    acc: [B, K, splits, R, D]; m, l: [B, K, splits, R]. Returns acc [B, K, R, D], m, l [B, K, R].
+    Splits that saw no token carry m = NEG, l = 0, acc = 0 and drop out (weight exp(NEG - m) = 0), or,
+    when no split saw one, give m = NEG, l = 0, acc = 0.
+    """
+    m_all = jnp.max(m, axis=2)
+    w = jnp.exp(m - m_all[:, :, None])
+    return (jnp.sum(acc * w[..., None], axis=2), m_all, jnp.sum(l * w, axis=2))
+
+
+def empty_partial(b: int, k: int, r: int, d: int):
+    """The partial of no tokens at all: acc = 0, m = NEG, l = 0."""
+    return (jnp.zeros((b, k, r, d), jnp.float32), jnp.full((b, k, r), NEG, jnp.float32),
+            jnp.zeros((b, k, r), jnp.float32))
+
+
+def masked_partial(scores: jax.Array, lengths: jax.Array):
+    """Reference softmax partial of scores [B, K, R, S] over s < lengths[b]: (p, m, l), float32."""
+    valid = jnp.arange(scores.shape[-1])[None, :] < lengths[:, None]  # [B, S]
+    valid = valid[:, None, None, :]
+    scores = jnp.where(valid, scores, NEG)
+    m = jnp.max(scores, axis=-1)
+    p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
+    return p, m, jnp.sum(p, axis=-1)

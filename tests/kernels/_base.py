@@ -1,0 +1,113 @@
+"""Shared base of the decode-kernel tests.
+
+A subclass names its kernel and reference (same signature), its configurations (`CASES`, run and
+compared; `LOWER_CASES`, lowered to Triton IR) and how to build inputs for one. The base then checks
+
+* `test_matches_reference`: the kernel against the plain-jnp reference on fresh random inputs (a seed
+  per case name), in interpret mode on CPU; with RQ_PALLAS_INTERPRET=0 (scripts/gpu_check.sh) the same
+  comparison runs the compiled kernel on a GPU.
+* `test_lowers_to_triton`: `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` on abstract
+  inputs, which runs the whole Pallas -> Triton lowering on a CPU machine and catches what Triton does
+  not support (non-power-of-two tiles, small dots, value slicing, unsupported casts).
+
+Tolerances: every kernel splits a float32 operand x into bfloat16 hi + lo before a tensor-core dot
+(codes and bf16 cache entries are exact in bfloat16), which represents x to 2^-16 relative; products are
+exact and accumulate in float32. Scores therefore carry ~2^-16 relative error (float32 queries; exact
+with bfloat16 queries, whose hi half is the query itself), and exp turns a score error into the same
+relative error of p. Values see the split of p·scale (2^-16 again) and summation-order differences
+(~D·2^-24). Measured on these cases (interpret mode): at most 8e-6 of the largest |output| with
+float32 queries and 2.2e-6 with bfloat16 queries. The bounds, 2e-4 and 1e-4 of the largest |output|,
+leave a >= 25x margin (room for GPU exp/accumulation-order differences) while still catching a wrong
+scale, offset, α, mask, slot or plane: a 1% change of one link's value offsets already moves acc by
+1e-3 of its scale, a missing α or key mean by 1e-2..3e-1.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import decode_common as dc
+
+#: Interpret mode unless RQ_PALLAS_INTERPRET=0 (then the kernels run compiled, on a GPU).
+INTERPRET = os.environ.get("RQ_PALLAS_INTERPRET", "1") != "0"
+TRITON_CALL = getattr(dc.pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+TOL = {"float32": 2e-4, "bfloat16": 1e-4}
+
+
+def has_gpu() -> bool:
+    return any(d.platform == "gpu" for d in jax.devices())
+
+
+def seeded(name: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def array(rng: np.random.Generator | None, shape, dtype, draw):
+    """`draw(rng, shape)` as a jnp array of `dtype`, or its ShapeDtypeStruct when rng is None."""
+    if rng is None:
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+    return jnp.asarray(np.asarray(draw(rng, tuple(shape)), np.float32 if dtype != "uint8" else np.uint8)).astype(dtype)
+
+
+def normal(scale=1.0):
+    return lambda rng, shape: scale * rng.standard_normal(shape)
+
+
+def uniform(lo, hi):
+    return lambda rng, shape: rng.uniform(lo, hi, shape)
+
+
+def random_bytes(rng, shape):
+    return rng.integers(0, 256, shape, dtype=np.uint8)
+
+
+def assert_partial_close(out, ref, lengths, tol: float):
+    """Compare partials (acc [B, K, R, D], m, l [B, K, R]): exact empty rows, relative elsewhere."""
+    acc, m, l = (np.asarray(x, np.float64) for x in out)
+    racc, rm, rl = (np.asarray(x, np.float64) for x in ref)
+    assert acc.shape == racc.shape and m.shape == rm.shape and l.shape == rl.shape
+    assert np.isfinite(acc).all() and np.isfinite(m).all() and np.isfinite(l).all()
+    empty = np.asarray(lengths) == 0
+    if empty.any():
+        assert (acc[empty] == 0).all() and (l[empty] == 0).all() and (m[empty] == np.float32(dc.NEG)).all()
+    full = ~empty
+    if full.any():
+        for name, got, want in (("acc", acc, racc), ("l", l, rl), ("m", m, rm)):
+            got, want = got[full], want[full]
+            scale = max(1.0, float(np.abs(want).max()))
+            err = float(np.abs(got - want).max())
+            assert err <= tol * scale, f"{name}: max error {err:.3g} > {tol:g} x {scale:.3g}"
+
+
+class DecodeKernelTestBase:
+    """Subclasses set `kernel`, `reference` (staticmethods), `CASES`, `LOWER_CASES` and `make`."""
+
+    CASES: tuple = ()
+    LOWER_CASES: tuple = ()
+    kernel = None
+    reference = None
+
+    def make(self, case, rng):
+        """(args, static kwargs) for `case`; arrays from `rng`, or ShapeDtypeStructs when rng is None."""
+        raise NotImplementedError
+
+    def test_matches_reference(self, case):
+        if not INTERPRET and not has_gpu():
+            pytest.skip("RQ_PALLAS_INTERPRET=0 needs a GPU")
+        args, kw = self.make(case, seeded(case.name))
+        out = type(self).kernel(*args, **kw, interpret=INTERPRET)
+        ref = type(self).reference(*args, **kw)
+        assert_partial_close(out, ref, case.lengths, TOL[case.q_dtype])
+
+    def test_lowers_to_triton(self, lower_case):
+        args, kw = self.make(lower_case, None)
+        f = functools.partial(type(self).kernel, **kw)
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        assert TRITON_CALL in lowered.as_text()
