@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -20,20 +22,50 @@ from rq_jax.models import LoopedLM, model_class
 CONFIG_FILE = "rq_config.json"
 
 
-def save(directory: str | os.PathLike, model: LoopedLM) -> None:
-    """Write `model`'s config and parameters under `directory` (created; must not hold params yet)."""
+def save(directory: str | os.PathLike, model: LoopedLM, *, extra_files: tuple[str, ...] = (),
+         overwrite: bool = False) -> None:
+    """Write `model`'s config and parameters (and copies of `extra_files`) as the folder `directory`.
+
+    Everything is written into a fresh temporary folder beside `directory` and renamed into place only
+    when complete, so an interrupted save leaves `directory` as it was. A `directory` that exists and
+    is not empty raises FileExistsError unless `overwrite`, which swaps the new folder in (the old one
+    is removed only after the new one is in place).
+    """
     directory = os.path.abspath(os.fspath(directory))
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump(dataclasses.asdict(model.config), f, indent=2)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(directory, "params"), nnx.state(model, nnx.Param))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise FileExistsError(f"{directory} exists and is not a folder")
+    if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
+        raise FileExistsError(f"{directory} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    parent, name = os.path.split(directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+    try:
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(dataclasses.asdict(model.config), f, indent=2)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.join(tmp, "params"), nnx.state(model, nnx.Param))
+        for path in extra_files:
+            shutil.copy(path, tmp)
+        old = None
+        if os.path.exists(directory):
+            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.rename(directory, os.path.join(old, name))
+        os.rename(tmp, directory)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_config(directory: str | os.PathLike) -> ModelConfig:
     """The `ModelConfig` saved by `save`."""
-    with open(os.path.join(os.fspath(directory), CONFIG_FILE)) as f:
-        return ModelConfig(**json.load(f))
+    path = os.path.join(os.fspath(directory), CONFIG_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return ModelConfig(**json.load(f))
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as err:
+        raise ValueError(f"{path} is not a valid {CONFIG_FILE}: {err}") from None
 
 
 def is_saved_model(directory: str | os.PathLike) -> bool:
@@ -50,6 +82,9 @@ def restore(directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.
     graphdef, target = nnx.split(abstract)
     with ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(os.path.join(directory, "params"), target)
+    for path, var in nnx.to_flat_state(state):
+        if not bool(jnp.all(jnp.isfinite(var.get_value()))):
+            raise ValueError(f"{directory}: parameter {'.'.join(map(str, path))} holds NaN or infinite values")
     return nnx.merge(graphdef, state)
 
 

@@ -56,6 +56,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
+        if self.family == "huginn" and self.qk_bias and self.num_kv_heads != self.num_heads:
+            raise ValueError(f"huginn's qk_bias holds one bias per query head for q and k alike, so it needs "
+                             f"num_kv_heads == num_heads, got {self.num_kv_heads} and {self.num_heads}")
         if self.family == "huginn" and self.num_heads * self.head_dim != self.hidden_size:
             raise ValueError(f"huginn needs num_heads * head_dim == hidden_size, got "
                              f"{self.num_heads} * {self.head_dim} != {self.hidden_size}")
@@ -169,8 +172,13 @@ def from_hf_config(raw: dict[str, Any] | str | os.PathLike) -> ModelConfig:
         path = os.fspath(raw)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path) as f:
-            raw = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
     if model_type not in _FAMILIES:
         raise ValueError(f"unsupported model_type {model_type!r} in config.json; expected one of {sorted(_FAMILIES)}")

@@ -8,12 +8,15 @@ decode tokens/s (a warm-up call compiles first), and the KV cache's bytes.
 
 import argparse
 import json
+import math
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from rq_jax import checkpoint
+from rq_jax import checkpoint, memory
 from rq_jax.cache import available_formats, cache_nbytes, dense_equivalent_nbytes, get_format
 from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, AdaptiveExit
 from rq_jax.sampling import Sampler, SamplingConfig
@@ -23,46 +26,108 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkp
 STOP_STRINGS = ("<|endoftext|>", "<|end_text|>", "<|end_turn|>", "<|im_end|>")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer ≥ 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer ≥ 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite float (no nan or inf)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def bit_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated bit widths, e.g. 2,2,2,4."""
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers such as 2,2,2,4, got {text!r}") from None
+
+
+#: Options each cache format takes (anything else given on the command line is an error).
+FORMAT_OPTIONS = {"dense": {"cache_dtype"}, "uniform": {"bits", "group_size", "rotation"},
+                  "rotated": {"bits", "group_size", "rotation"}, "residual": {"bits", "group_size", "rotation"},
+                  "kivi": {"bits", "group_size"}, "residual_vq": set()}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("huginn", "ouro"), required=True)
     p.add_argument("--checkpoint", help="checkpoint folder or cached hub id (default: the shipped small model)")
     p.add_argument("--prompt", default="The looped transformer")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--loops", "--num-steps", dest="loops", type=int,
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--loops", "--num-steps", dest="loops", type=positive_int,
                    help="loops (Ouro) or recurrence steps (Huginn); default the config's")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float, default=0.0)
+    p.add_argument("--top-k", type=nonnegative_int, default=0)
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     p.add_argument("--cache", choices=available_formats(), default="dense", help="KV cache format")
-    p.add_argument("--bits", help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi)")
-    p.add_argument("--group-size", type=int, help="channel group size of the quantizers")
+    p.add_argument("--bits", type=bit_list, help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi)")
+    p.add_argument("--group-size", type=positive_int, help="channel group size of the quantizers")
     p.add_argument("--rotation", choices=("identity", "hadamard", "random"), help="uniform/rotated/residual")
-    p.add_argument("--cache-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="storage dtype of the dense cache")
-    p.add_argument("--init-state", choices=("zeros", "random"), default="random",
-                   help="Huginn's initial latent state (random is seeded by --seed)")
+    p.add_argument("--cache-dtype", choices=("bfloat16", "float32"), help="storage dtype of the dense cache (bfloat16)")
+    p.add_argument("--init-state", choices=("zeros", "random"),
+                   help="Huginn's initial latent state (default random, seeded by --seed)")
     p.add_argument("--exit-criterion", choices=sorted(DEFAULT_THRESHOLDS),
                    help="Huginn: per-token adaptive exit while decoding")
-    p.add_argument("--exit-threshold", type=float, help="threshold of --exit-criterion (default: its own)")
-    return p.parse_args(argv)
+    p.add_argument("--exit-threshold", type=finite_float, help="threshold of --exit-criterion (default: its own)")
+    args = p.parse_args(argv)
+    given = {name for name in ("bits", "group_size", "rotation", "cache_dtype") if getattr(args, name) is not None}
+    extra = sorted(given - FORMAT_OPTIONS[args.cache])
+    if extra:
+        p.error(f"--cache {args.cache} does not take {', '.join('--' + e.replace('_', '-') for e in extra)}")
+    if args.model == "ouro" and (args.exit_criterion or args.init_state):
+        p.error("--exit-criterion and --init-state are for Huginn")
+    if args.exit_threshold is not None and not args.exit_criterion:
+        p.error("--exit-threshold needs --exit-criterion")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        p.error("--prompt is not valid UTF-8 text")
+    return args
 
 
 def cache_policy(args) -> dict:
     """Keyword arguments of the chosen cache format from the command line (only those given)."""
     if args.cache == "dense":
-        return dict(dtype=args.cache_dtype)
+        return dict(dtype=args.cache_dtype or "bfloat16")
     policy = {}
-    if args.bits:
-        bits = tuple(int(b) for b in args.bits.split(","))
-        policy["bits"] = bits[0] if args.cache == "kivi" and len(bits) == 1 else bits
-    if args.group_size:
+    if args.bits is not None:
+        policy["bits"] = args.bits[0] if args.cache == "kivi" and len(args.bits) == 1 else args.bits
+    if args.group_size is not None:
         policy["group_size"] = args.group_size
-    if args.rotation:
+    if args.rotation is not None:
         policy["rotation"] = args.rotation
     return policy
+
+
+def check_memory(model, fmt, prompt_len: int, max_new: int, num_loops: int, dtype) -> None:
+    """Exit with the estimate when the generation would not fit in the memory available."""
+    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    need = memory.generation_bytes(model.config, fmt, batch=1, prompt_len=prompt_len, max_len=prompt_len + max_new,
+                                   num_loops=num_loops, param_bytes=param_bytes,
+                                   compute_itemsize=jnp.dtype(dtype).itemsize)
+    have = memory.available_bytes()
+    if have is not None and need["total"] > have:
+        parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items() if k != "total")
+        sys.exit(f"generate.py: this run needs about {need['total'] / 2**30:.2f} GiB ({parts}) but only "
+                 f"{have / 2**30:.2f} GiB is available; use fewer --loops or --max-new-tokens")
 
 
 def main(argv=None):
@@ -88,7 +153,7 @@ def main(argv=None):
             sys.exit("generate.py: --exit-criterion is for Huginn")
         kwargs = dict(num_loops=args.loops)
     else:
-        kwargs = dict(num_loops=args.loops, init_scale=1.0 if args.init_state == "random" else 0.0)
+        kwargs = dict(num_loops=args.loops, init_scale=0.0 if args.init_state == "zeros" else 1.0)
         if args.exit_criterion:
             kwargs["decode_kwargs"] = dict(adaptive=AdaptiveExit(args.exit_criterion, args.exit_threshold))
     try:
@@ -96,8 +161,13 @@ def main(argv=None):
         fmt.bits_per_element(model.config.num_loops, model.config.head_dim)
     except ValueError as err:
         sys.exit(f"generate.py: bad --cache policy: {err}")
-    sampler = Sampler(model, sampling, fmt, **kwargs)
     prompt = tokenizer.encode(args.prompt).ids
+    loops = model.config.num_loops if args.loops is None else args.loops
+    if len(prompt) + args.max_new_tokens > model.config.max_position_embeddings:
+        sys.exit(f"generate.py: {len(prompt)} prompt tokens + --max-new-tokens {args.max_new_tokens} exceed the "
+                 f"model's {model.config.max_position_embeddings} positions")
+    check_memory(model, fmt, len(prompt), args.max_new_tokens, loops, args.dtype)
+    sampler = Sampler(model, sampling, fmt, **kwargs)
     sampler([prompt], seed=args.seed)  # compile
     out = sampler([prompt], seed=args.seed)
     n = int(out.num_generated[0])

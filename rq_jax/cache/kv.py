@@ -14,6 +14,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
@@ -26,11 +27,18 @@ KV = tuple[Array, Array]
 
 @struct.dataclass
 class KVCache:
-    """Stored K/V of every (loop, layer) slot; `lengths[b]` tokens are valid in row b."""
+    """Stored K/V of every (loop, layer) slot; `lengths[b]` tokens are valid in row b.
+
+    `overflow[b]` is set when a call gave row b more tokens than fit (possible only inside a compiled
+    program, where the call cannot raise): the tokens past `max_len` were dropped, `lengths` stops at
+    `max_len`, and every public entry that takes a cache — an un-jitted model call, `check_overflow` —
+    raises. (The Sampler builds its own cache and checks room before it starts.)
+    """
 
     looped: tuple[Any, ...]
     plain: tuple[Any, ...] | None
     lengths: Int[Array, "b"]
+    overflow: Bool[Array, "b"]
     fmt: base.CacheFormat = struct.field(pytree_node=False)
     plain_fmt: base.CacheFormat = struct.field(pytree_node=False)
     num_loops: int = struct.field(pytree_node=False)
@@ -112,8 +120,16 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFor
     if config.num_plain_layers:
         plain = tuple(plain_fmt.init(seg, config.num_plain_layers, *dims)
                       for seg in base.segments(1, plain_fmt.group_len))
-    return KVCache(looped, plain, jnp.zeros((batch,), jnp.int32), fmt, plain_fmt, num_loops, max_len,
-                   config.head_dim)
+    return KVCache(looped, plain, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), fmt, plain_fmt,
+                   num_loops, max_len, config.head_dim)
+
+
+def check_overflow(cache: KVCache) -> None:
+    """Raise ValueError if a compiled call overflowed `cache` (see `KVCache.overflow`); host-side."""
+    rows = np.flatnonzero(np.asarray(cache.overflow))
+    if rows.size:
+        raise ValueError(f"cache rows {rows.tolist()} overflowed in an earlier compiled call: tokens past the "
+                         f"cache's max_len {cache.max_len} were dropped; build a larger cache")
 
 
 def default_calib(cache: KVCache) -> CacheCalib:
@@ -240,7 +256,9 @@ class CallContext(NamedTuple):
                          for i, (state, (k, v)) in enumerate(zip(states, kvs)))
 
         new_plain = None if c.plain is None else write("plain", c.plain, (plain,))
-        return c.replace(looped=write("looped", c.looped, looped), plain=new_plain, lengths=c.lengths + self.num_new)
+        end = c.lengths + self.num_new
+        return c.replace(looped=write("looped", c.looped, looped), plain=new_plain,
+                         lengths=jnp.minimum(end, c.max_len), overflow=c.overflow | (end > c.max_len))
 
 
 def dense_equivalent_nbytes(config: ModelConfig, cache: KVCache, dtype: str = "bfloat16") -> int:

@@ -57,9 +57,16 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
     tensors = {}
     for name in files:
-        with safe_open(os.path.join(folder, name), framework="numpy") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, framework="numpy") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path} (listed by the shard index) does not exist") from None
+        except Exception as err:  # safetensors raises its own error types for truncated or corrupt files
+            raise CheckpointError(f"cannot read {path}: {type(err).__name__}: {err} (truncated or not a "
+                                  "safetensors file?)") from None
     return tensors
 
 
@@ -125,6 +132,9 @@ def load_model(path_or_id: str | os.PathLike, *, dtype=jnp.float32, param_dtype=
             used.add(name)
             values.append(value)
         value = np.stack(values) if stacked else values[0]
+        if not np.all(np.isfinite(value.astype(np.float32))):
+            bad = [name for (name, _), v in zip(names, values) if not np.all(np.isfinite(v.astype(np.float32)))]
+            raise CheckpointError(f"checkpoint {folder}: tensor {bad[0]!r} holds NaN or infinite values")
         leaves.append(var.replace(jnp.asarray(value, param_dtype)))
     if config.family == "huginn":
         if "freqs_cis" in tensors:

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rq_jax.cache import base
-from rq_jax.cache.kv import KV, CacheCalib, CallContext, Group, KVCache, check_calib, init_cache
+from rq_jax.cache.kv import KV, CacheCalib, CallContext, Group, KVCache, check_calib, check_overflow, init_cache
 from rq_jax.config import ModelConfig
 from rq_jax.nn.layers import linear
 
@@ -147,12 +147,14 @@ def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Ar
 
 def check_values(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Array, "b"] | None,
                  vocab_size: int) -> None:
-    """Host-side value checks of an un-jitted call: token ids inside the vocabulary and no tokens past
-    the cache's end (inside a compiled program neither can raise, so `run` and the Sampler check first)."""
+    """Host-side value checks of an un-jitted call: token ids inside the vocabulary, a cache that did
+    not overflow earlier and no tokens past its end (inside a compiled program none of these can raise,
+    so `run` and the Sampler check first)."""
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"token ids must lie in [0, {vocab_size}), got ids from {tokens.min()} to {tokens.max()}")
     if cache is not None and tokens.ndim == 2:
+        check_overflow(cache)
         if tokens.shape[1] > cache.max_len:
             raise ValueError(f"{tokens.shape[1]} tokens do not fit in a cache of max_len {cache.max_len}")
         new = tokens.shape[1] if num_new is None else np.asarray(num_new)

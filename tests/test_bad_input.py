@@ -1,0 +1,168 @@
+"""Bad input gets a clear error naming the problem, and existing data is never damaged (issue 8)."""
+
+import importlib.util
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from rq_jax import checkpoint, memory
+from rq_jax.cache import CacheCalib, Dense, check_overflow, default_calib, get_format
+from rq_jax.cache.residual_vq import RVQCalib
+from rq_jax.convert.hf import CheckpointError, load_model
+from rq_jax.sampling import Sampler, SamplingConfig
+from tests.conftest import fixture_dir
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+SHIPPED = SCRIPTS.parent / "checkpoints"
+
+
+def script(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_script", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- convert: never damage an existing destination ------------------------------------------------
+
+def test_convert_refuses_a_non_empty_destination_and_keeps_it_loadable(tmp_path):
+    convert, out = script("convert"), tmp_path / "out"
+    convert.main([str(SHIPPED / "huginn-small"), str(out)])
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(SystemExit, match="exists and is not empty; pass --overwrite"):
+        convert.main([str(SHIPPED / "ouro-small"), str(out)])
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert checkpoint.load(out)[0].config.family == "huginn"
+    convert.main([str(SHIPPED / "ouro-small"), str(out), "--overwrite"])
+    assert checkpoint.load(out)[0].config.family == "ouro"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left behind
+
+
+def test_convert_into_its_source_is_refused(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(SHIPPED / "ouro-small", src)
+    for dest in (src, src / "inner"):
+        with pytest.raises(SystemExit, match="would overlap the source"):
+            script("convert").main([str(src), str(dest)])
+
+
+def test_interrupted_save_leaves_the_destination_as_it_was(tmp_path, monkeypatch, ouro):
+    model, _ = ouro
+    out = tmp_path / "out"
+    checkpoint.save(out, model)
+    saved = checkpoint.load(out)[0]
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(checkpoint.shutil, "copy", boom)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(out, model, extra_files=(str(SHIPPED / "ouro-small" / "tokenizer.json"),), overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    again = checkpoint.load(out)[0]
+    np.testing.assert_array_equal(nnx.state(again, nnx.Param)["norm"]["weight"][...],
+                                  nnx.state(saved, nnx.Param)["norm"]["weight"][...])
+
+
+# ---- the cache never drops tokens silently -------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["dense", "residual"])
+def test_overflow_under_jit_is_flagged_and_raised(ouro, name):
+    model, ref = ouro
+    fmt = Dense("float32") if name == "dense" else get_format("residual", group_size=8)
+    cache = model.init_cache(1, 4, fmt)
+    calib = default_calib(cache)
+    step = nnx.jit(lambda m, t, c: m(t, c, calib=calib).cache)
+    ids = jnp.asarray(ref["input_ids"][:1])
+    for chunk in (ids[:, :3], ids[:, 3:5], ids[:, 5:6]):
+        cache = step(model, chunk, cache)
+    np.testing.assert_array_equal(cache.overflow, [True])
+    np.testing.assert_array_equal(cache.lengths, [4])  # what is stored, never past the end
+    with pytest.raises(ValueError, match=r"cache rows \[0\] overflowed in an earlier compiled call"):
+        check_overflow(cache)
+    with pytest.raises(ValueError, match="overflowed in an earlier compiled call"):
+        model(ids[:, 6:7], cache, calib=calib)  # every un-jitted entry checks the flag
+    fresh = model(ids[:, :3], model.init_cache(1, 4, fmt), calib=calib).cache
+    with pytest.raises(ValueError, match=r"prompt plus cached tokens \(5\) exceed the cache's max_len 4"):
+        model(ids[:, 3:5], fresh, calib=calib)  # un-jitted: raised before anything runs
+
+
+# ---- token ids -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [128, 300, -5])
+def test_token_ids_outside_the_vocabulary(ouro, bad):
+    model, _ = ouro  # vocabulary of 128
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, 128\), got ids from {min(bad, 1)} to {max(bad, 2)}"):
+        model(jnp.asarray([[1, bad, 2]]))
+    with pytest.raises(ValueError, match=rf"prompt token ids must lie in \[0, 128\), got \[{bad}\]"):
+        Sampler(model, SamplingConfig(max_new_tokens=2))([[1, bad, 2]])
+
+
+# ---- generate.py options -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--group-size", "0", "--cache", "residual"], "argument --group-size: must be a positive integer, got 0"),
+    (["--loops", "0"], "argument --loops/--num-steps: must be a positive integer, got 0"),
+    (["--cache", "dense", "--bits", "2", "--group-size", "7", "--rotation", "random"],
+     "--cache dense does not take --bits, --group-size, --rotation"),
+    (["--cache", "kivi", "--rotation", "hadamard"], "--cache kivi does not take --rotation"),
+    (["--cache", "residual", "--cache-dtype", "float32"], "--cache residual does not take --cache-dtype"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number, got nan"),
+    (["--top-p", "inf"], "argument --top-p: must be a finite number, got inf"),
+    (["--exit-threshold", "0.1"], "--exit-threshold needs --exit-criterion"),
+    (["--bits", "2,x", "--cache", "residual"], "argument --bits: must be comma-separated integers"),
+    (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8 text"),
+])
+def test_generate_rejects_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        script("generate").main(["--model", "huginn", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_generate_refuses_a_run_that_does_not_fit_in_memory(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2**30)
+    with pytest.raises(SystemExit, match=r"needs about [\d.]+ GiB \(cache [\d.]+ GiB.*only 1.00 GiB is available"):
+        script("generate").main(["--model", "huginn", "--loops", "100000"])
+
+
+# ---- errors that name the file, option or type -----------------------------------------------------
+
+def test_truncated_weights_and_malformed_config_name_the_file(tmp_path):
+    dst = tmp_path / "ouro"
+    shutil.copytree(fixture_dir("ouro-tiny"), dst)
+    weights = dst / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=f"cannot read {weights}.*truncated"):
+        load_model(dst)
+    (dst / "config.json").write_text('{"model_type": "ouro",')
+    with pytest.raises(ValueError, match=f"{dst / 'config.json'} is not valid JSON"):
+        load_model(dst)
+
+
+def test_nan_weight_is_named_at_load(tmp_path):
+    dst = tmp_path / "ouro"
+    shutil.copytree(fixture_dir("ouro-tiny"), dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    save_file(tensors, dst / "model.safetensors")
+    with pytest.raises(CheckpointError, match="tensor 'model.layers.1.mlp.up_proj.weight' holds NaN"):
+        load_model(dst)
+
+
+def test_wrong_calibration_type_is_named(ouro):
+    model, ref = ouro
+    cache = model.init_cache(2, 12, get_format("residual", group_size=8))
+    wrong = CacheCalib((RVQCalib(None, None),))
+    with pytest.raises(ValueError, match="'residual' format of the looped layers needs RotationCalib calibration, "
+                                         "got RVQCalib"):
+        model(jnp.asarray(ref["input_ids"]), cache, calib=wrong)
+
+
+def test_unknown_policy_keyword_is_named():
+    with pytest.raises(ValueError, match=r"cache format 'kivi' does not take \['rotation'\]"):
+        get_format("kivi", rotation="hadamard")
