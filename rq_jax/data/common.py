@@ -1,7 +1,8 @@
 """What every task shares: byte-level token ids, examples with answer spans, seeded streams, split hashing.
 
 Tokens are ids of `rq_jax.tokenizer.byte_level_tokenizer()`: 0..2 are the special tokens
-(`EOS` = 0 = <|endoftext|>, also used as padding), byte b is id `BYTE_OFFSET + b`.
+(`EOS` = 0 = <|endoftext|>, also used as padding), 3..258 the 256 bytes in the tokenizer's order
+(GPT-2 byte-to-unicode characters, sorted), so `encode` is exactly `tokenizer.encode(text).ids`.
 
 Splits never overlap *by construction*: every generated example has a canonical key (its bytes), and
 `split_of(key)` assigns it to exactly one split by a hash bucket; a stream for split s keeps only
@@ -11,13 +12,14 @@ examples whose bucket is s (rejection sampling). The streams are also seeded apa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Sequence
 
 import numpy as np
 
 EOS = 0  # <|endoftext|>: separator between documents and padding (never a loss target when padding)
-BYTE_OFFSET = 3  # ids 0..2 are the special tokens
+BYTE_OFFSET = 3  # ids 0..2 are the special tokens; every id ≥ 3 is one byte
 
 SPLITS = ("train", "calib", "eval")
 #: Hash buckets out of 1000 per split: train [0, 900), calib [900, 950), eval [950, 1000).
@@ -27,17 +29,42 @@ STREAM_IDS = {"train": 1, "calib": 2, "eval": 3}
 TASKS = ("addition", "retrieval", "text")
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map (what `pre_tokenizers.ByteLevel` uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + len(cs) - 188)
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@functools.lru_cache(maxsize=1)
+def byte_tables() -> tuple[np.ndarray, np.ndarray]:
+    """(byte → token id [256] int32, token id → byte [259] int32 with −1 for special tokens)."""
+    from rq_jax.tokenizer import byte_level_tokenizer
+
+    vocab = byte_level_tokenizer().get_vocab()
+    to_id = np.array([vocab[ch] for _, ch in sorted(_bytes_to_unicode().items())], np.int32)
+    to_byte = np.full(len(vocab), -1, np.int32)
+    to_byte[to_id] = np.arange(256)
+    if sorted(to_id.tolist()) != list(range(BYTE_OFFSET, BYTE_OFFSET + 256)):
+        raise AssertionError("byte-level tokenizer does not map the 256 bytes to ids 3..258")
+    return to_id, to_byte
+
+
 def encode(data: bytes | str) -> np.ndarray:
-    """Bytes (or UTF-8 text) → token ids [T] int32."""
+    """Bytes (or UTF-8 text) → token ids [T] int32 (as `byte_level_tokenizer().encode(text).ids`)."""
     if isinstance(data, str):
         data = data.encode()
-    return np.frombuffer(data, np.uint8).astype(np.int32) + BYTE_OFFSET
+    return byte_tables()[0][np.frombuffer(data, np.uint8)]
 
 
 def decode(ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids → bytes; special tokens are dropped."""
     ids = np.asarray(ids, np.int64)
-    return bytes((ids[ids >= BYTE_OFFSET] - BYTE_OFFSET).astype(np.uint8).tolist())
+    return bytes(byte_tables()[1][ids[ids >= BYTE_OFFSET]].astype(np.uint8).tolist())
 
 
 def split_of(key: bytes) -> str:

@@ -77,7 +77,7 @@ def make_train_step(graphdef, rest, cfg: TrainConfig, tx) -> Callable:
         (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, weights, task)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, dict(loss=loss, per_task=per_task, grad_norm=optax.global_norm(grads))
+        return params, opt_state, dict(loss=loss, per_task=per_task, grad_norm=optax.tree.norm(grads))
 
     return step
 
