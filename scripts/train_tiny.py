@@ -5,7 +5,8 @@
 
 Rerunning the same command resumes from the run directory's latest checkpoint (the trajectory-defining
 flags must match the saved run; the error lists any difference). Progress goes to a tqdm bar, metrics to
-RUN_DIR/metrics.jsonl, checkpoints to RUN_DIR/ckpt. SIGTERM/SIGINT checkpoint and exit.
+RUN_DIR/metrics.jsonl, checkpoints to RUN_DIR/ckpt (orbax) and RUN_DIR/portable (HF-named params and
+Adam moments, which `--init-from` reads into a run of newer model code). SIGTERM/SIGINT checkpoint and exit.
 """
 
 import argparse
@@ -52,6 +53,8 @@ def parse_args(argv=None):
     r.add_argument("--eval-every", type=int, default=250)
     r.add_argument("--eval-n", type=int, default=256, help="addition examples per periodic eval")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--init-from", metavar="DIR", help="start from a portable snapshot (RUN_DIR/portable of a run "
+                   "with the same flags, e.g. written by older model code) when RUN_DIR has no checkpoint")
     r.add_argument("--export", metavar="DIR", help="after training, write the HF folder + tokenizer + model card")
     r.add_argument("--export-n", type=int, default=1000, help="held-out examples per task for the model card")
     return p.parse_args(argv)
@@ -80,7 +83,7 @@ def main(argv=None):
     cfg = build_config(a)
     opts = RunOptions(run_dir=a.run_dir, stop_step=a.stop_step, max_minutes=a.max_minutes,
                       ckpt_every_s=60 * a.ckpt_every_min, eval_every=a.eval_every, eval_addition=a.eval_n,
-                      progress=not a.no_progress)
+                      progress=not a.no_progress, init_from=a.init_from)
     trainer = Trainer(cfg, opts)
     print(f"{a.model}: step {trainer.step} of {cfg.total_steps}, run dir {a.run_dir}", file=sys.stderr)
     trainer.run()

@@ -8,6 +8,7 @@ is the plain token-by-token loop (no cache); a test checks the two agree.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -29,11 +30,17 @@ def forward_kwargs(family: str, loops: int) -> dict:
 
 
 def make_score_fn(graphdef, rest, family: str, loops: int) -> ScoreFn:
-    """A jitted teacher-forced scorer (compiles once per tokens shape)."""
+    """A jitted teacher-forced scorer (compiles once per tokens shape and model structure)."""
+    score = _jitted_score(graphdef, family, loops)
+    return lambda params, tokens: score(params, rest, tokens)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_score(graphdef, family: str, loops: int):
     kw = forward_kwargs(family, loops)
 
     @jax.jit
-    def score(params, tokens):
+    def score(params, rest, tokens):
         model = nnx.merge(graphdef, params, rest)
         logits = model(tokens[:, :-1], **kw).logits
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])

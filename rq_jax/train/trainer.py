@@ -8,6 +8,7 @@ other randomness, so a resumed run follows the uninterrupted run's trajectory bi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -44,6 +45,8 @@ class RunOptions:
     eval_text_windows: int = 32
     eval_batch: int = 32
     progress: bool = True
+    init_from: str | None = None  # a `portable` snapshot to start from when run_dir has no checkpoint
+    portable: bool = True  # also write RUN_DIR/portable (see rq_jax.train.portable) at every checkpoint
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -56,12 +59,20 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     return tx, sched
 
 
-def make_train_step(graphdef, rest, cfg: TrainConfig, tx) -> Callable:
-    """Jitted (params, opt_state, tokens [B, L+1], weights [B, L], task [B]) → (params, opt_state, metrics)."""
+def make_train_step(graphdef, rest, cfg: TrainConfig) -> Callable:
+    """(params, opt_state, tokens [B, L+1], weights [B, L], task [B]) → (params, opt_state, metrics),
+    jitted (compiled once per (graphdef, cfg) in a process)."""
+    step = _jitted_train_step(graphdef, cfg)
+    return lambda params, opt_state, tokens, weights, task: step(params, rest, opt_state, tokens, weights, task)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_train_step(graphdef, cfg: TrainConfig) -> Callable:
+    tx, _ = make_optimizer(cfg)
     kw = evaluate.forward_kwargs(cfg.model.family, cfg.num_loops)
     task_w = np.asarray(cfg.task_weights, np.float32) * (np.asarray(cfg.data.rows) > 0)
 
-    def loss_fn(params, tokens, weights, task):
+    def loss_fn(params, rest, tokens, weights, task):
         model = nnx.merge(graphdef, params, rest)
         logits = model(tokens[:, :-1], **kw).logits
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # [B, L]
@@ -73,8 +84,8 @@ def make_train_step(graphdef, rest, cfg: TrainConfig, tx) -> Callable:
         return jnp.sum(per_task * task_w) / task_w.sum(), per_task
 
     @jax.jit
-    def step(params, opt_state, tokens, weights, task):
-        (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, weights, task)
+    def step(params, rest, opt_state, tokens, weights, task):
+        (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens, weights, task)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, dict(loss=loss, per_task=per_task, grad_norm=optax.tree.norm(grads))
@@ -95,14 +106,17 @@ class Trainer:
         self.opt_state = self.tx.init(self.params)
         self.step = 0
         self.train_seconds = 0.0
-        self._train_step = make_train_step(self.graphdef, self.rest, cfg, self.tx)
+        self._train_step = make_train_step(self.graphdef, self.rest, cfg)
         self._score = evaluate.make_score_fn(self.graphdef, self.rest, cfg.model.family, cfg.num_loops)
         os.makedirs(opts.run_dir, exist_ok=True)
         self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(opts.run_dir, "ckpt")),
                                              options=ocp.CheckpointManagerOptions(max_to_keep=opts.ckpt_keep))
         self.log_path = os.path.join(opts.run_dir, "metrics.jsonl")
         self._eval_sets = None
-        self.restore()
+        if not self.restore() and opts.init_from:
+            from rq_jax.train.portable import load_portable
+
+            load_portable(self, opts.init_from)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -117,6 +131,10 @@ class Trainer:
         self.manager.save(self.step, args=ocp.args.Composite(state=ocp.args.StandardSave(self._state()),
                                                              meta=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
+        if self.opts.portable:
+            from rq_jax.train.portable import save_portable
+
+            save_portable(self, os.path.join(self.opts.run_dir, "portable"))
 
     def restore(self) -> bool:
         """Load the latest checkpoint of run_dir if any (its config must equal ours). True if loaded."""
