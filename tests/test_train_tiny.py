@@ -99,8 +99,9 @@ def test_evaluate_and_export(tmp_path, text):
                                  eval_addition=8, eval_retrieval=2, eval_retrieval_full=2, eval_text_windows=2), text)
     tr.run()
     acc = tr.evaluate()
-    assert set(acc) == {"addition_acc", "retrieval_acc", "retrieval4_acc", "text_bpb"}
-    assert all(0 <= v <= 1 for k, v in acc.items() if k.endswith("acc")) and 4 < acc["text_bpb"] < 12
+    assert set(acc) == {"addition_acc", "retrieval_acc", "retrieval4_acc", "addition_tok", "retrieval_tok",
+                        "retrieval4_tok", "text_bpb"}
+    assert all(0 <= v <= 1 for k, v in acc.items() if k != "text_bpb") and 4 < acc["text_bpb"] < 12
     info = export_hf(tr, str(tmp_path / "hf"), acc, "python scripts/train_tiny.py ...", dtype=np.float32)
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(os.listdir(tmp_path / "hf"))
     assert info["bytes"] < 5_000_000 and "addition_acc" in open(tmp_path / "hf" / "README.md").read()

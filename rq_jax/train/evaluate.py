@@ -74,12 +74,20 @@ def answer_exact_match(preds: np.ndarray, tokens: np.ndarray, answer_id: np.ndar
     return np.array(out, bool)
 
 
-def exact_match(score: ScoreFn, params, examples: Sequence[Example], length: int, batch: int = 32) -> float:
-    """Fraction of the examples' answers that greedy decoding gets exactly right (all answers of all
-    examples, each given the correct text before it)."""
+def answer_scores(score: ScoreFn, params, examples: Sequence[Example], length: int, batch: int = 32) -> dict[str, float]:
+    """"em": the fraction of the examples' answers that greedy decoding gets exactly right (each answer
+    given the correct text before it); "token_acc": the fraction of answer tokens whose argmax is right
+    (a finer signal early in training)."""
     tokens, answer_id = collate(examples, length)
     preds, _ = score_batches(score, params, tokens, batch)
-    return float(np.mean(answer_exact_match(preds, tokens, answer_id)))
+    is_answer = answer_id[:, 1:] > 0
+    return {"em": float(np.mean(answer_exact_match(preds, tokens, answer_id))),
+            "token_acc": float(np.mean((preds == tokens[:, 1:])[is_answer]))}
+
+
+def exact_match(score: ScoreFn, params, examples: Sequence[Example], length: int, batch: int = 32) -> float:
+    """`answer_scores(...)["em"]`."""
+    return answer_scores(score, params, examples, length, batch)["em"]
 
 
 def bits_per_byte(score: ScoreFn, params, windows: np.ndarray, batch: int = 32) -> float:

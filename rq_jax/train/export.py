@@ -66,7 +66,10 @@ for testing compressed KV caches. Byte-level tokenizer (259 ids: 3 specials, the
 |---|---|
 {acc}
 
-Accuracy is greedy exact match of the answer; `text_bpb` is bits per byte on the held-out modules.
+`*_acc`: greedy exact match of each answer (all its tokens); `*_tok`: answer tokens predicted right.
+`retrieval` draws 2..{d.retrieval.max_pairs} pairs per sequence, `retrieval{d.retrieval.max_pairs}` always {d.retrieval.max_pairs}
+({d.retrieval.num_queries} queries each); `text_bpb`: bits per byte on the held-out stdlib modules. All on the eval
+split, dense cache, {info['loops']} loops.
 
 ## Reproduce
 

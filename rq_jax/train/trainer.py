@@ -179,15 +179,17 @@ class Trainer:
         return self._eval_sets
 
     def evaluate(self, sets: dict | None = None) -> dict[str, float]:
-        """Exact-match accuracy per task and held-out bits per byte."""
+        """Exact-match accuracy (`*_acc`) and answer-token accuracy (`*_tok`) per task, held-out bits per
+        byte. `retrieval` draws pairs uniformly in min..max_pairs, `retrieval{max_pairs}` uses all of them."""
         sets, d, b = sets or self.eval_sets(), self.cfg.data, self.opts.eval_batch
-        return {
-            "addition_acc": evaluate.exact_match(self._score, self.params, sets["addition"], d.addition.length, b),
-            "retrieval_acc": evaluate.exact_match(self._score, self.params, sets["retrieval"], d.seq_len + 1, b),
-            f"retrieval{d.retrieval.max_pairs}_acc": evaluate.exact_match(
-                self._score, self.params, sets["retrieval_full"], d.seq_len + 1, b),
-            "text_bpb": evaluate.bits_per_byte(self._score, self.params, sets["text"], b),
-        }
+        out = {}
+        for name, examples, length in (("addition", sets["addition"], d.addition.length),
+                                       ("retrieval", sets["retrieval"], d.seq_len + 1),
+                                       (f"retrieval{d.retrieval.max_pairs}", sets["retrieval_full"], d.seq_len + 1)):
+            r = evaluate.answer_scores(self._score, self.params, examples, length, b)
+            out[f"{name}_acc"], out[f"{name}_tok"] = r["em"], r["token_acc"]
+        out["text_bpb"] = evaluate.bits_per_byte(self._score, self.params, sets["text"], b)
+        return out
 
     def model(self):
         """The current model (an nnx module holding the trained params)."""
