@@ -46,6 +46,7 @@ def parse_args(argv=None):
     g.add_argument("--curriculum-start", type=int, default=8)
     g.add_argument("--curriculum-steps", type=int, default=2000)
     g.add_argument("--prompt-weight", type=float, default=0.0)
+    g.add_argument("--zero-state", action="store_true", help="huginn: train from a zero initial state, not noise")
     r = p.add_argument_group("run control")
     r.add_argument("--stop-step", type=int, default=None, help="stop before this step (default: total steps)")
     r.add_argument("--max-minutes", type=float, default=None)
@@ -75,7 +76,7 @@ def build_config(a) -> TrainConfig:
     return TrainConfig(model=tiny_model_config(a.model, **over), data=data, loops=a.loops, lr=a.lr,
                        warmup_steps=a.warmup, total_steps=a.total_steps, final_lr_frac=a.final_lr_frac,
                        weight_decay=a.weight_decay, b2=a.b2, clip_norm=a.clip, seed=a.seed,
-                       task_weights=tuple(float(x) for x in a.task_weights.split(",")))
+                       task_weights=tuple(float(x) for x in a.task_weights.split(",")), random_state=not a.zero_state)
 
 
 def main(argv=None):

@@ -134,3 +134,13 @@ def test_portable_snapshot_continues_bit_identically(tmp_path, text):
     moved.run()
     for a, b in zip(params_of(full), params_of(moved), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_huginn_trains_from_a_seeded_random_state(tmp_path, text):
+    first = {}
+    for random_state in (True, False):
+        cfg = TrainConfig(**{**small_config("huginn").__dict__, "random_state": random_state})
+        Trainer(cfg, RunOptions(run_dir=str(tmp_path / str(random_state)), stop_step=1, eval_every=0, progress=False,
+                                portable=False), text).run()
+        first[random_state] = losses(tmp_path / str(random_state))[0]
+    assert first[True] != first[False]

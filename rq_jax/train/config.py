@@ -58,6 +58,10 @@ class TrainConfig:
     clip_norm: float = 1.0
     task_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
     seed: int = 0
+    #: Huginn: start each training forward's recurrence from the reference's random initial state
+    #: (seeded by step), as Huginn was trained, so the model works from zeros or from noise at
+    #: inference. Ignored for Ouro.
+    random_state: bool = True
 
     @property
     def num_loops(self) -> int:

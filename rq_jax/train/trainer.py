@@ -60,10 +60,11 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
 
 
 def make_train_step(graphdef, rest, cfg: TrainConfig) -> Callable:
-    """(params, opt_state, tokens [B, L+1], weights [B, L], task [B]) → (params, opt_state, metrics),
-    jitted (compiled once per (graphdef, cfg) in a process)."""
-    step = _jitted_train_step(graphdef, cfg)
-    return lambda params, opt_state, tokens, weights, task: step(params, rest, opt_state, tokens, weights, task)
+    """(params, opt_state, tokens [B, L+1], weights [B, L], task [B], step) → (params, opt_state, metrics),
+    jitted (compiled once per (graphdef, cfg) in a process). `step` seeds Huginn's random initial state."""
+    fn = _jitted_train_step(graphdef, cfg)
+    return lambda params, opt_state, tokens, weights, task, step: fn(params, rest, opt_state, tokens, weights, task,
+                                                                    jnp.int32(step))
 
 
 @functools.lru_cache(maxsize=8)
@@ -72,9 +73,12 @@ def _jitted_train_step(graphdef, cfg: TrainConfig) -> Callable:
     kw = evaluate.forward_kwargs(cfg.model.family, cfg.num_loops)
     task_w = np.asarray(cfg.task_weights, np.float32) * (np.asarray(cfg.data.rows) > 0)
 
-    def loss_fn(params, rest, tokens, weights, task):
+    random_state = cfg.random_state and cfg.model.family == "huginn"
+
+    def loss_fn(params, rest, tokens, weights, task, step):
         model = nnx.merge(graphdef, params, rest)
-        logits = model(tokens[:, :-1], **kw).logits
+        extra = {"rng": jax.random.fold_in(jax.random.key(cfg.seed), step)} if random_state else {}
+        logits = model(tokens[:, :-1], **kw, **extra).logits
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # [B, L]
         per_task = []
         for t in range(len(TASKS)):
@@ -84,8 +88,8 @@ def _jitted_train_step(graphdef, cfg: TrainConfig) -> Callable:
         return jnp.sum(per_task * task_w) / task_w.sum(), per_task
 
     @jax.jit
-    def step(params, rest, opt_state, tokens, weights, task):
-        (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens, weights, task)
+    def step(params, rest, opt_state, tokens, weights, task, step):
+        (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens, weights, task, step)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, dict(loss=loss, per_task=per_task, grad_norm=optax.tree.norm(grads))
@@ -218,7 +222,7 @@ class Trainer:
                 batch = self.mixture.batch(self.step)
                 self.params, self.opt_state, m = self._train_step(
                     self.params, self.opt_state, jnp.asarray(batch.tokens), jnp.asarray(batch.weights),
-                    jnp.asarray(batch.task))
+                    jnp.asarray(batch.task), self.step)
                 loss, per_task = float(m["loss"]), np.asarray(m["per_task"])
                 dt = time.time() - t0
                 self.train_seconds += dt
