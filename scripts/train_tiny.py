@@ -19,7 +19,7 @@ from rq_jax.data import Addition, MixtureConfig, Retrieval
 from rq_jax.train import RunOptions, TrainConfig, Trainer, tiny_model_config
 
 
-def parse_args(argv=None):
+def make_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["ouro", "huginn"], required=True)
     p.add_argument("--run-dir", required=True, help="checkpoints and metrics.jsonl (outside the git tree)")
@@ -58,7 +58,20 @@ def parse_args(argv=None):
                    "with the same flags, e.g. written by older model code) when RUN_DIR has no checkpoint")
     r.add_argument("--export", metavar="DIR", help="after training, write the HF folder + tokenizer + model card")
     r.add_argument("--export-n", type=int, default=1000, help="held-out examples per task for the model card")
-    return p.parse_args(argv)
+    p.trajectory = g
+    return p
+
+
+def training_command(parser, a) -> str:
+    """The command that trains this run, every trajectory flag spelled out (for model cards)."""
+    words = ["python", "scripts/train_tiny.py", "--model", a.model, "--run-dir", a.run_dir]
+    for action in parser.trajectory._group_actions:
+        value = getattr(a, action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            words += [action.option_strings[0]] if value else []
+        elif value is not None:
+            words += [action.option_strings[0], str(value)]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def build_config(a) -> TrainConfig:
@@ -80,7 +93,8 @@ def build_config(a) -> TrainConfig:
 
 
 def main(argv=None):
-    a = parse_args(argv)
+    parser = make_parser()
+    a = parser.parse_args(argv)
     cfg = build_config(a)
     opts = RunOptions(run_dir=a.run_dir, stop_step=a.stop_step, max_minutes=a.max_minutes,
                       ckpt_every_s=60 * a.ckpt_every_min, eval_every=a.eval_every, eval_addition=a.eval_n,
@@ -98,7 +112,7 @@ def main(argv=None):
                                                                num_pairs=cfg.data.retrieval.max_pairs),
                     text=trainer.text.eval_windows(cfg.data.seq_len + 1, 64))
         acc = trainer.evaluate(sets)
-        command = "python scripts/train_tiny.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+        command = training_command(parser, a)
         info = export_hf(trainer, a.export, acc, command)
         print(json.dumps({"export": os.path.abspath(a.export), "bytes": info["bytes"], **acc}))
 

@@ -144,3 +144,22 @@ def test_huginn_trains_from_a_seeded_random_state(tmp_path, text):
                                 portable=False), text).run()
         first[random_state] = losses(tmp_path / str(random_state))[0]
     assert first[True] != first[False]
+
+
+def test_cli_trains_resumes_and_exports(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_tiny", os.path.join(os.path.dirname(__file__), "..", "scripts",
+                                                                             "train_tiny.py"))
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    flags = ["--model", "ouro", "--run-dir", str(tmp_path / "run"), "--hidden", "64", "--intermediate", "64",
+             "--layers", "1", "--loops", "1", "--seq-len", "48", "--max-pairs", "4", "--queries", "2", "--max-digits",
+             "2", "--rows", "1,1,1", "--curriculum-start", "2", "--eval-every", "0", "--no-progress"]
+    cli.main(flags + ["--stop-step", "1"])
+    cli.main(flags + ["--stop-step", "2", "--export", str(tmp_path / "hf"), "--export-n", "8"])
+    assert sorted(losses(tmp_path / "run")) == [0, 1]
+    card = open(tmp_path / "hf" / "README.md").read()
+    assert "--hidden 64" in card and "--lr 0.001" in card and "trained 2 steps" in card
+    with pytest.raises(ValueError, match="lr"):
+        cli.main(flags + ["--lr", "3e-3", "--stop-step", "3"])
