@@ -12,6 +12,7 @@ from flax import nnx
 from rq_jax.data import Addition, MixtureConfig, Retrieval, StdlibText, collate
 from rq_jax.train import RunOptions, TrainConfig, Trainer, tiny_model_config
 from rq_jax.train import evaluate
+from rq_jax.train import trainer as trainer_module
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,8 @@ def test_interrupted_run_resumes_exactly(tmp_path, text):
     full.run()
     first = Trainer(cfg, opts("resumed", 2), text)
     first.run()  # "interrupted" after 2 steps: checkpointed on exit
+    trainer_module._jitted_train_step.cache_clear()  # recompile, as a fresh process would
+    jax.clear_caches()
     resumed = Trainer(cfg, opts("resumed", 5), text)
     assert resumed.step == 2
     resumed.run()

@@ -158,11 +158,15 @@ class Trainer:
 
     # ---- metrics ------------------------------------------------------------------------------
     def _truncate_log(self) -> None:
-        """Drop log records of steps ≥ the current one (a resumed run rewrites them)."""
+        """Drop the records a resumed run writes again: training steps ≥ the current step, evals after it."""
         if not os.path.exists(self.log_path):
             return
+
+        def keep_record(r):
+            return r.get("step", -1) <= self.step if "eval" in r else r.get("step", -1) < self.step
+
         with open(self.log_path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line).get("step", -1) < self.step]
+            keep = [line for line in f if line.strip() and keep_record(json.loads(line))]
         with open(self.log_path, "w") as f:
             f.writelines(keep)
 
