@@ -29,6 +29,7 @@ def make_parser():
     g.add_argument("--intermediate", type=int, default=None)
     g.add_argument("--layers", type=int, default=None, help="looped layers / core blocks")
     g.add_argument("--init-std", type=float, default=None)
+    g.add_argument("--embed-std", type=float, default=None, help="re-initialise the embedding with this std")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--warmup", type=int, default=200)
     g.add_argument("--total-steps", type=int, default=20000, help="length of the cosine schedule")
@@ -89,7 +90,8 @@ def build_config(a) -> TrainConfig:
     return TrainConfig(model=tiny_model_config(a.model, **over), data=data, loops=a.loops, lr=a.lr,
                        warmup_steps=a.warmup, total_steps=a.total_steps, final_lr_frac=a.final_lr_frac,
                        weight_decay=a.weight_decay, b2=a.b2, clip_norm=a.clip, seed=a.seed,
-                       task_weights=tuple(float(x) for x in a.task_weights.split(",")), random_state=not a.zero_state)
+                       task_weights=tuple(float(x) for x in a.task_weights.split(",")), random_state=not a.zero_state,
+                       embed_std=a.embed_std)
 
 
 def main(argv=None):

@@ -166,3 +166,11 @@ def test_cli_trains_resumes_and_exports(tmp_path):
     assert "--hidden 64" in card and "--lr 0.001" in card and "trained 2 steps" in card
     with pytest.raises(ValueError, match="lr"):
         cli.main(flags + ["--lr", "3e-3", "--stop-step", "3"])
+
+
+def test_embedding_reinit(tmp_path, text):
+    cfg = TrainConfig(**{**small_config("ouro").__dict__, "embed_std": 1.0})
+    tr = Trainer(cfg, RunOptions(run_dir=str(tmp_path), eval_every=0, progress=False), text)
+    emb = [np.asarray(x) for x in jax.tree.leaves(tr.params) if x.shape == (259, 64)]
+    assert len(emb) == 1 and 0.9 < emb[0].std() < 1.1
+    assert all(np.asarray(x).std() < 0.1 for x in jax.tree.leaves(tr.params) if x.ndim == 2 and x.shape != (259, 64))

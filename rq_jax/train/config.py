@@ -62,6 +62,9 @@ class TrainConfig:
     #: (seeded by step), as Huginn was trained, so the model works from zeros or from noise at
     #: inference. Ignored for Ouro.
     random_state: bool = True
+    #: Re-initialise the token embedding [vocab, hidden] as N(0, embed_std²) (None: the model's init_std).
+    #: Ouro adds unit-RMS normed branch outputs to the embedding, so a 0.02 embedding is drowned at init.
+    embed_std: float | None = None
 
     @property
     def num_loops(self) -> int:

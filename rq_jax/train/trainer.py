@@ -97,6 +97,17 @@ def _jitted_train_step(graphdef, cfg: TrainConfig) -> Callable:
     return step
 
 
+def reinit_embedding(params, cfg: TrainConfig):
+    """params with the token embedding (the one [vocab, hidden] leaf) redrawn as N(0, embed_std²)."""
+    shape = (cfg.model.vocab_size, cfg.model.hidden_size)
+    found = [leaf for leaf in jax.tree.leaves(params) if leaf.shape == shape]
+    if len(found) != 1:
+        raise ValueError(f"expected one [vocab, hidden] = {shape} parameter (the embedding), found {len(found)}")
+    key = jax.random.fold_in(jax.random.key(cfg.seed), 10**6)
+    return jax.tree.map(lambda p: (jax.random.normal(key, shape, p.dtype) * cfg.embed_std if p.shape == shape else p),
+                        params)
+
+
 class Trainer:
     """Builds (or restores from `opts.run_dir`) a run of `cfg` and trains it; see `run`."""
 
@@ -106,6 +117,8 @@ class Trainer:
         self.mixture = Mixture(cfg.data, self.text)
         model = init_model(cfg.model, cfg.seed)
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+        if cfg.embed_std is not None:
+            self.params = reinit_embedding(self.params, cfg)
         self.tx, self.schedule = make_optimizer(cfg)
         self.opt_state = self.tx.init(self.params)
         self.step = 0
