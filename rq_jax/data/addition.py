@@ -1,0 +1,54 @@
+"""Multi-digit addition with the answer digits reversed (least significant first).
+
+    prompt  "00123+04567="        both operands zero-padded to `max_digits`
+    answer  "069400\n"            (123 + 4567 = 4690 → "004690" reversed), then "\n"
+
+Padding to a fixed width puts every answer digit at a fixed offset from the operand digits it depends
+on, and reversing lets the carry flow in generation order: a layout small transformers learn.
+Operand lengths are drawn uniformly in 1..max_digits (a built-in curriculum of easy and hard sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rq_jax.data.common import Example, sample_in_split, stream_rng
+
+
+@dataclasses.dataclass(frozen=True)
+class Addition:
+    """Addition examples: prompt of 2·max_digits + 2 tokens, answer of max_digits + 2 tokens."""
+
+    max_digits: int = 5
+
+    @property
+    def length(self) -> int:
+        """Tokens per example."""
+        return 2 * self.max_digits + 2 + self.max_digits + 2
+
+    def make(self, a: int, b: int) -> Example:
+        """The example for a + b (its key is "a+b", which decides its split)."""
+        d = self.max_digits
+        if not (0 <= a < 10**d and 0 <= b < 10**d):
+            raise ValueError(f"operands must have at most {d} digits, got {a} and {b}")
+        prompt = f"{a:0{d}d}+{b:0{d}d}=".encode()
+        answer = f"{a + b:0{d + 1}d}"[::-1].encode() + b"\n"
+        return Example.from_segments("addition", [(prompt, False), (answer, True)], key=b"add:%d+%d" % (a, b))
+
+    def draw(self, rng: np.random.Generator) -> Example:
+        """One example, split unchecked: each operand's digit count uniform in 1..max_digits."""
+        ops = []
+        for _ in range(2):
+            n = int(rng.integers(1, self.max_digits + 1))
+            ops.append(int(rng.integers(0 if n == 1 else 10 ** (n - 1), 10**n)))
+        return self.make(*ops)
+
+    def sample(self, rng: np.random.Generator, split: str) -> Example:
+        """One example of `split`."""
+        return sample_in_split(self.draw, rng, split)
+
+    def examples(self, split: str, n: int, seed: int = 0) -> list[Example]:
+        """The first `n` examples of `split`'s fixed stream (example i from `stream_rng(seed, split, i)`)."""
+        return [self.sample(stream_rng(seed, split, 0, i), split) for i in range(n)]

@@ -1,0 +1,99 @@
+"""What a training run is: the tiny model configs and `TrainConfig` (everything that decides the loss
+trajectory; a resumed run must have the same one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from rq_jax.config import ModelConfig
+from rq_jax.data import Addition, MixtureConfig, Retrieval
+
+VOCAB = 259  # byte_level_tokenizer(): 3 specials + 256 bytes
+
+
+def tiny_model_config(family: str, **overrides) -> ModelConfig:
+    """The shipped tiny model of `family`: head_dim 64, ≤ 5 MB in bf16.
+
+    ouro: hidden 256, 4 heads, 2 layers × 4 loops, MLP 512 (1.45 M params, 2.9 MB bf16).
+    huginn: hidden 192, 3 heads, prelude 1 + core 2 × 8 steps + coda 1, MLP 512 (1.89 M, 3.8 MB bf16).
+    """
+    if family == "ouro":
+        base = dict(family="ouro", vocab_size=VOCAB, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=4,
+                    head_dim=64, intermediate_size=512, num_loops=4, max_position_embeddings=2048,
+                    rope_theta=10000.0, init_std=0.02)
+    elif family == "huginn":
+        hidden = overrides.get("hidden_size", 192)
+        base = dict(family="huginn", vocab_size=VOCAB, hidden_size=hidden, num_layers=2, num_heads=hidden // 64,
+                    num_kv_heads=hidden // 64, head_dim=64, intermediate_size=512, num_loops=8,
+                    max_position_embeddings=2048, rope_theta=50000.0, tie_word_embeddings=True, num_prelude=1,
+                    num_coda=1, qk_bias=True, embed_scale=hidden**0.5, init_std=(2 / (5 * hidden)) ** 0.5)
+    else:
+        raise ValueError(f"unknown family {family!r}: expected 'ouro' or 'huginn'")
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Model, data mixture, optimizer and seed: a run's whole trajectory is a function of this.
+
+    The learning rate warms up linearly from 0 to `lr` over `warmup_steps`, then follows a cosine to
+    `lr * final_lr_frac` at `total_steps`. AdamW (b1, b2, weight decay on ≥ 2-D params only) after
+    global-norm clipping at `clip_norm`. The loss is Σ_task task_weights[t] · (mean NLL of task t's
+    weighted tokens) / Σ task_weights.
+    """
+
+    model: ModelConfig
+    data: MixtureConfig = MixtureConfig()
+    loops: int | None = None  # loops (Ouro) / recurrence steps (Huginn) in training; None: the model's
+    lr: float = 1e-3
+    warmup_steps: int = 200
+    total_steps: int = 20000
+    final_lr_frac: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+    task_weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    seed: int = 0
+    #: Huginn: start each training forward's recurrence from the reference's random initial state
+    #: (seeded by step), as Huginn was trained, so the model works from zeros or from noise at
+    #: inference. Ignored for Ouro.
+    random_state: bool = True
+    #: Re-initialise the token embedding [vocab, hidden] as N(0, embed_std²) (None: the model's init_std).
+    #: Ouro adds unit-RMS normed branch outputs to the embedding, so a 0.02 embedding is drowned at init.
+    embed_std: float | None = None
+
+    @property
+    def num_loops(self) -> int:
+        return self.loops or self.model.num_loops
+
+    def to_json(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "TrainConfig":
+        raw = dict(raw)
+        data = dict(raw.pop("data"))
+        data["addition"] = Addition(**data["addition"])
+        data["retrieval"] = Retrieval(**data["retrieval"])
+        data["rows"] = tuple(data["rows"])
+        raw["task_weights"] = tuple(raw["task_weights"])
+        return cls(model=ModelConfig(**raw.pop("model")), data=MixtureConfig(**data), **raw)
+
+
+def diff(a: TrainConfig, b: TrainConfig) -> list[str]:
+    """Flattened fields that differ between two configs, as "field: a != b"."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[prefix + k] = v
+        return out
+    fa, fb = flat(a.to_json()), flat(b.to_json())
+    return [f"{k}: {fa.get(k)!r} != {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+

@@ -1,0 +1,270 @@
+"""The training loop: jitted AdamW step, orbax checkpoints that resume exactly, JSONL metrics, eval.
+
+State saved at a step boundary: params, optimizer state (its schedule count included) and the step.
+The data position is the step itself (`Mixture.batch(step)` is a pure function), and the step has no
+other randomness, so a resumed run follows the uninterrupted run's trajectory bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from rq_jax.data import TASKS, Addition, Mixture, Retrieval, StdlibText
+from rq_jax.models import init_model
+from rq_jax.train import evaluate
+from rq_jax.train.config import TrainConfig, diff
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """How a run is driven; none of it changes the trajectory."""
+
+    run_dir: str
+    stop_step: int | None = None  # stop (with a checkpoint) before this step; None: total_steps
+    max_minutes: float | None = None  # stop (with a checkpoint) after this much wall time
+    ckpt_every_s: float = 300.0
+    ckpt_keep: int = 3
+    eval_every: int = 250  # steps; 0: never
+    eval_addition: int = 256
+    eval_retrieval: int = 96  # sequences (× num_queries answers), pairs uniform in min..max
+    eval_retrieval_full: int = 48  # sequences with retrieval.max_pairs pairs
+    eval_text_windows: int = 32
+    eval_batch: int = 32
+    progress: bool = True
+    init_from: str | None = None  # a `portable` snapshot to start from when run_dir has no checkpoint
+    portable: bool = True  # also write RUN_DIR/portable (see rq_jax.train.portable) at every checkpoint
+
+
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Global-norm clipping then AdamW (decay on ≥ 2-D params) with warm-up + cosine."""
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps,
+                                               end_value=cfg.lr * cfg.final_lr_frac)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+    return tx, sched
+
+
+def make_train_step(graphdef, rest, cfg: TrainConfig) -> Callable:
+    """(params, opt_state, tokens [B, L+1], weights [B, L], task [B], step) → (params, opt_state, metrics),
+    jitted (compiled once per (graphdef, cfg) in a process). `step` seeds Huginn's random initial state."""
+    fn = _jitted_train_step(graphdef, cfg)
+    return lambda params, opt_state, tokens, weights, task, step: fn(params, rest, opt_state, tokens, weights, task,
+                                                                    jnp.int32(step))
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_train_step(graphdef, cfg: TrainConfig) -> Callable:
+    tx, _ = make_optimizer(cfg)
+    kw = evaluate.forward_kwargs(cfg.model.family, cfg.num_loops)
+    task_w = np.asarray(cfg.task_weights, np.float32) * (np.asarray(cfg.data.rows) > 0)
+
+    random_state = cfg.random_state and cfg.model.family == "huginn"
+
+    def loss_fn(params, rest, tokens, weights, task, step):
+        model = nnx.merge(graphdef, params, rest)
+        extra = {"rng": jax.random.fold_in(jax.random.key(cfg.seed), step)} if random_state else {}
+        logits = model(tokens[:, :-1], **kw, **extra).logits
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # [B, L]
+        per_task = []
+        for t in range(len(TASKS)):
+            w = weights * (task == t)[:, None]
+            per_task.append(jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0))
+        per_task = jnp.stack(per_task)
+        return jnp.sum(per_task * task_w) / task_w.sum(), per_task
+
+    @jax.jit
+    def step(params, rest, opt_state, tokens, weights, task, step):
+        (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens, weights, task, step)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, dict(loss=loss, per_task=per_task, grad_norm=optax.tree.norm(grads))
+
+    return step
+
+
+def reinit_embedding(params, cfg: TrainConfig):
+    """params with the token embedding (the one [vocab, hidden] leaf) redrawn as N(0, embed_std²)."""
+    shape = (cfg.model.vocab_size, cfg.model.hidden_size)
+    found = [leaf for leaf in jax.tree.leaves(params) if leaf.shape == shape]
+    if len(found) != 1:
+        raise ValueError(f"expected one [vocab, hidden] = {shape} parameter (the embedding), found {len(found)}")
+    key = jax.random.fold_in(jax.random.key(cfg.seed), 10**6)
+    return jax.tree.map(lambda p: (jax.random.normal(key, shape, p.dtype) * cfg.embed_std if p.shape == shape else p),
+                        params)
+
+
+class Trainer:
+    """Builds (or restores from `opts.run_dir`) a run of `cfg` and trains it; see `run`."""
+
+    def __init__(self, cfg: TrainConfig, opts: RunOptions, text: StdlibText | None = None):
+        self.cfg, self.opts = cfg, opts
+        self.text = text if text is not None else StdlibText()
+        self.mixture = Mixture(cfg.data, self.text)
+        model = init_model(cfg.model, cfg.seed)
+        self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+        if cfg.embed_std is not None:
+            self.params = reinit_embedding(self.params, cfg)
+        self.tx, self.schedule = make_optimizer(cfg)
+        self.opt_state = self.tx.init(self.params)
+        self.step = 0
+        self.train_seconds = 0.0
+        self._train_step = make_train_step(self.graphdef, self.rest, cfg)
+        self._score = evaluate.make_score_fn(self.graphdef, self.rest, cfg.model.family, cfg.num_loops)
+        os.makedirs(opts.run_dir, exist_ok=True)
+        self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(opts.run_dir, "ckpt")),
+                                             options=ocp.CheckpointManagerOptions(max_to_keep=opts.ckpt_keep))
+        self.log_path = os.path.join(opts.run_dir, "metrics.jsonl")
+        self._eval_sets = None
+        if not self.restore() and opts.init_from:
+            from rq_jax.train.portable import load_portable
+
+            load_portable(self, opts.init_from)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {"params": self.params, "opt_state": self.opt_state, "step": jnp.int32(self.step)}
+
+    def save(self) -> None:
+        """Checkpoint the current step (blocking) unless it is already saved."""
+        if self.manager.latest_step() == self.step:
+            return
+        meta = {"step": self.step, "train_seconds": self.train_seconds, "config": self.cfg.to_json(),
+                "python_version": self.text.python_version, "jax_version": jax.__version__}
+        self.manager.save(self.step, args=ocp.args.Composite(state=ocp.args.StandardSave(self._state()),
+                                                             meta=ocp.args.JsonSave(meta)))
+        self.manager.wait_until_finished()
+        if self.opts.portable:
+            from rq_jax.train.portable import save_portable
+
+            save_portable(self, os.path.join(self.opts.run_dir, "portable"))
+
+    def restore(self) -> bool:
+        """Load the latest checkpoint of run_dir if any (its config must equal ours). True if loaded."""
+        latest = self.manager.latest_step()
+        if latest is None:
+            return False
+        restored = self.manager.restore(latest, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(self._state()), meta=ocp.args.JsonRestore()))
+        saved = TrainConfig.from_json(restored.meta["config"])
+        if saved != self.cfg:
+            raise ValueError(f"{self.opts.run_dir} holds a run with another config; differences (saved != "
+                             f"requested):\n  " + "\n  ".join(diff(saved, self.cfg)))
+        state = restored.state
+        self.params, self.opt_state, self.step = state["params"], state["opt_state"], int(state["step"])
+        self.train_seconds = float(restored.meta.get("train_seconds", 0.0))
+        return True
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def _truncate_log(self) -> None:
+        """Drop the records a resumed run writes again: training steps ≥ the current step, evals after it."""
+        if not os.path.exists(self.log_path):
+            return
+
+        def keep_record(r):
+            return r.get("step", -1) <= self.step if "eval" in r else r.get("step", -1) < self.step
+
+        with open(self.log_path) as f:
+            keep = [line for line in f if line.strip() and keep_record(json.loads(line))]
+        with open(self.log_path, "w") as f:
+            f.writelines(keep)
+
+    def _log(self, record: dict) -> None:
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    def eval_sets(self) -> dict:
+        """Held-out sets (built once): addition, retrieval (uniform pairs and all max_pairs), text windows."""
+        if self._eval_sets is None:
+            d, o = self.cfg.data, self.opts
+            self._eval_sets = dict(
+                addition=d.addition.examples("eval", o.eval_addition),
+                retrieval=d.retrieval.examples("eval", o.eval_retrieval),
+                retrieval_full=d.retrieval.examples("eval", o.eval_retrieval_full, num_pairs=d.retrieval.max_pairs),
+                text=self.text.eval_windows(d.seq_len + 1, o.eval_text_windows))
+        return self._eval_sets
+
+    def evaluate(self, sets: dict | None = None) -> dict[str, float]:
+        """Exact-match accuracy (`*_acc`) and answer-token accuracy (`*_tok`) per task, held-out bits per
+        byte. `retrieval` draws pairs uniformly in min..max_pairs, `retrieval{max_pairs}` uses all of them."""
+        sets, d, b = sets or self.eval_sets(), self.cfg.data, self.opts.eval_batch
+        out = {}
+        for name, examples, length in (("addition", sets["addition"], d.addition.length),
+                                       ("retrieval", sets["retrieval"], d.seq_len + 1),
+                                       (f"retrieval{d.retrieval.max_pairs}", sets["retrieval_full"], d.seq_len + 1)):
+            r = evaluate.answer_scores(self._score, self.params, examples, length, b)
+            out[f"{name}_acc"], out[f"{name}_tok"] = r["em"], r["token_acc"]
+        out["text_bpb"] = evaluate.bits_per_byte(self._score, self.params, sets["text"], b)
+        return out
+
+    def model(self):
+        """The current model (an nnx module holding the trained params)."""
+        return nnx.merge(self.graphdef, self.params, self.rest)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self) -> dict | None:
+        """Train from the current step until stop_step / total_steps / max_minutes or SIGTERM/SIGINT,
+        checkpointing every ckpt_every_s and on exit. Returns the last step's metrics."""
+        from tqdm import tqdm
+
+        cfg, o = self.cfg, self.opts
+        stop = min(o.stop_step if o.stop_step is not None else cfg.total_steps, cfg.total_steps)
+        self._truncate_log()
+        stopping = []
+        handlers = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGTERM, signal.SIGINT)}
+        start_wall = last_ckpt = time.time()
+        last = None
+        bar = tqdm(total=stop, initial=self.step, disable=not o.progress, dynamic_ncols=True,
+                   mininterval=1.0 if sys.stderr.isatty() else 60.0, desc=f"{cfg.model.family}")
+        try:
+            while self.step < stop and not stopping:
+                if o.max_minutes is not None and time.time() - start_wall > 60 * o.max_minutes:
+                    break
+                t0 = time.time()
+                batch = self.mixture.batch(self.step)
+                self.params, self.opt_state, m = self._train_step(
+                    self.params, self.opt_state, jnp.asarray(batch.tokens), jnp.asarray(batch.weights),
+                    jnp.asarray(batch.task), self.step)
+                loss, per_task = float(m["loss"]), np.asarray(m["per_task"])
+                dt = time.time() - t0
+                self.train_seconds += dt
+                last = {"step": self.step, "loss": loss,
+                        **{f"loss_{t}": float(v) for t, v in zip(TASKS, per_task)},
+                        "lr": float(self.schedule(self.step)), "grad_norm": float(m["grad_norm"]),
+                        "tokens_per_s": batch.tokens[:, 1:].size / dt, "s_per_step": dt,
+                        "retrieval_max_pairs": cfg.data.retrieval_max_pairs(self.step),
+                        "train_seconds": self.train_seconds}
+                self._log(last)
+                self.step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", add=f"{per_task[0]:.2f}", ret=f"{per_task[1]:.2f}",
+                                txt=f"{per_task[2]:.2f}", refresh=False)
+                if o.eval_every and self.step % o.eval_every == 0:
+                    t1 = time.time()
+                    ev = self.evaluate()
+                    self._log({"step": self.step, "eval": ev, "eval_seconds": time.time() - t1})
+                    bar.write(f"step {self.step} eval " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
+                if time.time() - last_ckpt > o.ckpt_every_s:
+                    self.save()
+                    last_ckpt = time.time()
+        finally:
+            bar.close()
+            self.save()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        return last

@@ -1,0 +1,123 @@
+"""Train (or resume) a tiny Ouro or Huginn model on the offline data mixture; optionally export it.
+
+    python scripts/train_tiny.py --model ouro --run-dir /work/runs/ouro-a --lr 1e-3
+    python scripts/train_tiny.py --model ouro --run-dir /work/runs/ouro-a --lr 1e-3 --export checkpoints/ouro-small
+
+Rerunning the same command resumes from the run directory's latest checkpoint (the trajectory-defining
+flags must match the saved run; the error lists any difference). Progress goes to a tqdm bar, metrics to
+RUN_DIR/metrics.jsonl, checkpoints to RUN_DIR/ckpt (orbax) and RUN_DIR/portable (HF-named params and
+Adam moments, which `--init-from` reads into a run of newer model code). SIGTERM/SIGINT checkpoint and exit.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from rq_jax.data import Addition, MixtureConfig, Retrieval
+from rq_jax.train import RunOptions, TrainConfig, Trainer, tiny_model_config
+
+
+def make_parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["ouro", "huginn"], required=True)
+    p.add_argument("--run-dir", required=True, help="checkpoints and metrics.jsonl (outside the git tree)")
+    g = p.add_argument_group("trajectory (must match when resuming)")
+    g.add_argument("--loops", type=int, default=None, help="training loops / recurrence steps (default: model's)")
+    g.add_argument("--hidden", type=int, default=None, help="override hidden size (heads = hidden / 64)")
+    g.add_argument("--intermediate", type=int, default=None)
+    g.add_argument("--layers", type=int, default=None, help="looped layers / core blocks")
+    g.add_argument("--init-std", type=float, default=None)
+    g.add_argument("--embed-std", type=float, default=None, help="re-initialise the embedding with this std")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=200)
+    g.add_argument("--total-steps", type=int, default=20000, help="length of the cosine schedule")
+    g.add_argument("--final-lr-frac", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--b2", type=float, default=0.95)
+    g.add_argument("--clip", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seq-len", type=int, default=320)
+    g.add_argument("--rows", default="6,6,4", help="rows per batch: addition,retrieval,text")
+    g.add_argument("--task-weights", default="1,1,1")
+    g.add_argument("--max-digits", type=int, default=5)
+    g.add_argument("--max-pairs", type=int, default=32)
+    g.add_argument("--queries", type=int, default=8)
+    g.add_argument("--curriculum-start", type=int, default=8)
+    g.add_argument("--curriculum-steps", type=int, default=2000)
+    g.add_argument("--prompt-weight", type=float, default=0.0)
+    g.add_argument("--zero-state", action="store_true", help="huginn: train from a zero initial state, not noise")
+    r = p.add_argument_group("run control")
+    r.add_argument("--stop-step", type=int, default=None, help="stop before this step (default: total steps)")
+    r.add_argument("--max-minutes", type=float, default=None)
+    r.add_argument("--ckpt-every-min", type=float, default=5.0)
+    r.add_argument("--eval-every", type=int, default=250)
+    r.add_argument("--eval-n", type=int, default=256, help="addition examples per periodic eval")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--init-from", metavar="DIR", help="start from a portable snapshot (RUN_DIR/portable of a run "
+                   "with the same flags, e.g. written by older model code) when RUN_DIR has no checkpoint")
+    r.add_argument("--export", metavar="DIR", help="after training, write the HF folder + tokenizer + model card")
+    r.add_argument("--export-n", type=int, default=1000, help="held-out examples per task for the model card")
+    p.trajectory = g
+    return p
+
+
+def training_command(parser, a) -> str:
+    """The command that trains this run, every trajectory flag spelled out (for model cards)."""
+    words = ["python", "scripts/train_tiny.py", "--model", a.model, "--run-dir", a.run_dir]
+    for action in parser.trajectory._group_actions:
+        value = getattr(a, action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            words += [action.option_strings[0]] if value else []
+        elif value is not None:
+            words += [action.option_strings[0], str(value)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def build_config(a) -> TrainConfig:
+    over = {k: v for k, v in dict(hidden_size=a.hidden, intermediate_size=a.intermediate, num_layers=a.layers,
+                                   init_std=a.init_std).items() if v is not None}
+    if a.hidden is not None:
+        over.update(num_heads=a.hidden // 64, num_kv_heads=a.hidden // 64)
+        if a.model == "huginn":
+            over.setdefault("init_std", (2 / (5 * a.hidden)) ** 0.5)
+            over["embed_scale"] = a.hidden ** 0.5
+    data = MixtureConfig(seq_len=a.seq_len, rows=tuple(int(x) for x in a.rows.split(",")), seed=a.seed,
+                         addition=Addition(a.max_digits), prompt_weight=a.prompt_weight,
+                         retrieval=Retrieval(max_pairs=a.max_pairs, num_queries=a.queries),
+                         curriculum_start=a.curriculum_start, curriculum_steps=a.curriculum_steps)
+    return TrainConfig(model=tiny_model_config(a.model, **over), data=data, loops=a.loops, lr=a.lr,
+                       warmup_steps=a.warmup, total_steps=a.total_steps, final_lr_frac=a.final_lr_frac,
+                       weight_decay=a.weight_decay, b2=a.b2, clip_norm=a.clip, seed=a.seed,
+                       task_weights=tuple(float(x) for x in a.task_weights.split(",")), random_state=not a.zero_state,
+                       embed_std=a.embed_std)
+
+
+def main(argv=None):
+    parser = make_parser()
+    a = parser.parse_args(argv)
+    cfg = build_config(a)
+    opts = RunOptions(run_dir=a.run_dir, stop_step=a.stop_step, max_minutes=a.max_minutes,
+                      ckpt_every_s=60 * a.ckpt_every_min, eval_every=a.eval_every, eval_addition=a.eval_n,
+                      progress=not a.no_progress, init_from=a.init_from)
+    trainer = Trainer(cfg, opts)
+    print(f"{a.model}: step {trainer.step} of {cfg.total_steps}, run dir {a.run_dir}", file=sys.stderr)
+    trainer.run()
+    if a.export:
+        from rq_jax.train.export import export_hf
+
+        n = a.export_n
+        sets = dict(addition=cfg.data.addition.examples("eval", n),
+                    retrieval=cfg.data.retrieval.examples("eval", n // cfg.data.retrieval.num_queries + 1),
+                    retrieval_full=cfg.data.retrieval.examples("eval", n // cfg.data.retrieval.num_queries + 1,
+                                                               num_pairs=cfg.data.retrieval.max_pairs),
+                    text=trainer.text.eval_windows(cfg.data.seq_len + 1, 64))
+        acc = trainer.evaluate(sets)
+        command = training_command(parser, a)
+        info = export_hf(trainer, a.export, acc, command)
+        print(json.dumps({"export": os.path.abspath(a.export), "bytes": info["bytes"], **acc}))
+
+
+if __name__ == "__main__":
+    main()
