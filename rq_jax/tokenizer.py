@@ -10,7 +10,9 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 def byte_level_tokenizer() -> Tokenizer:
-    """A byte-level tokenizer with no merges: ids 0..2 are `SPECIAL_TOKENS`, then the 256 bytes."""
+    """A byte-level tokenizer with no merges: ids 0..2 are `SPECIAL_TOKENS`, then the 256 bytes in the
+    order of their printable stand-in characters (so byte b is not id 3 + b: encode with the tokenizer,
+    or `rq_jax.data.encode`, which follows the same order)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(sorted(alphabet))})
