@@ -15,6 +15,10 @@ Asymmetric (the ResidualQuant quantizer, spec §5; all ``2**b`` levels used)::
     code   = clamp(floor(u) + (u - floor(u) > 0.5), 0, 2**b - 1)  # round half DOWN
     x_hat  = offset + scale * code
 
+At ``clip = 1`` the offset is ``lo`` itself (what ``mid - rad`` equals exactly; formed in float32 it
+could be an ulp off) and ``2 * rad`` is ``hi - lo``, so the metadata are KIVI's: zero-point = group
+minimum, ``scale = (max - min) / (2**b - 1)``.
+
 Symmetric (baselines; the signed grid ``{-qmax..qmax} * scale``, ``qmax = 2**(b-1) - 1``, so INT2
 uses three levels; needs ``b >= 2``)::
 
@@ -29,10 +33,21 @@ and not stored (it would overflow fp8 at 8 bits).
 (``scale``/``offset`` have ``G = 0`` columns), so schemes built on this module (residual groups,
 cache formats) can run losslessly up to bfloat16 rounding.
 
+``rounding`` picks the rule at exact ties: ``"half_down"`` (the spec's, above; default) or
+``"half_even"`` (``torch.round``'s, which KIVI uses).
+
 All arithmetic is float32, with the metadata cast to ``meta_dtype`` and back before the codes are
-computed, so ``dequantize`` is the exact inverse arithmetic of the encoder. Midpoint and radius are
-formed as ``hi/2 ± lo/2`` (equal to the spec's formulas, but no float32 overflow for huge inputs).
-A group whose scale underflows to zero in the metadata dtype (e.g. a range below 2**-10 in fp8)
+computed, so ``dequantize`` is the exact inverse arithmetic of the encoder. Every operation of the
+encoder is rounded as written, also under ``jax.jit``: left alone, XLA rewrites a division by a
+broadcast scale into a multiply by its reciprocal (u = 1.5 becomes 1.5000001 and rounds up) and
+contracts ``mid - clip * rad`` into one fused multiply-add (an exact FP8 midpoint then rounds the other
+way). So every divisor passes through ``jax.lax.optimization_barrier`` (the simplifier cannot see a
+broadcast or a constant behind it) and the clipped radius through a clamp to the finite float32 range
+(an identity for finite values that no compiler can drop, and that separates the multiply from the
+subtraction): the codes and metadata at exact ties are the same jitted and un-jitted.
+
+Midpoint and radius are formed as ``hi/2 ± lo/2`` (equal to the spec's formulas, but no float32
+overflow for huge inputs). A group whose scale underflows to zero in the metadata dtype (e.g. a range below 2**-10 in fp8)
 reconstructs to its offset: never NaN. Inputs with ``|x| <= 1e38`` give finite outputs for every
 metadata dtype (beyond that, float32 and bfloat16 metadata can overflow ``scale * code``); inf/NaN
 inputs are out of scope (codes stay defined, reconstructions may not).
@@ -55,6 +70,7 @@ META_DTYPES = (
     np.dtype(jnp.float16),
     np.dtype(jnp.float32),
 )
+ROUNDINGS = ("half_down", "half_even")  # the spec's rule at exact ties; torch.round's (KIVI)
 
 
 def default_clip(bits: int) -> float:
@@ -64,10 +80,11 @@ def default_clip(bits: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """One affine quantizer: bit width, group size, symmetry, metadata dtype and clip factor.
+    """One affine quantizer: bit width, group size, symmetry, metadata dtype, clip factor and tie rule.
 
     Frozen and hashable, so it can be a static argument of ``jax.jit``. ``meta_dtype`` is normalised
-    to a ``numpy.dtype``; ``clip=None`` means the spec default (``default_clip(bits)``).
+    to a ``numpy.dtype``; ``clip=None`` means the spec default (``default_clip(bits)``); ``rounding``
+    is one of ``ROUNDINGS`` (``"half_down"``, the spec's, by default).
     """
 
     bits: int
@@ -75,6 +92,7 @@ class QuantConfig:
     symmetric: bool = False
     meta_dtype: object = jnp.float8_e4m3fn
     clip: float | None = None
+    rounding: str = "half_down"
 
     def __post_init__(self):
         if self.bits not in VALID_BITS:
@@ -94,6 +112,8 @@ class QuantConfig:
         object.__setattr__(self, "meta_dtype", dt)
         if self.clip is not None and not (0.0 < float(self.clip) <= 1.0):
             raise ValueError(f"clip must lie in (0, 1], got {self.clip!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
 
     @property
     def clip_factor(self) -> float:
@@ -142,6 +162,28 @@ def round_half_down(u: jax.Array) -> jax.Array:
     return f + (u - f > 0.5).astype(u.dtype)
 
 
+def _round(u: jax.Array, cfg: QuantConfig) -> jax.Array:
+    """``u`` rounded to an integer by the config's tie rule."""
+    return round_half_down(u) if cfg.rounding == "half_down" else jnp.round(u)  # jnp.round: half to even
+
+
+def _exact(x: jax.Array, shape: tuple[int, ...] | None = None) -> jax.Array:
+    """``x`` (broadcast to ``shape``) as a divisor XLA cannot see into: behind an optimization barrier
+    its algebraic simplifier (which runs before barriers are expanded) cannot rewrite a division by it
+    into a multiply by its reciprocal."""
+    x = jnp.asarray(x, jnp.float32)
+    return jax.lax.optimization_barrier(x if shape is None else jnp.broadcast_to(x, shape))
+
+
+def _unfused(product: jax.Array) -> jax.Array:
+    """A product kept rounded to float32 before any later add: clamped to the finite float32 range,
+    which no compiler can drop (it maps ±inf) and which sits between the multiply and the add, so
+    they cannot be contracted into a fused multiply-add (an optimization barrier does not stop that:
+    XLA expands barriers before it fuses)."""
+    big = float(jnp.finfo(jnp.float32).max)
+    return jnp.clip(product, -big, big)
+
+
 def _to_meta(v: jax.Array, cfg: QuantConfig) -> jax.Array:
     m = cfg.meta_max
     return jnp.clip(v, -m, m).astype(cfg.meta_dtype)
@@ -163,23 +205,26 @@ def quantize(x: jax.Array, cfg: QuantConfig) -> Quantized:
         qmax = (1 << (cfg.bits - 1)) - 1
         zp = 1 << (cfg.bits - 1)
         amax = jnp.max(jnp.abs(xg), axis=-1) * clip
-        scale = _to_meta(amax / qmax, cfg)
+        scale = _to_meta(amax / _exact(qmax, amax.shape), cfg)
         s = scale.astype(jnp.float32)
-        u = xg / jnp.where(s > 0, s, 1.0)[..., None]
+        u = xg / _exact(jnp.where(s > 0, s, 1.0)[..., None], xg.shape)
         u = jnp.nan_to_num(u, nan=0.0)
-        c = jnp.clip(round_half_down(u), -qmax, qmax) + zp
+        c = jnp.clip(_round(u, cfg), -qmax, qmax) + zp
         return Quantized(c.astype(jnp.uint8).reshape(x.shape), scale, None)
     lo = jnp.min(xg, axis=-1)
     hi = jnp.max(xg, axis=-1)
-    mid = hi / 2 + lo / 2
-    rad = (hi / 2 - lo / 2) * clip
-    offset = _to_meta(mid - rad, cfg)
-    scale = _to_meta(2 * rad / (cfg.levels - 1), cfg)
+    if clip == 1.0:  # mid - rad is lo exactly: take it as it is (KIVI's zero-point)
+        rad, low = hi / 2 - lo / 2, lo
+    else:
+        rad = _unfused((hi / 2 - lo / 2) * clip)  # rounded before the subtraction
+        low = (hi / 2 + lo / 2) - rad
+    offset = _to_meta(low, cfg)
+    scale = _to_meta(2 * rad / _exact(cfg.levels - 1, rad.shape), cfg)
     o = offset.astype(jnp.float32)[..., None]
     s = scale.astype(jnp.float32)[..., None]
-    u = (xg - o) / jnp.where(s > 0, s, 1.0)
+    u = (xg - o) / _exact(jnp.where(s > 0, s, 1.0), xg.shape)
     u = jnp.nan_to_num(u, nan=0.0)
-    c = jnp.clip(round_half_down(u), 0, cfg.levels - 1)
+    c = jnp.clip(_round(u, cfg), 0, cfg.levels - 1)
     return Quantized(c.astype(jnp.uint8).reshape(x.shape), scale, offset)
 
 

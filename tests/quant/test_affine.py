@@ -112,6 +112,58 @@ def test_round_half_down_and_levels():
     assert float(q.scale[0, 0]) == 1.0 and float(q.offset[0, 0]) == 0.0
 
 
+# Exact ties at scales whose reciprocal is not exact (1/7.5, 1/1.5): XLA would multiply by 1/scale
+# under jit (u = 1.5 -> 1.5000001) unless the quantizer stops it. Each case: (config kwargs, x, codes
+# half down, codes half even).
+TIES = [
+    (dict(bits=2, group_size=8, clip=1.0),  # offset 10, scale 7.5; u = .5, 1.5, 2.5 at 13.75, 21.25, 28.75
+     [10, 32.5, 13.75, 21.25, 28.75, 10, 10, 10], [0, 3, 0, 1, 2, 0, 0, 0], [0, 3, 0, 2, 2, 0, 0, 0]),
+    (dict(bits=2, group_size=4, clip=1.0), [10, 32.5, 21.25, 10], [0, 3, 1, 0], [0, 3, 2, 0]),  # issue 8's repro
+    (dict(bits=4, group_size=8, clip=1.0),  # offset 0, scale 1.5; u = .5, 1.5, 2.5, 13.5
+     [0, 22.5, 0.75, 2.25, 3.75, 20.25, 0, 0], [0, 15, 0, 1, 2, 13, 0, 0], [0, 15, 0, 2, 2, 14, 0, 0]),
+    (dict(bits=4, group_size=4, symmetric=True),  # scale 10.5 / 7 = 1.5; u = 1.5, -1.5, 7; zero point 8
+     [2.25, -2.25, 10.5, 0.0], [9, 6, 15, 8], [10, 6, 15, 8]),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("kwargs,x,down,even", TIES)
+def test_exact_ties_round_by_the_rule_jitted_and_not(kwargs, x, down, even, jit):
+    x = jnp.asarray([x], jnp.float32)
+    for rounding, want in (("half_down", down), ("half_even", even)):
+        cfg = QuantConfig(meta_dtype=jnp.float32, rounding=rounding, **kwargs)
+        q = (_quantize if jit else quantize)(x, cfg)
+        np.testing.assert_array_equal(np.asarray(q.codes)[0], want, err_msg=rounding)
+        if jit:  # inside a larger fused program too
+            np.testing.assert_array_equal(_qdq(x, cfg)[0].codes, q.codes)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fp8_offset_rounds_the_exact_midpoint_to_even(jit):
+    """mid - 0.9·rad is exactly -3.875 (the midpoint of fp8 -3.75 and -4.0) when the product is rounded
+    before the subtraction, as written; a fused multiply-add gives -3.8749998, which rounds to -3.75."""
+    lo, hi = np.float32(-4.4218755), np.float32(6.515636)
+    mid, rad = np.float32(hi / 2 + lo / 2), np.float32(hi / 2 - lo / 2)
+    assert np.float32(mid - np.float32(np.float32(0.9) * rad)) == -3.875
+    x = jnp.asarray([[lo, hi, lo, hi]], jnp.float32)
+    quant = _quantize if jit else quantize
+    assert float(quant(x, QuantConfig(2, 4, meta_dtype=jnp.float32)).offset[0, 0]) == -3.875
+    assert float(quant(x, QuantConfig(2, 4)).offset[0, 0].astype(jnp.float32)) == -4.0  # round half to even
+    assert float(_qdq(x, QuantConfig(2, 4))[0].offset[0, 0].astype(jnp.float32)) == -4.0
+
+
+def test_clip_one_offset_is_the_minimum_and_scale_kivis():
+    """clip 1: offset = min and scale = (max - min) / (2^b - 1) exactly, also where (hi+lo)/2 - (hi-lo)/2
+    rounds away from lo in float32 (here it would give 0)."""
+    x = jnp.asarray([[1e-8, 1.0, 0.3, 0.7], [-3.3, 7.1, 0.2, 5.0]], jnp.float32)
+    for cfg in (QuantConfig(2, 4, meta_dtype=jnp.float32, clip=1.0), QuantConfig(4, 4, meta_dtype=jnp.float32)):
+        q = _quantize(x, cfg)
+        xn = np.asarray(x)
+        np.testing.assert_array_equal(np.asarray(q.offset)[:, 0], xn.min(1))
+        np.testing.assert_array_equal(np.asarray(q.scale)[:, 0],
+                                      (xn.max(1) - xn.min(1)) / np.float32(2**cfg.bits - 1))
+
+
 def test_int2_default_clip_is_0p9():
     assert QuantConfig(2, 32).clip_factor == 0.9
     assert QuantConfig(4, 32).clip_factor == 1.0
@@ -175,6 +227,8 @@ def test_config_validation():
         QuantConfig(1, 32, symmetric=True)
     with pytest.raises(ValueError, match="clip"):
         QuantConfig(2, 32, clip=1.5)
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        QuantConfig(2, 32, rounding="nearest")
     with pytest.raises(ValueError, match="D=96.*g=64"):
         quantize(jnp.zeros((2, 96)), QuantConfig(2, 64))
     assert hash(QuantConfig(2, 32)) == hash(QuantConfig(2, 32, meta_dtype=jnp.float8_e4m3fn))
