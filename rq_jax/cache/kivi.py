@@ -1,37 +1,47 @@
-"""The `kivi` format: KIVI's 2-bit baseline (keys per channel over token groups, values per token).
+"""The `kivi` format: KIVI's cache, bookkept as KIVI's code keeps it (jy-yuan/KIVI, `models/llama_kivi.py`).
 
-Keys are quantized **per channel**: the g = `key_group` consecutive tokens of a group share one
-(scale, offset) pair per channel. A group can only be quantized once all its g tokens exist, so the
-newest tokens of a row, whose group is not full yet, stay in a full-precision **tail** (as in KIVI) and
-are quantized together the moment the group fills — possibly several groups in one prefill call.
-Values are quantized **per token** as soon as they are written, in groups of `value_group` consecutive
-channels. Both use the toolbox's asymmetric affine quantizer (`rq_jax.quant.affine`, round half down,
-metadata in `meta_dtype`) with plain min/max ranges (`clip` = 1.0, as KIVI) and planar-packed codes.
+KIVI quantizes keys **per channel** over groups of G = `key_group` consecutive tokens (from token 0)
+and values **per token** over groups of `value_group` consecutive channels, with the asymmetric min/max
+quantizer (zero-point = group minimum, scale = (max − min)/(2^b − 1), codes clamped; `rq_jax.quant.affine`
+at clip 1) and keeps a **residual** of R = `residual_length` recent tokens in full precision. For a row
+holding L tokens:
 
-KIVI's optional recent window (`window` = W > 0, off by default as in the paper's comparisons) keeps
-the W most recent tokens' K and V additionally in full precision; attention reads those tokens from
-the window instead of their quantized copies.
+* keys: the first ⌊L/R⌋·R are quantized, the last L mod R (< R) are kept in full precision. Keys wait in
+  the full-precision buffer and are quantized R at a time, the moment it fills (in G-groups; R is a
+  multiple of G), so a prefill of L tokens quantizes its first ⌊L/R⌋·R keys at once.
+* values: the last min(L, R) are kept in full precision (a sliding window); each older one is
+  quantized when it leaves the window.
+
+That is KIVI's prefill (one call of L tokens) and decode (one token per call) bookkeeping, and it depends
+on L alone, so any split of the writes — a second prompt turn, ragged rows — gives the same state.
+KIVI never quantizes at R = 0 (its code divides by R), so R ≥ 1 here.
+
+Defaults are KIVI's published configuration, KIVI-2 as its paper evaluates it: 2 bits for K and V,
+G = 32 for both, R = 128 (the repository's example uses R = 32), and everything KIVI keeps in the model
+dtype — scales, minima and the full-precision tokens — in float16, its runs' dtype; codes round half to
+even (`torch.round`). `rounding="half_down"`, FP8 metadata or a bf16 residual make it a ResidualQuant-style
+variant instead. Unlike the paper's "Direct" baseline (`uniform`: every loop INTn per token in channel
+groups, FP8 metadata, nothing kept in full precision), KIVI quantizes keys per channel across tokens and
+keeps the last R tokens' values and the last L mod R keys exact.
 
 State layout (`KiviState`, every loop its own group, so one slot per group position with leading
-axes [G, N] = [loops, layers]; S = max_len, J = S // g complete key groups that fit, Sq = J·g,
+axes [G, N] = [loops, layers]; S = max_len, Sq = ⌊S/R⌋·R keys that can ever be quantized, J = Sq/G,
+Sv = max(S − R, 0) values that can, Wk = min(R − 1, S) and Wv = min(R, S) full-precision slots,
 P = packed bytes per row = D·bits/8)::
 
-    k_codes  uint8 [G, N, B, K, Sq, P]      channel-packed key codes of complete groups
+    k_codes  uint8 [G, N, B, K, Sq, P]      channel-packed key codes
     k_scale  meta  [G, N, B, K, J, D]       per (token group, channel)
     k_offset meta  [G, N, B, K, J, D]
-    k_tail   res   [G, N, B, K, g, D]       full-precision keys of the open group: position s at s % g
-    v_codes  uint8 [G, N, B, K, S, P]
-    v_scale  meta  [G, N, B, K, S, D // gv] per (token, channel group)
-    v_offset meta  [G, N, B, K, S, D // gv]
-    win_k    res   [G, N, B, K, W, D]       (None when W = 0) ring: position s at s % W
-    win_v    res   [G, N, B, K, W, D]
+    k_full   res   [G, N, B, K, Wk, D]      the last L mod R keys: position s at slot s mod R
+    v_codes  uint8 [G, N, B, K, Sv, P]
+    v_scale  meta  [G, N, B, K, Sv, D // gv] per (token, channel group)
+    v_offset meta  [G, N, B, K, Sv, D // gv]
+    v_full   res   [G, N, B, K, Wv, D]      the last min(L, R) values: position s at slot s mod R
 
-`max_len` need not be a multiple of g: the last S − Sq positions can never form a complete group
-(tokens past the cache are dropped), so they only ever live in the tail and get no code storage.
-Row b holds quantized keys for s < ⌊length_b / g⌋·g and its tail for the rest.
-
-Accounting: `bits_per_element` counts codes and metadata only (b + 2·meta_bits/g for K and for V);
-the tail and the window are excluded there but included in the cache's bytes.
+Accounting: `bits_per_element(loops, D, context_len=L)` is what KIVI holds at L tokens — codes and
+metadata of the quantized tokens plus the full-precision ones at `residual_dtype` bits, averaged over
+K and V; without `context_len` it is the long-context limit (codes and metadata only). `cache_nbytes`
+counts the arrays, i.e. the capacity above (the full-precision buffers at their full size).
 """
 
 from __future__ import annotations
@@ -53,17 +63,16 @@ _RESIDUAL_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class KiviState(NamedTuple):
-    """Quantized K/V of every (loop, layer) slot; see the module docstring for the layout."""
+    """Quantized and full-precision K/V of every (loop, layer) slot; layout in the module docstring."""
 
     k_codes: UInt8[Array, "l n b k sq p"]
     k_scale: Array
     k_offset: Array
-    k_tail: Array
-    v_codes: UInt8[Array, "l n b k s p"]
+    k_full: Array
+    v_codes: UInt8[Array, "l n b k sv p"]
     v_scale: Array
     v_offset: Array
-    win_k: Array | None
-    win_v: Array | None
+    v_full: Array
 
 
 def _take_tokens(x: Array, index: Int[Array, "b m"]) -> Array:
@@ -73,22 +82,32 @@ def _take_tokens(x: Array, index: Int[Array, "b m"]) -> Array:
     return jnp.take_along_axis(x, idx, axis=4)
 
 
+def _ring_positions(lengths: Int[Array, "b"], slots: int, period: int) -> Int[Array, "b w"]:
+    """Position held by ring slot i of a row of `lengths[b]` tokens: the newest p < length with
+    p ≡ i (mod period); negative when there is none."""
+    last = lengths[:, None] - 1
+    return last - (last - jnp.arange(slots)[None, :]) % period
+
+
 @base.register("kivi")
 @dataclasses.dataclass(frozen=True)
 class Kivi:
-    """KIVI policy. `bits` ∈ {1, 2, 3, 4, 8} for keys and values; `key_group` tokens per key group
+    """KIVI policy. `bits` ∈ {1, 2, 3, 4, 8} for keys and values; `key_group` G tokens per key group
     (per channel); `value_group` channels per value group (per token, must divide head_dim);
-    `meta_dtype` of scales/offsets ("float8_e4m3fn", "bfloat16", "float16", "float32"); `residual_dtype`
-    of the full-precision tail and window ("bfloat16", "float16", "float32"); `window` recent tokens kept
-    in full precision (0 = none); `clip` range factor in (0, 1] (1 = KIVI's plain min/max).
-    `group_size`, if given, sets both groups (it is then folded into them and reads None)."""
+    `residual_length` R ≥ 1 recent tokens kept in full precision (a multiple of G); `meta_dtype` of
+    scales/offsets ("float16", "bfloat16", "float32", "float8_e4m3fn"); `residual_dtype` of the
+    full-precision tokens ("float16", "bfloat16", "float32"); `rounding` "half_even" (KIVI's) or
+    "half_down" (the ResidualQuant spec's); `clip` range factor in (0, 1] (1 = KIVI's plain min/max).
+    `group_size`, if given, sets both groups, as KIVI's single `group_size` does (it is then folded into
+    them and reads None)."""
 
     bits: int = 2
     key_group: int = 32
     value_group: int = 32
-    meta_dtype: str = "float8_e4m3fn"
-    residual_dtype: str = "bfloat16"
-    window: int = 0
+    residual_length: int = 128
+    meta_dtype: str = "float16"
+    residual_dtype: str = "float16"
+    rounding: str = "half_even"
     clip: float = 1.0
     group_size: int | None = None
     name: str = dataclasses.field(default="kivi", init=False)
@@ -110,7 +129,10 @@ class Kivi:
             raise ValueError(f"kivi bits must be one of {quantized_bits}, got {self.bits!r}")
         positive_int("key_group", self.key_group)
         positive_int("value_group", self.value_group)
-        positive_int("window", self.window, minimum=0)
+        positive_int("residual_length", self.residual_length)
+        if self.residual_length % self.key_group:
+            raise ValueError(f"kivi residual_length {self.residual_length} must be a multiple of key_group "
+                             f"{self.key_group} (keys are quantized R at a time, in groups of G)")
         try:
             meta = np.dtype(self.meta_dtype)
         except TypeError:
@@ -121,21 +143,30 @@ class Kivi:
         object.__setattr__(self, "meta_dtype", meta.name)
         if self.residual_dtype not in _RESIDUAL_DTYPES:
             raise ValueError(f"kivi residual_dtype must be one of {_RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
+        if self.rounding not in affine.ROUNDINGS:
+            raise ValueError(f"kivi rounding must be one of {affine.ROUNDINGS}, got {self.rounding!r}")
         if not isinstance(self.clip, (int, float)) or not 0.0 < float(self.clip) <= 1.0:
             raise ValueError(f"kivi clip must lie in (0, 1], got {self.clip!r}")
 
     @property
     def key_config(self) -> affine.QuantConfig:
         """The key quantizer: groups of `key_group` tokens of one channel."""
-        return affine.QuantConfig(self.bits, self.key_group, meta_dtype=self.meta_dtype, clip=self.clip)
+        return affine.QuantConfig(self.bits, self.key_group, meta_dtype=self.meta_dtype, clip=self.clip,
+                                  rounding=self.rounding)
 
     @property
     def value_config(self) -> affine.QuantConfig:
         """The value quantizer: groups of `value_group` channels of one token."""
-        return affine.QuantConfig(self.bits, self.value_group, meta_dtype=self.meta_dtype, clip=self.clip)
+        return affine.QuantConfig(self.bits, self.value_group, meta_dtype=self.meta_dtype, clip=self.clip,
+                                  rounding=self.rounding)
+
+    def sizes(self, max_len: int) -> tuple[int, int, int, int]:
+        """(Sq, Sv, Wk, Wv) for a cache of `max_len`: quantizable keys and values, full-precision slots."""
+        r = self.residual_length
+        return max_len // r * r, max(max_len - r, 0), min(r - 1, max_len), min(r, max_len)
 
     def init(self, seg, num_layers, batch, max_len, num_kv_heads, head_dim) -> tuple[KiviState]:
-        """An empty segment state, [G, N] slots of [B, K, S, D] (layout in the module docstring).
+        """An empty segment state, [G, N] slots of [B, K, ...] (layout in the module docstring).
 
         Raises ValueError if head_dim is not divisible by `value_group` or cannot be packed at `bits`.
         """
@@ -146,18 +177,17 @@ class Kivi:
         except ValueError as e:
             raise ValueError(f"kivi bits={self.bits} cannot pack head_dim {head_dim}: {e}") from None
         lead = (seg.groups, num_layers, batch, num_kv_heads)
-        g, groups = self.key_group, max_len // self.key_group
+        sq, sv, wk, wv = self.sizes(max_len)
         meta, res = jnp.dtype(self.meta_dtype), jnp.dtype(self.residual_dtype)
-        win = None if not self.window else jnp.zeros((*lead, self.window, head_dim), res)
         return (KiviState(
-            k_codes=jnp.zeros((*lead, groups * g, p), jnp.uint8),
-            k_scale=jnp.zeros((*lead, groups, head_dim), meta),
-            k_offset=jnp.zeros((*lead, groups, head_dim), meta),
-            k_tail=jnp.zeros((*lead, g, head_dim), res),
-            v_codes=jnp.zeros((*lead, max_len, p), jnp.uint8),
-            v_scale=jnp.zeros((*lead, max_len, head_dim // self.value_group), meta),
-            v_offset=jnp.zeros((*lead, max_len, head_dim // self.value_group), meta),
-            win_k=win, win_v=win),)
+            k_codes=jnp.zeros((*lead, sq, p), jnp.uint8),
+            k_scale=jnp.zeros((*lead, sq // self.key_group, head_dim), meta),
+            k_offset=jnp.zeros((*lead, sq // self.key_group, head_dim), meta),
+            k_full=jnp.zeros((*lead, wk, head_dim), res),
+            v_codes=jnp.zeros((*lead, sv, p), jnp.uint8),
+            v_scale=jnp.zeros((*lead, sv, head_dim // self.value_group), meta),
+            v_offset=jnp.zeros((*lead, sv, head_dim // self.value_group), meta),
+            v_full=jnp.zeros((*lead, wv, head_dim), res)),)
 
     def default_calib(self, seg, num_layers, num_kv_heads, head_dim) -> None:
         """KIVI needs no calibration."""
@@ -171,123 +201,152 @@ class Kivi:
               lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib) -> tuple[KiviState]:
         """Store new K/V [G, 1, N, B, K, T, D], tokens t < num_new[b] at positions lengths[b] + t.
 
-        Values are quantized at once. New keys join the row's open group (the tail); every group this
-        fills — up to ⌈T / g⌉ of them — is quantized, and the new open group becomes the tail.
-        Tokens past max_len are dropped. Fixed shapes, no per-row or per-token Python loop.
+        Keys join the row's full-precision buffer; every R-block this fills — up to ⌈T / R⌉ of them — is
+        quantized and the rest stays. Values join the window; those it pushes out (the oldest, or new
+        tokens at once when T > R) are quantized. Everything passes through `residual_dtype` first, so
+        the codes do not depend on how the tokens were split into calls. Tokens past max_len are
+        dropped. Fixed shapes, no per-row or per-token Python loop.
         """
         return (_write(self, state[0], k[:, 0], v[:, 0], lengths, num_new),)
 
-    def _write(self, state: KiviState, k, v, lengths, num_new) -> KiviState:
+    def _write(self, st: KiviState, k, v, lengths, num_new) -> KiviState:
         """`write`'s body, compiled by `_write` below with the policy static."""
         l, n, b, kh, t, d = k.shape
-        g, res = self.key_group, jnp.dtype(self.residual_dtype)
-        room = state.v_codes.shape[4] - lengths
-        num_new = jnp.clip(num_new, 0, jnp.maximum(room, 0))  # never write past the cache
+        r, gk, res = self.residual_length, self.key_group, jnp.dtype(self.residual_dtype)
+        sq, sv, wk, wv = st.k_codes.shape[4], st.v_codes.shape[4], st.k_full.shape[4], st.v_full.shape[4]
+        num_new = jnp.clip(num_new, 0, jnp.maximum(sv + wv - lengths, 0))  # never write past the cache (S = Sv + Wv)
+        end = lengths + num_new
+        k, v = k.astype(res), v.astype(res)
 
-        vq = affine.quantize(v, self.value_config)
-        v_codes, v_scale, v_offset = base.scatter_tokens(
-            (state.v_codes, state.v_scale, state.v_offset), (packing.pack(vq.codes, self.bits), vq.scale, vq.offset),
-            lengths, num_new)
+        # Keys. Staging: the open R-block (its first `fill` tokens are real) followed by the new tokens.
+        fill = lengths % r
+        blocks = -(-t // r)  # most blocks one call can complete: ⌈T / R⌉
+        staging = jnp.zeros((l, n, b, kh, (blocks + 1) * r, d), res).at[:, :, :, :, :wk].set(st.k_full)
+        staging = base.scatter_tokens(staging, k, fill, num_new)
+        done = (fill + num_new) // r  # blocks completed by this call
+        k_codes, k_scale, k_offset = st.k_codes, st.k_scale, st.k_offset
+        if sq:
+            groups = blocks * r // gk
+            kq = affine.quantize(staging[:, :, :, :, : blocks * r].reshape(l, n, b, kh, groups, gk, d).swapaxes(-1, -2),
+                                 self.key_config)  # per channel: codes [..., groups, D, G], meta [..., groups, D, 1]
+            codes = packing.pack(kq.codes.swapaxes(-1, -2).reshape(l, n, b, kh, blocks * r, d), self.bits)
+            k_codes = base.scatter_tokens(k_codes, codes, lengths - fill, done * r)
+            k_scale, k_offset = base.scatter_tokens((k_scale, k_offset), (kq.scale[..., 0], kq.offset[..., 0]),
+                                                    (lengths - fill) // gk, done * (r // gk))
+        k_full = st.k_full
+        if wk:
+            k_full = _take_tokens(staging, done[:, None] * r + jnp.arange(wk)[None, :])
+            open_slots = jnp.arange(wk)[None, :] < (end % r)[:, None]  # zero the rest: a canonical state
+            k_full = jnp.where(open_slots[None, None, :, None, :, None], k_full, 0)
 
-        # Staging: the open group (its first `fill` tokens are real) followed by the new tokens.
-        fill = lengths % g
-        groups = -(-t // g)  # most groups one call can complete: ⌈T / g⌉
-        staging = jnp.zeros((l, n, b, kh, (groups + 1) * g, d), res).at[:, :, :, :, :g].set(state.k_tail)
-        staging = base.scatter_tokens(staging, k.astype(res), fill, num_new)
-        kq = affine.quantize(staging[:, :, :, :, : groups * g].reshape(l, n, b, kh, groups, g, d).swapaxes(-1, -2),
-                             self.key_config)  # per channel: codes [..., groups, D, g], meta [..., groups, D, 1]
-        codes = packing.pack(kq.codes.swapaxes(-1, -2).reshape(l, n, b, kh, groups * g, d), self.bits)
-        done = (fill + num_new) // g  # groups completed by this call
-        k_codes = base.scatter_tokens(state.k_codes, codes, lengths - fill, done * g)
-        k_scale, k_offset = base.scatter_tokens((state.k_scale, state.k_offset), (kq.scale[..., 0], kq.offset[..., 0]),
-                                                lengths // g, done)
-        k_tail = _take_tokens(staging, done[:, None] * g + jnp.arange(g)[None, :])
-        open_slots = jnp.arange(g)[None, :] < ((lengths + num_new) % g)[:, None]  # zero the rest: a canonical state
-        k_tail = jnp.where(open_slots[None, None, :, None, :, None], k_tail, 0)
-
-        win_k, win_v = state.win_k, state.win_v
-        if self.window:
-            # Ring slot i takes the newest new token at a position ≡ i (mod W), if any.
-            w = self.window
-            last = lengths + num_new - 1
-            src = num_new[:, None] - 1 - (last[:, None] - jnp.arange(w)[None, :]) % w  # [B, W]
-            take = (src >= 0)[None, None, :, None, :, None]
-            src = jnp.maximum(src, 0)
-            win_k = jnp.where(take, _take_tokens(k.astype(res), src), win_k)
-            win_v = jnp.where(take, _take_tokens(v.astype(res), src), win_v)
-
-        return KiviState(k_codes, k_scale, k_offset, k_tail, v_codes, v_scale, v_offset, win_k, win_v)
+        # Values. Staging: positions lengths − R … lengths − 1 (window slots; negative ones unused), then
+        # the new tokens: staging index j holds position lengths − R + j.
+        before = lengths[:, None] - r + jnp.arange(r)[None, :]
+        old = _take_tokens(st.v_full, jnp.where(before >= 0, before % r, 0))
+        staging = jnp.concatenate([old, v], axis=4)
+        v_codes, v_scale, v_offset = st.v_codes, st.v_scale, st.v_offset
+        if sv:
+            first, stop = jnp.maximum(lengths - r, 0), jnp.maximum(end - r, 0)  # positions leaving the window
+            src = jnp.minimum((first - lengths + r)[:, None] + jnp.arange(t)[None, :], r + t - 1)
+            vq = affine.quantize(_take_tokens(staging, src), self.value_config)
+            v_codes, v_scale, v_offset = base.scatter_tokens(
+                (v_codes, v_scale, v_offset), (packing.pack(vq.codes, self.bits), vq.scale, vq.offset),
+                first, stop - first)
+        held = _ring_positions(end, wv, r)  # [B, Wv]
+        v_full = _take_tokens(staging, jnp.maximum(held - lengths[:, None] + r, 0))
+        v_full = jnp.where((held >= 0)[None, None, :, None, :, None], v_full, 0)
+        return KiviState(k_codes, k_scale, k_offset, k_full, v_codes, v_scale, v_offset, v_full)
 
     def attend(self, state: tuple[KiviState], index: base.Index, loop: int, q: Float[Array, "b t h d"],
                lengths: Int[Array, "b"], calib) -> base.Partial:
         """Partial attention (float32) of q [B, T, H, D] to the stored tokens s < lengths[b] of a slot.
 
-        Works from the codes: key scores q·k̂_s = Σ_c q_c·o_{j,c} + Σ_c (q_c·σ_{j,c})·code_{s,c} for s in
-        complete group j (scale folded into the query), the tail's full-precision keys for the open
-        group; value output Σ_s p_s·v̂_s = Σ_s (p_s·σ_{s,grp})·code_s + Σ_s p_s·o_{s,grp} (scale folded
-        into the probabilities). Window tokens (s ≥ lengths − W) form a second, dense partial.
+        Works from the codes: key scores q·k̂_s = Σ_c q_c·o_{j,c} + Σ_c (q_c·σ_{j,c})·code_{s,c} for
+        quantized keys (scale folded into the query), q·k_s for the full-precision ones; value output
+        Σ_s p_s·v̂_s = Σ_s (p_s·σ_{s,grp})·code_s + Σ_s p_s·o_{s,grp} (scale folded into the
+        probabilities) over the quantized values plus Σ p_s·v_s over the window.
         """
         return _attend_slot(self, base.at(state[0], index), q, lengths)
 
     def _attend_slot(self, st: KiviState, q, lengths) -> base.Partial:
         """`attend` on one slot's arrays ([B, K, ...]), compiled by `_attend_slot` below."""
         b, t, h, d = q.shape
-        kh, g, s_len = st.k_tail.shape[1], self.key_group, st.v_codes.shape[2]
-        f32 = jnp.float32
+        kh, r, gk, gv = st.v_full.shape[1], self.residual_length, self.key_group, self.value_group
+        sq, sv, wk, wv = st.k_codes.shape[2], st.v_codes.shape[2], st.k_full.shape[2], st.v_full.shape[2]
+        s_len, f32 = sv + wv, jnp.float32
         qg = base.group_queries(q.astype(f32), kh) * d**-0.5  # [B, T, K, H/K, D], 1/sqrt(D) folded in
-
-        groups = st.k_scale.shape[2]
-        k_codes = packing.unpack(st.k_codes, self.bits, d).astype(f32).reshape(b, kh, groups, g, d)
-        quant = (jnp.einsum("btkhd,bkjd,bkjid->btkhji", qg, st.k_scale.astype(f32), k_codes)
-                 + jnp.einsum("btkhd,bkjd->btkhj", qg, st.k_offset.astype(f32))[..., None])
-        quant = jnp.pad(quant.reshape(*quant.shape[:4], groups * g),
-                        ((0, 0),) * 4 + ((0, s_len - groups * g),))
         pos = jnp.arange(s_len)
-        tail = jnp.einsum("btkhd,bkid->btkhi", qg, st.k_tail.astype(f32))[..., pos % g]
-        in_tail = (pos[None, :] >= (lengths - lengths % g)[:, None])[:, None, None, None, :]
-        scores = jnp.where(in_tail, tail, quant).reshape(b, t, h, s_len)
 
-        p, m, l = base.softmax_partial(scores, base.past_mask(lengths - self.window, t, s_len))
-        gv = self.value_group
-        v_codes = packing.unpack(st.v_codes, self.bits, d).astype(f32).reshape(b, kh, s_len, d // gv, gv)
+        scores = jnp.zeros((b, t, kh, h // kh, s_len), f32)
+        if sq:
+            groups = sq // gk
+            k_codes = packing.unpack(st.k_codes, self.bits, d).astype(f32).reshape(b, kh, groups, gk, d)
+            quant = (jnp.einsum("btkhd,bkjd,bkjid->btkhji", qg, st.k_scale.astype(f32), k_codes)
+                     + jnp.einsum("btkhd,bkjd->btkhj", qg, st.k_offset.astype(f32))[..., None])
+            scores = jnp.pad(quant.reshape(*quant.shape[:4], sq), ((0, 0),) * 4 + ((0, s_len - sq),))
+        if wk:
+            full = jnp.einsum("btkhd,bkid->btkhi", qg, st.k_full.astype(f32))[..., jnp.minimum(pos % r, wk - 1)]
+            in_full = (pos[None, :] >= (lengths - lengths % r)[:, None])[:, None, None, None, :]
+            scores = jnp.where(in_full, full, scores)
+
+        p, m, l = base.softmax_partial(scores.reshape(b, t, h, s_len), base.past_mask(lengths, t, s_len))
         pk = p.reshape(b, t, kh, h // kh, s_len)
-        acc = (jnp.einsum("btkhs,bksj,bksjc->btkhjc", pk, st.v_scale.astype(f32), v_codes)
-               + jnp.einsum("btkhs,bksj->btkhj", pk, st.v_offset.astype(f32))[..., None])
-        out = base.Partial(acc.reshape(b, t, h, d), m, l)
-        if self.window:
-            mask = jnp.broadcast_to((jnp.arange(self.window)[None, :] < lengths[:, None])[:, None, :],
-                                    (b, t, self.window))
-            out = base.merge(out, base.dense_partial(q, st.win_k.astype(f32), st.win_v.astype(f32), mask))
-        return out
+        acc = jnp.zeros((b, t, kh, h // kh, d), f32)
+        if sv:
+            pq = jnp.where((pos[None, :sv] < (lengths - r)[:, None])[:, None, None, None, :], pk[..., :sv], 0.0)
+            v_codes = packing.unpack(st.v_codes, self.bits, d).astype(f32).reshape(b, kh, sv, d // gv, gv)
+            acc = (jnp.einsum("btkhs,bksj,bksjc->btkhjc", pq, st.v_scale.astype(f32), v_codes)
+                   + jnp.einsum("btkhs,bksj->btkhj", pq, st.v_offset.astype(f32))[..., None]).reshape(acc.shape)
+        held = _ring_positions(lengths, wv, r)  # [B, Wv]: the window's positions (negative: empty)
+        pw = jnp.take_along_axis(pk, jnp.maximum(held, 0)[:, None, None, None, :], axis=-1)
+        pw = jnp.where((held >= 0)[:, None, None, None, :], pw, 0.0)
+        acc = acc + jnp.einsum("btkhi,bkid->btkhd", pw, st.v_full.astype(f32))
+        return base.Partial(acc.reshape(b, t, h, d), m, l)
 
     def reconstruct(self, state: tuple[KiviState], index: base.Index, loop: int, lengths: Int[Array, "b"], calib
                     ) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
-        """The stored K, V of slot (loop, layer) as float32 [B, K, S, D]: dequantized groups, the
-        full-precision tail for the open group, window tokens from the window; zero past each row's length."""
+        """The stored K, V of slot (loop, layer) as float32 [B, K, S, D]: dequantized keys s < L − L mod R
+        and values s < L − R, the full-precision tokens for the rest; zero past each row's length."""
         st = base.at(state[0], index)
-        b, kh, g, d = st.k_tail.shape
-        s_len, groups = st.v_codes.shape[2], st.k_scale.shape[2]
-        codes = packing.unpack(st.k_codes, self.bits, d).reshape(b, kh, groups, g, d).swapaxes(-1, -2)
+        b, kh, _, d = st.v_full.shape
+        r, gk = self.residual_length, self.key_group
+        sq, sv, wk, wv = st.k_codes.shape[2], st.v_codes.shape[2], st.k_full.shape[2], st.v_full.shape[2]
+        s_len, f32 = sv + wv, jnp.float32
+        pos = jnp.arange(s_len)
+        codes = packing.unpack(st.k_codes, self.bits, d).reshape(b, kh, sq // gk, gk, d).swapaxes(-1, -2)
         kq = affine.dequantize(affine.Quantized(codes, st.k_scale[..., None], st.k_offset[..., None]),
-                               self.key_config).swapaxes(-1, -2).reshape(b, kh, groups * g, d)
-        kq = jnp.pad(kq, ((0, 0), (0, 0), (0, s_len - groups * g), (0, 0)))
+                               self.key_config).swapaxes(-1, -2).reshape(b, kh, sq, d)
+        kq = jnp.pad(kq, ((0, 0), (0, 0), (0, s_len - sq), (0, 0)))
         vq = affine.dequantize(affine.Quantized(packing.unpack(st.v_codes, self.bits, d), st.v_scale, st.v_offset),
                                self.value_config)
-        pos = jnp.arange(s_len)[None, None, :, None]
-        length = lengths[:, None, None, None]
-        k = jnp.where(pos < length - length % g, kq, st.k_tail.astype(jnp.float32)[:, :, pos[0, 0, :, 0] % g])
-        k, v = jnp.where(pos < length, k, 0.0), jnp.where(pos < length, vq, 0.0)
-        if self.window:
-            ring = pos[0, 0, :, 0] % self.window
-            recent = (pos >= length - self.window) & (pos < length)
-            k = jnp.where(recent, st.win_k.astype(jnp.float32)[:, :, ring], k)
-            v = jnp.where(recent, st.win_v.astype(jnp.float32)[:, :, ring], v)
-        return k, v
+        vq = jnp.pad(vq, ((0, 0), (0, 0), (0, s_len - sv), (0, 0)))
+        where = lambda mask: mask[:, None, :, None]  # noqa: E731  [B, S] -> [B, 1, S, 1]
+        k = kq
+        if wk:
+            kf = st.k_full.astype(f32)[:, :, jnp.minimum(pos % r, wk - 1)]
+            k = jnp.where(where(pos[None, :] >= (lengths - lengths % r)[:, None]), kf, kq)
+        v = jnp.where(where(pos[None, :] >= (lengths - r)[:, None]), st.v_full.astype(f32)[:, :, pos % r % wv], vq)
+        valid = where(base.valid_tokens(lengths, s_len))
+        return jnp.where(valid, k, 0.0), jnp.where(valid, v, 0.0)
 
-    def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
-        """Bits per cached K or V element, codes + metadata: the mean of b + 2·meta_bits/key_group (K)
-        and b + 2·meta_bits/value_group (V). The tail and window are excluded (counted in the cache's bytes)."""
-        return (qbits.affine_bits(self.key_config) + qbits.affine_bits(self.value_config)) / 2
+    def bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
+        """Bits per cached K or V element, the mean over K and V.
+
+        With `context_len` L: what KIVI holds at L tokens — ⌊L/R⌋·R keys at b + 2·meta_bits/key_group and
+        L mod R at the residual dtype's bits; max(L − R, 0) values at b + 2·meta_bits/value_group and
+        min(L, R) at the residual dtype's bits — per token. Without it: the long-context limit, codes and
+        metadata only.
+        """
+        kb, vb = qbits.affine_bits(self.key_config), qbits.affine_bits(self.value_config)
+        if context_len is None:
+            return (kb + vb) / 2
+        if isinstance(context_len, bool) or not isinstance(context_len, (int, np.integer)) or context_len < 1:
+            raise ValueError(f"context_len must be a positive integer, got {context_len!r}")
+        n, r = int(context_len), self.residual_length
+        full = jnp.dtype(self.residual_dtype).itemsize * 8
+        keys = n // r * r * kb + n % r * full
+        values = max(n - r, 0) * vb + min(n, r) * full
+        return (keys + values) / Fraction(2 * n)
 
 
 # Compiled once per format and shape, also when the model runs eagerly (under an outer jit they inline).
