@@ -35,9 +35,9 @@ class SamplingConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
-        if self.top_k < 0 or not 0 < self.top_p <= 1:
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # also rejects NaN
+            raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:  # NaN top_p fails the comparison too
             raise ValueError(f"need top_k ≥ 0 and 0 < top_p ≤ 1, got top_k={self.top_k}, top_p={self.top_p}")
 
 
@@ -70,7 +70,7 @@ class DecodeState:
     cache: KVCache
     rng: jax.Array
     step: Int[Array, ""]
-    steps_used: Int[Array, "b"]  # core steps summed over the row's decode-step tokens (adaptive exit)
+    steps: Int[Array, "b n"] | None  # core steps of the call that produced each token (adaptive exit)
 
 
 class Generation(NamedTuple):
@@ -78,10 +78,12 @@ class Generation(NamedTuple):
     the final cache, and wall seconds of prefill and decode (compilation included on the first call
     with a new shape; prefill includes fitting the calibration on the prompt when a format needs it).
 
-    `mean_steps`: average core steps per token fed through a decode step (Huginn with
-    `decode_kwargs=dict(adaptive=AdaptiveExit(...))`, whose model calls report `steps_used`); None
-    without adaptive exit or when no decode step ran (max_new_tokens 1). Prefill always runs every
-    step and is not counted.
+    With adaptive exit (Huginn with `decode_kwargs=dict(adaptive=AdaptiveExit(...))`, whose model
+    calls report `steps_used`): `steps` [B, N] holds the core steps of the call that produced each
+    generated token (the reference's per-token compute steps: column 0 is the prompt's — its joint exit
+    step with `exit_in_prefill`, else every step; 0 past a row's end), and `mean_steps` averages them
+    over the tokens produced by decode steps (None when none ran, i.e. max_new_tokens 1). Both None
+    without adaptive exit.
     """
 
     tokens: np.ndarray
@@ -91,6 +93,7 @@ class Generation(NamedTuple):
     prefill_seconds: float
     decode_seconds: float
     mean_steps: float | None = None
+    steps: np.ndarray | None = None
 
 
 class Sampler:
@@ -101,9 +104,10 @@ class Sampler:
     use their `default_calib`, built once here and passed to the compiled steps as an argument.
     `model_kwargs` go to every model call (e.g. `num_loops`, `exit` for Ouro; `num_loops`,
     `init_scale` for Huginn); `decode_kwargs` are added to (and override) them in decode
-    steps only, e.g. `decode_kwargs=dict(adaptive=AdaptiveExit("kl", 5e-4))` for Huginn's per-token
-    early exit (prefill then runs every step, as the reference does). Each call gets its own PRNG
-    stream from the seed.
+    steps only, e.g. `decode_kwargs=dict(adaptive=AdaptiveExit("kl"))` for Huginn's early exit. The
+    prompt's prefill takes the same rule when its `exit_in_prefill` is set (the default: the whole
+    prompt exits jointly, as in the reference's default) and runs every step otherwise. Each call gets
+    its own PRNG stream from the seed.
     """
 
     def __init__(self, model, cfg: SamplingConfig, fmt: CacheFormat | None = None, *,
@@ -116,7 +120,11 @@ class Sampler:
         self.plain_fmt = plain_fmt or self.fmt
         self.model_kwargs = model_kwargs
         self.decode_kwargs = {**model_kwargs, **(decode_kwargs or {})}
-        self.reports_steps = self.decode_kwargs.get("adaptive") is not None
+        rule = self.decode_kwargs.get("adaptive")
+        self.reports_steps = rule is not None
+        self.prefill_kwargs = {k: v for k, v in model_kwargs.items() if k != "adaptive"}
+        if rule is not None and rule.exit_in_prefill:
+            self.prefill_kwargs["adaptive"] = rule
         loops = [model_kwargs.get(k) for k in ("num_loops", "num_steps") if model_kwargs.get(k) is not None]
         self.num_loops = loops[0] if loops else model.config.num_loops
         self.needs_data = self.fmt.needs_data or self.plain_fmt.needs_data
@@ -137,13 +145,15 @@ class Sampler:
 
     def _apply(self, params, calib, tokens, cache, num_new, rng, decode: bool = False):
         model = nnx.merge(self.graphdef, params)
-        kwargs = self.decode_kwargs if decode else self.model_kwargs
+        kwargs = self.decode_kwargs if decode else self.prefill_kwargs
         return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, calib=calib, **kwargs)
 
     def _calibrate_fn(self, params, tokens, lengths, rng):
         dense = init_cache(self.model_config, tokens.shape[0], tokens.shape[1], Dense("float32"),
                            num_loops=self.num_loops)
-        out = self._apply(params, None, tokens, dense, lengths, rng)
+        model = nnx.merge(self.graphdef, params)  # a dense prefill of every step: the K/V to fit on
+        kwargs = {k: v for k, v in self.model_kwargs.items() if k != "adaptive"}
+        out = model(tokens, dense, num_new=lengths, rng=rng, last_only=True, **kwargs)
         return calibrate(out.cache, self.fmt, self.plain_fmt)
 
     def _prefill_fn(self, params, calib, tokens, lengths, cache, rng):
@@ -157,7 +167,17 @@ class Sampler:
         return DecodeState(
             tokens=jnp.full((b, n), self.cfg.pad_id, jnp.int32).at[:, 0].set(first), logits=logits,
             num_generated=jnp.ones((b,), jnp.int32), done=self._stops(first), cache=out.cache, rng=rng,
-            step=jnp.int32(1), steps_used=jnp.zeros((b,), jnp.int32))
+            step=jnp.int32(1), steps=self._prefill_steps(out, lengths, n))
+
+    def _prefill_steps(self, out, lengths, n):
+        """Steps [B, N] with column 0 the first token's: its prompt's exit step, or every step."""
+        if not self.reports_steps:
+            return None
+        b = lengths.shape[0]
+        first = jnp.full((b,), self.num_loops, jnp.int32)
+        if "adaptive" in self.prefill_kwargs:
+            first = jnp.take_along_axis(out.extras["steps_used"], jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+        return jnp.zeros((b, n), jnp.int32).at[:, 0].set(first)
 
     def _stops(self, tokens):
         return jnp.isin(tokens, jnp.asarray(self.cfg.stop_tokens, jnp.int32)) if self.cfg.stop_tokens else \
@@ -172,9 +192,9 @@ class Sampler:
             active = ~s.done
             last = s.tokens[:, s.step - 1][:, None]
             out = self._apply(params, calib, last, s.cache, active.astype(jnp.int32), model_rng, decode=True)
-            steps_used = s.steps_used
+            steps = s.steps
             if self.reports_steps:
-                steps_used = steps_used + jnp.where(active, out.extras["steps_used"][:, 0], 0)
+                steps = steps.at[:, s.step].set(jnp.where(active, out.extras["steps_used"][:, 0], 0))
             new = jnp.where(active, choose_tokens(out.logits, pick_rng, self.cfg), self.cfg.pad_id)
             logits = s.logits
             if logits is not None:
@@ -182,7 +202,7 @@ class Sampler:
             return DecodeState(
                 tokens=s.tokens.at[:, s.step].set(new), logits=logits,
                 num_generated=s.num_generated + active, done=s.done | (active & self._stops(new)),
-                cache=out.cache, rng=rng, step=s.step + 1, steps_used=steps_used)
+                cache=out.cache, rng=rng, step=s.step + 1, steps=steps)
 
         return jax.lax.while_loop(cond, body, state)
 
@@ -219,8 +239,10 @@ class Sampler:
         end = time.perf_counter()
         logits = None if state.logits is None else np.asarray(state.logits)
         num_decoded = int(np.sum(np.asarray(state.num_generated) - 1))  # tokens fed through decode steps
-        mean_steps = None
-        if self.reports_steps and num_decoded:
-            mean_steps = float(np.sum(np.asarray(state.steps_used))) / num_decoded
+        mean_steps = steps = None
+        if self.reports_steps:
+            steps = np.asarray(state.steps)
+            if num_decoded:
+                mean_steps = float(np.sum(steps[:, 1:])) / num_decoded
         return Generation(np.asarray(state.tokens), np.asarray(state.num_generated), logits, state.cache,
-                          mid - start, end - mid, mean_steps)
+                          mid - start, end - mid, mean_steps, steps)

@@ -151,11 +151,13 @@ def test_works_with_a_quantized_format(huginn, prefix):
 
 def test_sampler_reports_mean_steps_without_retracing(huginn, prefix):
     model, ref = huginn
-    rule = AdaptiveExit("entropy-diff", 0.05)
+    rule = AdaptiveExit("entropy-diff", 0.05, exit_in_prefill=False)  # the prompt runs every step
     sampler = Sampler(model, SamplingConfig(max_new_tokens=3), Dense("float32"), return_logits=True, num_steps=N,
                       init_scale=0.0, decode_kwargs=dict(adaptive=rule))
     gen = sampler(ref["input_ids"].tolist())
     assert 1 <= gen.mean_steps < N
+    np.testing.assert_array_equal(gen.steps[:, 0], N)
+    assert gen.mean_steps == gen.steps[:, 1:].sum() / 4
     cache, token = prefix
     np.testing.assert_array_equal(gen.tokens[:, :1], token)
     first = model(token, cache, num_steps=N, adaptive=rule, last_only=True)
@@ -166,13 +168,116 @@ def test_sampler_reports_mean_steps_without_retracing(huginn, prefix):
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(criterion="cosine"), "'cosine'"),
-                                          (dict(threshold=float("nan")), "finite")])
+                                          (dict(threshold=float("nan")), "finite"),
+                                          (dict(exit_in_prefill=1), "exit_in_prefill")])
 def test_bad_adaptive_exit(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdaptiveExit(**kwargs)
 
 
-def test_default_thresholds():
-    assert AdaptiveExit().threshold == 5e-4
+def test_reference_defaults():
+    """The reference's current "auto" thresholds (kl 1e-3, not the older 5e-4) and its default
+    do_not_exit_in_prefill=False."""
+    assert AdaptiveExit().threshold == 1e-3 and AdaptiveExit().exit_in_prefill
     assert AdaptiveExit("entropy-diff").threshold == 1e-3
+    assert AdaptiveExit("latent-diff").threshold == 0.03
     assert AdaptiveExit("argmax-stability").threshold == 5
+
+
+def test_argmax_stability_threshold_is_truncated_to_an_integer():
+    """The reference compares against int(threshold): 1.5 exits once the argmax is stable for 1 step."""
+    tracker = _ExitTracker(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1)), jnp.full((1, 1), -1), jnp.zeros((1, 1), jnp.int32))
+    logits, s = jnp.log(jnp.array([[[0.7, 0.1, 0.1, 0.1]]])), jnp.ones((1, 1, 3))
+    fired = []
+    for _ in range(3):
+        fires, tracker = _exit_fires(AdaptiveExit("argmax-stability", 1.5), tracker, logits, s, s)
+        fired.append(bool(fires[0, 0]))
+    assert fired == [False, True, True]
+
+
+def test_joint_decision_reads_each_rows_last_real_token():
+    """Per row: logits criteria on the last real token (num_new − 1), latent-diff averaged over the
+    real tokens, as the reference's evaluators with reduce=True (padding ignored)."""
+    v = 4
+    uniform = _ExitTracker(jnp.full((2, 1, v), -np.log(v)), jnp.full((2, 1), 100.0), jnp.full((2, 1), -1),
+                           jnp.zeros((2, 1), jnp.int32))
+    flat, peaked = np.zeros(v), np.log([0.97, 0.01, 0.01, 0.01])
+    logits = jnp.asarray([[peaked, flat, peaked], [peaked, peaked, flat]], jnp.float32)  # [B=2, T=3, V]
+    num_new = jnp.array([2, 3])  # row 0's last real token is flat (KL 0), row 1's too
+    fires, _ = _exit_fires(AdaptiveExit("kl", 1e-6), uniform, logits, None, None, num_new)
+    assert fires.shape == (2, 1) and bool(fires.all())
+    fires, _ = _exit_fires(AdaptiveExit("kl", 1e-6), uniform, logits, None, None, jnp.array([3, 2]))
+    assert not bool(fires.any())
+    s_prev = jnp.ones((2, 3, 2))
+    s = jnp.asarray([[[1, 1], [1, 1], [9, 9]], [[1, 1], [1.1, 1.1], [1.2, 1.2]]], jnp.float32)
+    fires, _ = _exit_fires(AdaptiveExit("latent-diff", 0.1), uniform, logits, s_prev, s, jnp.array([2, 3]))
+    # row 0: mean(0, 0) = 0 (its padding's 8/9 ignored); row 1: mean(0, .091, .167) = .086
+    np.testing.assert_array_equal(fires[:, 0], [True, True])
+    fires, _ = _exit_fires(AdaptiveExit("latent-diff", 0.08), uniform, logits, s_prev, s, jnp.array([2, 3]))
+    np.testing.assert_array_equal(fires[:, 0], [True, False])
+
+
+def reference_prompt_exit(steps_logits, rule):
+    """The reference's joint prompt exit (generate_with_adaptive_compute, do_not_exit_in_prefill=False,
+    reduce=True), re-stated in numpy on each step's logits [B, S, V]: the steps each row's prompt runs."""
+    b, _, v = steps_logits[0].shape
+    prev_lp, prev_ent, used = np.full((b, v), -np.log(v)), np.full(b, 100.0), np.full(b, len(steps_logits))
+    exited = np.zeros(b, bool)
+    for n, logits in enumerate(steps_logits, 1):
+        x = logits[:, -1].astype(np.float64)
+        lp = x - x.max(-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+        if rule.criterion == "kl":
+            value = (np.exp(prev_lp) * (prev_lp - lp)).sum(-1)
+        else:  # entropy-diff
+            ent = -(np.exp(lp) * np.log(np.exp(lp) + 1e-10)).sum(-1)
+            value, prev_ent = np.abs(ent - prev_ent), ent
+        prev_lp = lp
+        new = (value < rule.threshold) & ~exited
+        used[new], exited = n, exited | new
+    return used
+
+
+@pytest.fixture(scope="module")
+def step_logits(huginn):
+    """The prompts' logits after 1..4 core steps: the PyTorch reference's r1, r2, r4 and ours at 3."""
+    model, ref = huginn
+    three = np.asarray(model(jnp.asarray(ref["input_ids"]), num_steps=3).logits)
+    return [ref["logits_r1"], ref["logits_r2"], three, ref["logits_r4"]]
+
+
+# Criterion values of the last prompt token per step (rows 0 / 1), from the fixture:
+# kl .72/.56 .23/.67 .41/.42 .083/.27; entropy-diff 96/96 .0063/.078 .040/.016 .0017/.18.
+@pytest.mark.parametrize("rule,expected", [(AdaptiveExit("kl", 0.25), [2, N]),
+                                           (AdaptiveExit("entropy-diff", 0.05), [2, 3])])
+def test_prompt_exits_jointly_as_the_reference(huginn, step_logits, rule, expected):
+    model, ref = huginn
+    used = reference_prompt_exit(step_logits, rule)
+    np.testing.assert_array_equal(used, expected)
+    ids = jnp.asarray(ref["input_ids"])
+    out = model(ids, model.init_cache(2, 12, Dense("float32"), num_loops=N), num_steps=N, adaptive=rule)
+    np.testing.assert_array_equal(out.extras["steps_used"], np.repeat(used[:, None], 10, 1))  # every prompt token
+    for b, n in enumerate(used):
+        assert max_err(out.logits[b], step_logits[n - 1][b]) <= 1e-4  # the whole prompt at its exit step
+    for pos in range(10):
+        assert_latest_m4(out.cache, used, pos)
+
+
+def test_sampler_exits_in_the_prompt_by_default(huginn, step_logits):
+    """The Sampler applies the rule to the prompt: the first token and its steps are the prompt's joint
+    exit; later tokens are the model's decode calls on that cache."""
+    model, ref = huginn
+    rule = AdaptiveExit("kl", 0.25)
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=3), Dense("float32"), return_logits=True, num_steps=N,
+                      init_scale=0.0, decode_kwargs=dict(adaptive=rule))
+    gen = sampler(ref["input_ids"].tolist())
+    used = reference_prompt_exit(step_logits, rule)
+    np.testing.assert_array_equal(gen.steps[:, 0], used)
+    np.testing.assert_array_equal(gen.tokens[:, 0], [np.argmax(step_logits[n - 1][b, -1]) for b, n in enumerate(used)])
+    out = model(jnp.asarray(ref["input_ids"]), model.init_cache(2, 12, Dense("float32"), num_loops=N), num_steps=N,
+                adaptive=rule, last_only=True)
+    for step in (1, 2):  # the same rule, token by token
+        out = model(jnp.asarray(gen.tokens[:, step - 1 : step]), out.cache, num_steps=N, adaptive=rule, last_only=True)
+        np.testing.assert_array_equal(gen.steps[:, step], out.extras["steps_used"][:, 0])
+        assert max_err(gen.logits[:, step], out.logits) <= 1e-4
+        np.testing.assert_array_equal(gen.tokens[:, step], np.argmax(out.logits, -1))

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rq_jax.cache import Dense
 from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
 
 
@@ -33,6 +34,35 @@ def test_random_initial_state_changes_huginn_output(huginn):
     prompts = ref["input_ids"].tolist()
     assert not np.allclose(zeros(prompts).logits, rand(prompts).logits)
     np.testing.assert_array_equal(rand(prompts, seed=5).logits, rand(prompts, seed=5).logits)
+
+
+def test_huginn_noise_is_drawn_per_row_and_token(huginn):
+    """fold_in(fold_in(key, row), token): a row's initial state does not depend on the batch size, its
+    batch-mates or the padded length; different rows and tokens get different noise."""
+    model, _ = huginn
+    e = jnp.zeros((3, 7, model.config.hidden_size))
+    key = jax.random.key(11)
+    full = np.asarray(model.initial_state(e, key, 1.0))
+    np.testing.assert_array_equal(np.asarray(model.initial_state(e[:1, :4], key, 1.0)), full[:1, :4])
+    np.testing.assert_array_equal(np.asarray(model.initial_state(e[:2, :5], key, 1.0)), full[:2, :5])
+    assert not np.allclose(full[0], full[1]) and not np.allclose(full[0, 0], full[0, 1])
+    np.testing.assert_allclose(full.std(), model.config.init_std * model.config.embed_scale, rtol=0.1)
+    np.testing.assert_array_equal(np.asarray(model.initial_state(e, key, 0.0)), 0.0)
+
+
+def test_huginn_output_does_not_depend_on_batch_mates(huginn):
+    """At the default random init and a fixed seed, a prompt at batch position 1 generates the same
+    beside a batch-mate of 3 tokens as beside one of 10 (a single draw over the whole batch made row
+    1's noise depend on the padded length: tokens 123… vs 106…), and the same run twice. Zero init:
+    see test_batch_of_different_prompt_lengths_matches_single_rows."""
+    model, ref = huginn
+    ids = ref["input_ids"].tolist()
+    prompt = ids[0][:7]
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=4), Dense("float32"), num_loops=2, return_logits=True)
+    short, long = sampler([ids[1][:3], prompt], seed=3), sampler([ids[1], prompt], seed=3)
+    np.testing.assert_array_equal(short.tokens[1], long.tokens[1])
+    np.testing.assert_allclose(short.logits[1], long.logits[1], atol=1e-4)  # two programs: re-association only
+    np.testing.assert_array_equal(sampler([ids[1][:3], prompt], seed=3).logits, short.logits)  # reproducible
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():

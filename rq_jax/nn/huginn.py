@@ -10,9 +10,15 @@ Cache slots: core step t, block j → looped slot (t, j); prelude p → plain sl
 slot num_prelude + c. The loop count is `num_loops` as in Ouro; `num_steps`, the reference's name, is
 accepted as an alias.
 
-Adaptive compute (`AdaptiveExit`): each token stops its recurrence once a convergence criterion
-fires; its later steps' K/V repeat those of its last computed step (the reference's `latest-m4`
-lookup, materialised), so the cache stays complete for every format.
+Adaptive compute (`AdaptiveExit`): a call's tokens stop their recurrence once a convergence criterion
+fires — by default all tokens of a row together, on the criterion of its last token, as the reference's
+`generate_with_adaptive_compute` does (also for the prompt); their later steps' K/V repeat those of
+their last computed step (the reference's `latest-m4` lookup, materialised), so the cache stays
+complete for every format.
+
+Random initial state: token t of batch row b draws its noise from `fold_in(fold_in(rng, b), t)`, so a
+row's state depends on the key, its batch position and its own tokens only — never on its batch-mates
+or the batch's padded length.
 """
 
 from __future__ import annotations
@@ -32,29 +38,42 @@ from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_interleaved
 
 
-#: The reference's default ("auto") threshold of each criterion.
-DEFAULT_THRESHOLDS = {"kl": 5e-4, "entropy-diff": 1e-3, "latent-diff": 0.03, "argmax-stability": 5}
+#: The reference's default ("auto") threshold of each criterion (seal-rg/recurrent-pretraining
+#: `raven_modeling_minimal.py`; older commits and the paper used 5e-4 for "kl").
+DEFAULT_THRESHOLDS = {"kl": 1e-3, "entropy-diff": 1e-3, "latent-diff": 0.03, "argmax-stability": 5}
 
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveExit:
-    """Per-token early exit of the core recurrence (the reference's `generate_with_adaptive_compute`).
+    """Early exit of the core recurrence (the reference's `generate_with_adaptive_compute`).
 
-    After every core step the criterion compares the token's step with the previous one and the token
-    exits when it fires (an exit after step i uses i + 1 steps):
+    After every core step the criterion compares the step with the previous one and the tokens exit
+    when it fires (an exit after step i uses i + 1 steps):
       "kl": KL(previous next-token distribution ‖ current) < threshold; the distribution before the
-          first step is uniform over the vocabulary (default 5e-4).
+          first step is uniform over the vocabulary (default 1e-3, the reference's current one).
       "entropy-diff": |entropy − previous entropy| < threshold, previous entropy 100 at first
           (default 1e-3).
       "latent-diff": ‖s_prev − s‖ / ‖s‖ < threshold for the latent state s, s_prev the state before
           the step (default 0.03).
-      "argmax-stability": the argmax of the logits unchanged for ≥ threshold consecutive steps
-          (default 5).
-    `threshold` None takes the criterion's default. Raises ValueError for an unknown criterion.
+      "argmax-stability": the argmax of the logits unchanged for ≥ int(threshold) consecutive steps,
+          the threshold truncated to an integer as the reference does (default 5).
+    `threshold` None takes the criterion's default.
+
+    `exit_in_prefill` (default True, the reference's default `do_not_exit_in_prefill=False`): a model
+    call decides per row — all of a row's tokens in the call exit together, on the criterion of its
+    last token (latent-diff: averaged over its tokens), as the reference's evaluators (`reduce=True`)
+    do — and the Sampler applies the rule to the prompt too, so the whole prompt exits jointly and the
+    first generated token uses that many steps. False (the reference's `do_not_exit_in_prefill=True`):
+    the Sampler's prefill runs every step, and in a model call every token exits on its own criterion.
+    Decode calls (one token per row) behave the same either way. The default follows the reference so
+    that adaptive generation is the reference's out of the box; False keeps the prompt's K/V of every
+    step (no frozen copies), which later tokens read. Raises ValueError for an unknown criterion or a
+    non-finite threshold.
     """
 
     criterion: str = "kl"
     threshold: float | None = None
+    exit_in_prefill: bool = True
 
     def __post_init__(self):
         if self.criterion not in DEFAULT_THRESHOLDS:
@@ -64,10 +83,12 @@ class AdaptiveExit:
             object.__setattr__(self, "threshold", DEFAULT_THRESHOLDS[self.criterion])
         if not math.isfinite(self.threshold):
             raise ValueError(f"adaptive-exit threshold must be finite, got {self.threshold}")
+        if not isinstance(self.exit_in_prefill, bool):
+            raise ValueError(f"exit_in_prefill must be True or False, got {self.exit_in_prefill!r}")
 
 
 class _ExitTracker(NamedTuple):
-    """Per-token criterion state, [B, T] (log_probs [B, T, V])."""
+    """Criterion state per decision, [B, T] per token or [B, 1] per row (log_probs [B, T or 1, V])."""
 
     log_probs: Float[Array, "b t v"]
     entropy: Float[Array, "b t"]
@@ -76,8 +97,20 @@ class _ExitTracker(NamedTuple):
 
 
 def _exit_fires(rule: AdaptiveExit, tracker: _ExitTracker, logits: Float[Array, "b t v"],
-                s_prev: Float[Array, "b t e"], s: Float[Array, "b t e"]) -> tuple[Bool[Array, "b t"], _ExitTracker]:
-    """Whether each token's criterion fires after this step, and the updated criterion state."""
+                s_prev: Float[Array, "b t e"], s: Float[Array, "b t e"],
+                num_new: Int[Array, "b"] | None = None) -> tuple[Bool[Array, "b t"], _ExitTracker]:
+    """Whether the criterion fires after this step, and the updated criterion state: per token [B, T],
+    or with `num_new` (each row's real tokens) per row [B, 1] — logits criteria on the row's last real
+    token, latent-diff averaged over its real tokens (the reference's `reduce=True`)."""
+    if num_new is not None:
+        if rule.criterion != "latent-diff":
+            logits = common.take_last(logits, num_new)[:, None]
+        else:
+            s_prev, s = s_prev.astype(jnp.float32), s.astype(jnp.float32)
+            value = jnp.linalg.norm(s_prev - s, axis=-1) / jnp.linalg.norm(s, axis=-1)  # [B, T]
+            real = jnp.arange(s.shape[1])[None, :] < num_new[:, None]
+            value = jnp.sum(jnp.where(real, value, 0.0), axis=1) / jnp.maximum(num_new, 1)
+            return (value < rule.threshold)[:, None], tracker
     if rule.criterion == "kl":
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         value = jnp.sum(jnp.exp(tracker.log_probs) * (tracker.log_probs - log_probs), axis=-1)
@@ -92,7 +125,7 @@ def _exit_fires(rule: AdaptiveExit, tracker: _ExitTracker, logits: Float[Array, 
         return value < rule.threshold, tracker
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     stable = jnp.where(argmax == tracker.argmax, tracker.stable + 1, 0)
-    return stable >= rule.threshold, tracker._replace(argmax=argmax, stable=stable)
+    return stable >= int(rule.threshold), tracker._replace(argmax=argmax, stable=stable)
 
 
 def _frozen(attend: common.Attend, exited: Bool[Array, "b t"], prev: KV) -> common.Attend:
@@ -181,12 +214,20 @@ class Huginn(common.LoopedModule):
 
     def initial_state(self, embeds: Float[Array, "b t e"], rng: jax.Array | None, init_scale: float):
         """Zeros when `rng` is None or `init_scale` is 0, else a ±3σ truncated normal of σ = std·scale,
-        times the embedding scale (the reference's `initialize_state`)."""
+        times the embedding scale (the reference's `initialize_state`). Token t of row b draws from
+        `fold_in(fold_in(rng, b), t)`: the same batch position gets the same noise whatever its
+        batch-mates and the batch's padded length."""
         if rng is None or init_scale == 0:
             return jnp.zeros_like(embeds)
+        b, t, e = embeds.shape
+
+        def token(row, pos):
+            key = jax.random.fold_in(jax.random.fold_in(rng, row), pos)
+            return jax.random.truncated_normal(key, -3.0, 3.0, (e,), jnp.float32)
+
+        noise = jax.vmap(jax.vmap(token, (None, 0)), (0, None))(jnp.arange(b), jnp.arange(t))
         std = self.config.init_std * init_scale
-        noise = jax.random.truncated_normal(rng, -3.0, 3.0, embeds.shape, jnp.float32) * std
-        return (noise * self.config.embed_scale).astype(embeds.dtype)
+        return (noise * std * self.config.embed_scale).astype(embeds.dtype)
 
     def __call__(self, tokens: Int[Array, "b t"], cache: KVCache | None = None, *,
                  num_new: Int[Array, "b"] | None = None, num_loops: int | None = None,
@@ -196,18 +237,19 @@ class Huginn(common.LoopedModule):
         """Run `num_loops` core steps (default the config's mean recurrence) over tokens [B, T].
 
         `num_steps` is the reference's name for `num_loops` (give one). The initial latent state is
-        zeros unless `rng` is given. With a cache, token t of row b sits at position cache.lengths[b] + t
-        and the first num_new[b] tokens are written. Returns logits [B, T, V] ([B, V] with
+        zeros unless `rng` is given (then per row and token, see `initial_state`). With a cache, token t
+        of row b sits at position cache.lengths[b] + t and the first num_new[b] tokens are written. Returns logits [B, T, V] ([B, V] with
         `last_only`), the new cache, and extras `latents` [B, T, E] (ln_f of the final state, the
         coda's input).
 
-        With `adaptive`, every token stops at the step where its criterion fires (see
-        `AdaptiveExit`): its state, logits and K/V stay those of that step, its later looped slots
-        hold its last computed step's K/V, and extras add `steps_used` [B, T] int32 (core steps each
-        token computed, 1..num_loops). All steps still run for the batch (static shapes) and the coda
-        and head run after every step to evaluate the criterion. It is meant for decode (T = 1), as in
-        the reference; with T > 1 tokens exit independently, and a token's criterion at step i sees
-        the other tokens of the call at step i (or frozen at their exit).
+        With `adaptive`, tokens stop at the step where the criterion fires (see `AdaptiveExit`): their
+        state, logits and K/V stay those of that step, their later looped slots hold their last
+        computed step's K/V, and extras add `steps_used` [B, T] int32 (core steps each token computed,
+        1..num_loops). With `exit_in_prefill` (the default) a row's tokens exit together on its last
+        token's criterion — a prompt exits jointly, as in the reference's default; without it each
+        token exits on its own criterion, which at step i sees the call's other tokens at step i (or
+        frozen at their exit). All steps still run for the batch (static shapes) and the coda and head
+        run after every step to evaluate the criterion.
         """
         if num_steps is not None and num_loops is not None and num_steps != num_loops:
             raise ValueError(f"num_steps ({num_steps}) is an alias of num_loops ({num_loops}): give one")
@@ -271,15 +313,17 @@ class Huginn(common.LoopedModule):
         return self._plain(self.coda, self.config.num_prelude, x, angles, ctx, frozen)
 
     def _adaptive(self, e, s, angles, ctx: CallContext, segments, rule: AdaptiveExit):
-        """The core recurrence with per-token exit: final states [B, T, E] (frozen at exit), logits
-        [B, T, V] of each token's exit step (else the last), steps used [B, T] int32, the looped K/V
-        per segment and the coda's K/V."""
+        """The core recurrence with early exit (per row, or per token without `exit_in_prefill`): final
+        states [B, T, E] (frozen at exit), logits [B, T, V] of each token's exit step (else the last),
+        steps used [B, T] int32, the looped K/V per segment and the coda's K/V."""
         c = self.config
         b, t = e.shape[:2]
         vocab = c.vocab_size
+        joint = ctx.num_new if rule.exit_in_prefill else None  # decide per row, on its last token
+        d = 1 if rule.exit_in_prefill else t  # decisions per row
         kv_zeros = lambda n: (jnp.zeros((n, b, c.num_kv_heads, t, c.head_dim), e.dtype),) * 2  # noqa: E731
-        tracker = _ExitTracker(jnp.full((b, t, vocab), -math.log(vocab), jnp.float32), jnp.full((b, t), 100.0),
-                               jnp.full((b, t), -1, jnp.int32), jnp.zeros((b, t), jnp.int32))
+        tracker = _ExitTracker(jnp.full((b, d, vocab), -math.log(vocab), jnp.float32), jnp.full((b, d), 100.0),
+                               jnp.full((b, d), -1, jnp.int32), jnp.zeros((b, d), jnp.int32))
         carry = (s, jnp.zeros((b, t), bool), jnp.zeros((b, t), jnp.int32), tracker,
                  jnp.zeros((b, t, vocab), jnp.float32), kv_zeros(c.num_layers), kv_zeros(c.num_coda))
 
@@ -291,10 +335,11 @@ class Huginn(common.LoopedModule):
             keep = exited[..., None]
             logits = jnp.where(keep, logits, step_logits)
             steps_used = steps_used + (~exited).astype(jnp.int32)
-            fires, tracker = _exit_fires(rule, tracker, step_logits, s, s_new)  # after the last step: unused
+            fires, tracker = _exit_fires(rule, tracker, step_logits, s, s_new, joint)  # after the last step: unused
             s = jnp.where(keep, s, s_new)
             coda_kv = coda_kv if new_coda is None else new_coda
-            return (s, exited | fires, steps_used, tracker, logits, core_kv, coda_kv), core_kv
+            return (s, exited | jnp.broadcast_to(fires, exited.shape), steps_used, tracker, logits, core_kv,
+                    coda_kv), core_kv
 
         carry, looped_kv = common.run_loops(segments, carry, step)
         s, _, steps_used, _, logits, _, coda_kv = carry
