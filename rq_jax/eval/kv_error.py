@@ -7,6 +7,7 @@ the format's alone (no error feedback through later loops or tokens).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -31,22 +32,34 @@ def reconstruction_error(fmt: base.CacheFormat, k: Float[Array, "l n b k s d"], 
     Returns {"k": [L], "v": [L]} (numpy), each summed over layers, batch, heads and tokens. `calib` has
     one entry per loop segment; when None the format is calibrated on these K/V (`calibrate`).
     """
-    num_loops, num_layers, batch, heads, seq, dim = k.shape
+    num_loops, batch, seq = k.shape[0], k.shape[2], k.shape[4]
     lengths = jnp.full((batch,), seq, jnp.int32)
-    err = {"k": np.zeros(num_loops), "v": np.zeros(num_loops)}
+    err = {"k": [], "v": []}
     for i, seg in enumerate(base.segments(num_loops, fmt.group_len)):
         ks, vs = base.split_loops(k, seg), base.split_loops(v, seg)
         c = fmt.calibrate(seg, ks, vs, lengths) if calib is None else calib[i]
-        state = fmt.write(fmt.init(seg, num_layers, batch, seq, heads, dim), ks, vs, jnp.zeros_like(lengths),
-                          lengths, c)
-        reconstruct = jax.jit(fmt.reconstruct, static_argnums=2)  # one compile per group position
-        for g in range(seg.groups):
-            for r in range(seg.size):
-                loop = seg.start + g * seg.size + r
-                for layer in range(num_layers):
-                    hats = reconstruct(state, (jnp.int32(g), jnp.int32(layer)), r, lengths, c)
-                    for name, ref, hat in (("k", k, hats[0]), ("v", v, hats[1])):
-                        err[name][loop] += float(jnp.sum((hat - ref[loop, layer]) ** 2))
+        for name, e in zip("kv", _segment_errors(fmt, seg, ks, vs, lengths, c)):
+            err[name].append(np.asarray(e).reshape(-1))  # [G, p] → loops in order
     for name, ref in (("k", k), ("v", v)):
-        err[name] /= np.asarray(jnp.sum(ref.astype(jnp.float32) ** 2, axis=(1, 2, 3, 4, 5)))
+        err[name] = np.concatenate(err[name]) / np.asarray(jnp.sum(ref.astype(jnp.float32) ** 2, axis=(1, 2, 3, 4, 5)))
     return err
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _segment_errors(fmt: base.CacheFormat, seg: base.Segment, ks, vs, lengths, calib):
+    """Squared errors [G, p] of K and V after one `write` of a segment's K/V [G, p, N, B, K, S, D]:
+    one compiled program per format and segment, slots visited with `lax.map`."""
+    groups, size, num_layers, batch, heads, seq, dim = ks.shape
+    state = fmt.write(fmt.init(seg, num_layers, batch, seq, heads, dim), ks, vs, jnp.zeros_like(lengths), lengths,
+                      calib)
+    slots = jnp.stack(jnp.meshgrid(jnp.arange(groups), jnp.arange(num_layers), indexing="ij"), -1).reshape(-1, 2)
+    out = []
+    for r in range(size):
+        def one(slot, r=r):
+            g, n = slot[0], slot[1]
+            k_hat, v_hat = fmt.reconstruct(state, (g, n), r, lengths, calib)
+            return jnp.sum((k_hat - ks[g, r, n]) ** 2), jnp.sum((v_hat - vs[g, r, n]) ** 2)
+
+        ek, ev = jax.lax.map(one, slots)
+        out.append((ek.reshape(groups, num_layers).sum(1), ev.reshape(groups, num_layers).sum(1)))
+    return tuple(jnp.stack([o[i] for o in out], axis=1) for i in (0, 1))
