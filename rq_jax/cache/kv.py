@@ -51,6 +51,15 @@ class KVCache:
             return self.fmt, base.segments(self.num_loops, self.fmt.group_len)
         return self.plain_fmt, base.segments(1, self.plain_fmt.group_len)
 
+    def stack(self, group: Group) -> tuple[Any, ...] | None:
+        """The stored state of the looped or plain layers (None: the model has no plain layers)."""
+        return self.looped if group == "looped" else self.plain
+
+    def slot_dims(self, group: Group) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of a stack, read off its first leaf [G, N, B, K, S, ...]."""
+        leaf = jax.tree_util.tree_leaves(self.stack(group))[0]
+        return leaf.shape[1], leaf.shape[3], self.head_dim
+
     def locate(self, group: Group, loop: int, layer: int) -> tuple[int, base.Index, int]:
         """(segment, (group, layer) index, position in group) of slot (loop, layer)."""
         for i, seg in enumerate(self.schedule(group)[1]):
@@ -64,8 +73,7 @@ class KVCache:
         fmt = self.schedule(group)[0]
         seg, index, r = self.locate(group, loop, layer)
         calib = _part(calib or CacheCalib(), group)
-        state = self.looped if group == "looped" else self.plain
-        return fmt.reconstruct(state[seg], index, r, self.lengths, None if calib is None else calib[seg])
+        return fmt.reconstruct(self.stack(group)[seg], index, r, self.lengths, None if calib is None else calib[seg])
 
     def dense_kv(self, group: Group = "looped") -> KV:
         """K and V [L, N, B, K, S, D] of a dense cache's looped (L = num_loops) or plain (L = 1) layers."""
@@ -74,7 +82,7 @@ class KVCache:
         fmt = self.schedule(group)[0]
         if not isinstance(fmt, Dense):
             raise ValueError(f"dense_kv needs a dense cache, this one stores {group} layers as {fmt.name!r}")
-        ((slot,),) = self.looped if group == "looped" else self.plain
+        ((slot,),) = self.stack(group)
         return slot.k, slot.v
 
 
@@ -138,14 +146,13 @@ def default_calib(cache: KVCache) -> CacheCalib:
     Raises ValueError for a format that cannot run without data (fit it with `calibrate`).
     """
 
-    def part(group: Group, state):
+    def part(group: Group):
         fmt, segs = cache.schedule(group)
-        if state is None or not fmt.needs_calib:
+        if cache.stack(group) is None or not fmt.needs_calib:
             return None
-        leaf = jax.tree_util.tree_leaves(state)[0]  # [G, N, B, K, S, ...]
-        return tuple(fmt.default_calib(seg, leaf.shape[1], leaf.shape[3], cache.head_dim) for seg in segs)
+        return tuple(fmt.default_calib(seg, *cache.slot_dims(group)) for seg in segs)
 
-    return CacheCalib(part("looped", cache.looped), part("plain", cache.plain))
+    return CacheCalib(part("looped"), part("plain"))
 
 
 def calibrate(dense: KVCache, fmt: base.CacheFormat, plain_fmt: base.CacheFormat | None = None) -> CacheCalib:
@@ -153,7 +160,7 @@ def calibrate(dense: KVCache, fmt: base.CacheFormat, plain_fmt: base.CacheFormat
     plain_fmt = plain_fmt or fmt
 
     def part(f: base.CacheFormat, group: Group, num_loops: int):
-        if (dense.looped if group == "looped" else dense.plain) is None or not f.needs_calib:
+        if dense.stack(group) is None or not f.needs_calib:
             return None
         k, v = dense.dense_kv(group)
         return tuple(f.calibrate(seg, base.split_loops(k, seg), base.split_loops(v, seg), dense.lengths)
@@ -178,9 +185,9 @@ def fake_quantized(dense: KVCache, fmt: base.CacheFormat, calib: tuple[Any, ...]
 def check_calib(cache: KVCache, calib: CacheCalib) -> None:
     """Raise ValueError unless every format of `cache` that reads a calibration has one per segment, of
     the type its `default_calib` builds (where it has one)."""
-    for group, state in (("looped", cache.looped), ("plain", cache.plain)):
+    for group in ("looped", "plain"):
         fmt, segs = cache.schedule(group)
-        if state is None or not fmt.needs_calib:
+        if cache.stack(group) is None or not fmt.needs_calib:
             continue
         given = _part(calib, group)
         if given is None:
@@ -191,9 +198,7 @@ def check_calib(cache: KVCache, calib: CacheCalib) -> None:
             raise ValueError(f"the {group} calibration must be a tuple with one entry per loop segment "
                              f"({len(segs)}), got {type(given).__name__}")
         if not fmt.needs_data:
-            leaf = jax.tree_util.tree_leaves(state)[0]
-            want = type(jax.eval_shape(lambda: fmt.default_calib(segs[0], leaf.shape[1], leaf.shape[3],
-                                                                 cache.head_dim)))
+            want = type(jax.eval_shape(lambda: fmt.default_calib(segs[0], *cache.slot_dims(group))))
             bad = [type(c).__name__ for c in given if type(c) is not want]
             if bad:
                 raise ValueError(f"the {fmt.name!r} format of the {group} layers needs {want.__name__} "
@@ -235,7 +240,7 @@ class CallContext(NamedTuple):
         out = base.dense_partial(q, k, v, self.self_mask)
         if self.cache is not None:
             fmt = self.cache.schedule(group)[0]
-            state = (self.cache.looped if group == "looped" else self.cache.plain)[seg]
+            state = self.cache.stack(group)[seg]
             calib = _part(self.calib, group)
             past = fmt.attend(state, index, loop, q, self.cache.lengths, None if calib is None else calib[seg])
             out = base.merge(past, out)
