@@ -27,10 +27,11 @@ def dense_kv(model, tokens: Int[Array, "b t"], num_loops: int, **model_kwargs):
 
 def reconstruction_error(fmt: base.CacheFormat, k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"],
                          calib: tuple[Any, ...] | None = None) -> dict[str, np.ndarray]:
-    """Normalised squared error ‖X̂ − X‖² / ‖X‖² per loop for K and V [L, N, B, K, S, D].
+    """Normalised squared error ‖X̂ − X‖² / ‖X‖² of K and V [L, N, B, K, S, D].
 
-    Returns {"k": [L], "v": [L]} (numpy), each summed over layers, batch, heads and tokens. `calib` has
-    one entry per loop segment; when None the format is calibrated on these K/V (`calibrate`).
+    Returns numpy {"k": [L], "v": [L]} per loop (errors and norms summed over layers, batch, heads
+    and tokens) and {"k_layer": [L, N], "v_layer": [L, N]} per (loop, layer). `calib` has one entry
+    per loop segment; when None the format is calibrated on these K/V (`calibrate`).
     """
     num_loops, batch, seq = k.shape[0], k.shape[2], k.shape[4]
     lengths = jnp.full((batch,), seq, jnp.int32)
@@ -39,15 +40,17 @@ def reconstruction_error(fmt: base.CacheFormat, k: Float[Array, "l n b k s d"], 
         ks, vs = base.split_loops(k, seg), base.split_loops(v, seg)
         c = fmt.calibrate(seg, ks, vs, lengths) if calib is None else calib[i]
         for name, e in zip("kv", _segment_errors(fmt, seg, ks, vs, lengths, c)):
-            err[name].append(np.asarray(e).reshape(-1))  # [G, p] → loops in order
+            err[name].append(np.asarray(e).reshape(-1, e.shape[-1]))  # [G, p, N] → [loops in order, N]
+    out = {}
     for name, ref in (("k", k), ("v", v)):
-        err[name] = np.concatenate(err[name]) / np.asarray(jnp.sum(ref.astype(jnp.float32) ** 2, axis=(1, 2, 3, 4, 5)))
-    return err
+        sq, norm = np.concatenate(err[name]), np.asarray(jnp.sum(ref.astype(jnp.float32) ** 2, axis=(2, 3, 4, 5)))
+        out[name], out[f"{name}_layer"] = sq.sum(1) / norm.sum(1), sq / norm
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _segment_errors(fmt: base.CacheFormat, seg: base.Segment, ks, vs, lengths, calib):
-    """Squared errors [G, p] of K and V after one `write` of a segment's K/V [G, p, N, B, K, S, D]:
+    """Squared errors [G, p, N] of K and V after one `write` of a segment's K/V [G, p, N, B, K, S, D]:
     one compiled program per format and segment, slots visited with `lax.map`."""
     groups, size, num_layers, batch, heads, seq, dim = ks.shape
     state = fmt.write(fmt.init(seg, num_layers, batch, seq, heads, dim), ks, vs, jnp.zeros_like(lengths), lengths,
@@ -61,5 +64,5 @@ def _segment_errors(fmt: base.CacheFormat, seg: base.Segment, ks, vs, lengths, c
             return jnp.sum((k_hat - ks[g, r, n]) ** 2), jnp.sum((v_hat - vs[g, r, n]) ** 2)
 
         ek, ev = jax.lax.map(one, slots)
-        out.append((ek.reshape(groups, num_layers).sum(1), ev.reshape(groups, num_layers).sum(1)))
+        out.append((ek.reshape(groups, num_layers), ev.reshape(groups, num_layers)))
     return tuple(jnp.stack([o[i] for o in out], axis=1) for i in (0, 1))

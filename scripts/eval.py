@@ -1,0 +1,147 @@
+"""Accuracy versus memory of every cache format on the held-out tasks; Markdown + JSON + figures.
+
+    python scripts/eval.py --model ouro --out results/ouro
+
+Each row scores the eval split through that format's cache (`rq_jax.eval.loops`): exact match of
+greedy answers (addition, 32-pair retrieval) with a paired-bootstrap 95% CI of the difference to a
+float32 dense cache, agreement with the dense greedy tokens, answer NLL, KL to the dense next-token
+distributions and stdlib bits per byte, beside bits per element and cache bytes per token. Writes
+PREFIX.md, PREFIX.json, PREFIX_accuracy.png (accuracy vs bits per element) and PREFIX_kv_error.png
+(K/V reconstruction error per layer and loop of the `[2,2,2,4]` format on retrieval prompts).
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from rq_jax import checkpoint
+from rq_jax.data import collate
+from rq_jax.eval.kv_error import dense_kv, reconstruction_error
+from rq_jax.eval.table import Tasks, evaluate, schemes
+
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("huginn", "ouro"), required=True)
+    p.add_argument("--checkpoint", help="checkpoint folder (default: the shipped small model)")
+    p.add_argument("--loops", type=int, help="loops / recurrence steps (default: the config's)")
+    p.add_argument("--n", type=int, default=1000, help="held-out examples per task")
+    p.add_argument("--retrieval-pairs", type=int, default=32, help="key-value pairs of every retrieval example")
+    p.add_argument("--text-windows", type=int, default=64, help="stdlib windows for bits per byte")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--group-sizes", default="32,16", help="group sizes of the ablation ladder")
+    p.add_argument("--only", action="append", help="keep the schemes whose label contains this (repeatable)")
+    p.add_argument("--out", required=True, help="output prefix: PREFIX.md, PREFIX.json, PREFIX_*.png")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("loops", "n", "retrieval_pairs", "text_windows", "batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
+    try:
+        args.group_sizes = tuple(int(g) for g in args.group_sizes.split(","))
+    except ValueError:
+        p.error(f"--group-sizes must be comma-separated integers, got {args.group_sizes!r}")
+    return args
+
+
+def fmt_ci(m: dict) -> str:
+    return f"{100 * m['accuracy']:.1f} ({100 * m['accuracy_diff_lo']:+.1f}, {100 * m['accuracy_diff_hi']:+.1f})"
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "",
+             "| scheme | bits/elem | bytes/token | addition % (Δ CI) | retrieval % (Δ CI) | agree add/ret/text | "
+             "KL add/ret/text | answer NLL add/ret | bpb |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a, q, t = r["addition"], r["retrieval"], r["text"]
+        lines.append(f"| {r['scheme']} | {r['bits_per_element']:.3f} | {r['bytes_per_token']:,.0f} | {fmt_ci(a)} | "
+                     f"{fmt_ci(q)} | {a['agreement']:.3f} / {q['agreement']:.3f} / {t['agreement']:.3f} | "
+                     f"{a['kl']:.2e} / {q['kl']:.2e} / {t['kl']:.2e} | {a['answer_nll']:.3f} / {q['answer_nll']:.3f} | "
+                     f"{t['bpb']:.3f} |")
+    dense = rows[0] if rows else None
+    if dense:
+        lines += ["", f"Dense float32 reference: addition {100 * dense['addition']['dense_accuracy']:.1f}%, retrieval "
+                      f"{100 * dense['retrieval']['dense_accuracy']:.1f}%, {dense['text']['dense_bpb']:.3f} bits per byte."]
+    return "\n".join(lines) + "\n"
+
+
+def figures(rows: list[dict], kv_err: dict, loops: int, prefix: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, task in zip(axes, ("addition", "retrieval")):
+        for r in rows:
+            ax.scatter(r["bits_per_element"], 100 * r[task]["accuracy"], s=18)
+            ax.annotate(r["scheme"], (r["bits_per_element"], 100 * r[task]["accuracy"]), fontsize=6)
+        ax.set(xscale="log", xlabel="bits per element", ylabel="exact match (%)", title=task)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}_accuracy.png", dpi=150)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, name in zip(axes, ("k", "v")):
+        im = ax.imshow(np.asarray(kv_err[f"{name}_layer"]).T, aspect="auto", cmap="viridis")
+        ax.set(xlabel="loop", ylabel="layer", title=f"{name.upper()} NMSE, {kv_err['scheme']}")
+        ax.set_xticks(range(loops))
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}_kv_error.png", dpi=150)
+    plt.close("all")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    folder = args.checkpoint or os.path.join(SHIPPED, f"{args.model}-small")
+    model, _ = checkpoint.load(folder)
+    loops = args.loops or model.config.num_loops
+    tasks = Tasks(n=args.n, retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows)
+    rows_to_run = schemes(args.group_sizes)
+    if args.only:
+        rows_to_run = [s for s in rows_to_run if any(k in s.label for k in args.only)]
+        if not rows_to_run:
+            sys.exit(f"--only {args.only} matches no scheme of {[s.label for s in schemes(args.group_sizes)]}")
+    bar = tqdm(total=3 * len(rows_to_run), disable=args.no_progress, desc="eval")
+    rows = []
+    start = time.perf_counter()
+    for scheme in rows_to_run:
+        rows.append(evaluate(model, scheme, tasks, batch=args.batch, progress=lambda s: (bar.set_postfix_str(s), bar.update(1)),
+                             num_loops=loops))
+    bar.close()
+    mixed = next((s for s in schemes(args.group_sizes) if s.label.startswith("[2,2,2,4]")))
+    examples = tasks.retrieval.examples("eval", 8, tasks.seed, num_pairs=tasks.retrieval_pairs)
+    prompts = collate(examples, tasks.retrieval.max_length(tasks.retrieval_pairs))[0]
+    k, v = dense_kv(model, jnp.asarray(prompts), loops)
+    err = reconstruction_error(mixed.fmt, k, v)
+    kv_err = {"scheme": mixed.label, **{name: np.asarray(x).tolist() for name, x in err.items()}}
+    meta = dict(checkpoint=os.path.abspath(folder), family=model.config.family, loops=loops, n=args.n,
+                retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows,
+                python=platform.python_version(), seconds=time.perf_counter() - start,
+                command="python scripts/eval.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    header = (f"# {model.config.family} ({meta['checkpoint']}), {loops} loops; {args.n} held-out examples per task, "
+              f"{args.retrieval_pairs}-pair retrieval, {args.text_windows} stdlib windows (Python {meta['python']})\n\n"
+              "Accuracy: exact match through the cache, with the 95% paired-bootstrap CI of its difference to the "
+              "float32 dense cache.")
+    text = markdown(rows, header)
+    print(text)
+    with open(f"{args.out}.md", "w") as f:
+        f.write(text)
+    with open(f"{args.out}.json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows, kv_error=kv_err), f, indent=2)
+    figures(rows, kv_err, loops, args.out)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""scripts/eval.py end to end on the shipped Ouro checkpoint (few examples, one scheme)."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+from rq_jax import checkpoint
+from rq_jax.cache import cache_nbytes, get_format, init_cache
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "eval.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("eval_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_writes_the_table_json_and_figures(tmp_path):
+    out = tmp_path / "ouro"
+    load_script().main(["--model", "ouro", "--n", "3", "--retrieval-pairs", "2", "--text-windows", "1", "--batch", "4",
+                        "--only", "[2,2,2,4] g32", "--out", str(out), "--no-progress"])
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["scheme"]: r for r in result["rows"]}
+    assert list(rows) == ["[2,2,2,4] g32"]
+    model, _ = checkpoint.load(SCRIPT.parents[1] / "checkpoints" / "ouro-small")
+    length = 256  # the text windows are the longest rows
+    cache = init_cache(model.config, 1, length, get_format("residual", group_size=32))
+    assert rows["[2,2,2,4] g32"]["bytes_per_token"] == cache_nbytes(cache) / length
+    assert rows["[2,2,2,4] g32"]["bits_per_element"] == pytest.approx(3.375)
+    mixed = rows["[2,2,2,4] g32"]
+    assert mixed["retrieval"]["kl"] > 0 and 0 <= mixed["addition"]["agreement"] <= 1
+    assert len(result["kv_error"]["k_layer"]) == 4 and len(result["kv_error"]["k_layer"][0]) == model.config.num_layers
+    assert "| [2,2,2,4] g32 | 3.375 |" in out.with_suffix(".md").read_text()
+    for fig in ("_accuracy.png", "_kv_error.png"):
+        assert (tmp_path / f"ouro{fig}").stat().st_size > 1000
+
+
+def test_eval_rejects_bad_options():
+    with pytest.raises(SystemExit):
+        load_script().main(["--model", "ouro", "--n", "0", "--out", "x"])
