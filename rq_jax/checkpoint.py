@@ -6,11 +6,13 @@ the NNX parameter state).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
+from typing import Iterator
 
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -22,15 +24,12 @@ from rq_jax.models import LoopedLM, model_class
 CONFIG_FILE = "rq_config.json"
 
 
-def save(directory: str | os.PathLike, model: LoopedLM, *, extra_files: tuple[str, ...] = (),
-         overwrite: bool = False) -> None:
-    """Write `model`'s config and parameters (and copies of `extra_files`) as the folder `directory`.
-
-    Everything is written into a fresh temporary folder beside `directory` and renamed into place only
-    when complete, so an interrupted save leaves `directory` as it was. A `directory` that exists and
-    is not empty raises FileExistsError unless `overwrite`, which swaps the new folder in (the old one
-    is removed only after the new one is in place).
-    """
+@contextlib.contextmanager
+def atomic_folder(directory: str | os.PathLike, *, overwrite: bool = False) -> Iterator[str]:
+    """Write a folder atomically: yields a fresh temporary folder beside `directory` to fill, and
+    renames it into place only when the block completes, so an interruption leaves `directory` as it
+    was. A `directory` that exists and is not empty raises FileExistsError unless `overwrite`, which
+    swaps the new folder in (the old one is removed only after the new one is in place)."""
     directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise FileExistsError(f"{directory} exists and is not a folder")
@@ -40,12 +39,7 @@ def save(directory: str | os.PathLike, model: LoopedLM, *, extra_files: tuple[st
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
     try:
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump(dataclasses.asdict(model.config), f, indent=2)
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(os.path.join(tmp, "params"), nnx.state(model, nnx.Param))
-        for path in extra_files:
-            shutil.copy(path, tmp)
+        yield tmp
         old = None
         if os.path.exists(directory):
             old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
@@ -56,6 +50,19 @@ def save(directory: str | os.PathLike, model: LoopedLM, *, extra_files: tuple[st
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def save(directory: str | os.PathLike, model: LoopedLM, *, extra_files: tuple[str, ...] = (),
+         overwrite: bool = False) -> None:
+    """Write `model`'s config and parameters (and copies of `extra_files`) as the folder `directory`,
+    atomically (`atomic_folder`: an existing non-empty folder only with `overwrite`)."""
+    with atomic_folder(directory, overwrite=overwrite) as tmp:
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(dataclasses.asdict(model.config), f, indent=2)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.join(tmp, "params"), nnx.state(model, nnx.Param))
+        for path in extra_files:
+            shutil.copy(path, tmp)
 
 
 def load_config(directory: str | os.PathLike) -> ModelConfig:

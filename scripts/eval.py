@@ -11,6 +11,7 @@ PREFIX.md, PREFIX.json, PREFIX_accuracy.png (accuracy vs bits per element) and P
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from rq_jax import checkpoint
 from rq_jax.data import collate
 from rq_jax.eval.kv_error import dense_kv, reconstruction_error
-from rq_jax.eval.table import Tasks, evaluate, schemes
+from rq_jax.eval.table import Tasks, calibrated_schemes, evaluate, fit_calibration, schemes
 
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints")
 
@@ -40,10 +41,15 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--group-sizes", default="32,16", help="group sizes of the ablation ladder")
     p.add_argument("--only", action="append", help="keep the schemes whose label contains this (repeatable)")
+    p.add_argument("--rotations", default="", help="comma-separated calibration methods (oscar, optr-h) to add as "
+                   "rows beside Hadamard, fitted on the calib split's fit/holdout rows")
+    p.add_argument("--calibration-rows", type=int, default=32, help="fit and holdout rows for --rotations")
+    p.add_argument("--calibration", help="folder of saved calibration artifacts (scripts/calibrate.py): rows whose "
+                   "schedule has one use it (label suffixed with its method)")
     p.add_argument("--out", required=True, help="output prefix: PREFIX.md, PREFIX.json, PREFIX_*.png")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    for name in ("loops", "n", "retrieval_pairs", "text_windows", "batch"):
+    for name in ("loops", "n", "retrieval_pairs", "text_windows", "batch", "calibration_rows"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
@@ -51,7 +57,24 @@ def parse_args(argv=None):
         args.group_sizes = tuple(int(g) for g in args.group_sizes.split(","))
     except ValueError:
         p.error(f"--group-sizes must be comma-separated integers, got {args.group_sizes!r}")
+    from rq_jax.calibrate import METHODS
+
+    args.rotations = tuple(m for m in args.rotations.split(",") if m)
+    bad = [m for m in args.rotations if m not in METHODS]
+    if bad:
+        p.error(f"--rotations takes {', '.join(METHODS)}, got {', '.join(bad)}")
     return args
+
+
+def saved_calibration(folder: str, model, scheme, loops: int):
+    """The artifact under `folder` for the scheme's schedule: (its CacheCalib, method), or None."""
+    from rq_jax.calibrate import find_artifact, load_calibration, read_artifact
+
+    try:
+        path = find_artifact(folder, scheme.fmt, loops)
+    except ValueError:
+        return None
+    return load_calibration(path, model, scheme.fmt, num_loops=loops), read_artifact(path)[0]["method"]
 
 
 def fmt_ci(m: dict) -> str:
@@ -69,6 +92,16 @@ def markdown(rows: list[dict], header: str) -> str:
                      f"{fmt_ci(q)} | {a['agreement']:.3f} / {q['agreement']:.3f} / {t['agreement']:.3f} | "
                      f"{a['kl']:.2e} / {q['kl']:.2e} / {t['kl']:.2e} | {a['answer_nll']:.3f} / {q['answer_nll']:.3f} | "
                      f"{t['bpb']:.3f} |")
+    fitted = [r for r in rows if "calibration" in r]
+    if fitted:
+        lines += ["", "Calibrated rotations: mean per-head holdout loss (App. G.1), default Hadamard → fitted.", "",
+                  "| scheme | L_K before | L_K after | L_V before | L_V after |", "|---|---|---|---|---|"]
+        lines += [f"| {r['scheme']} | " + " | ".join(f"{r['calibration'][k]:.3e}" for k in
+                                                     ("key_before", "key_after", "value_before", "value_after")) + " |"
+                  for r in fitted]
+    lost = {r["scheme"]: sum(r[t]["out_of_range"] for t in ("addition", "retrieval", "text")) for r in rows}
+    lines += ["", "Values a format could not store (metadata outside FP8's range, non-finite K/V): " +
+              (", ".join(f"{k} {v:,}" for k, v in lost.items() if v) or "none") + "."]
     dense = rows[0] if rows else None
     if dense:
         lines += ["", f"Dense float32 reference: addition {100 * dense['addition']['dense_accuracy']:.1f}%, retrieval "
@@ -107,7 +140,7 @@ def main(argv=None):
     model, _ = checkpoint.load(folder)
     loops = args.loops or model.config.num_loops
     tasks = Tasks(n=args.n, retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows)
-    rows_to_run = schemes(args.group_sizes)
+    rows_to_run = schemes(args.group_sizes) + calibrated_schemes(args.group_sizes, args.rotations)
     if args.only:
         rows_to_run = [s for s in rows_to_run if any(k in s.label for k in args.only)]
         if not rows_to_run:
@@ -116,8 +149,17 @@ def main(argv=None):
     rows = []
     start = time.perf_counter()
     for scheme in rows_to_run:
-        rows.append(evaluate(model, scheme, tasks, batch=args.batch, progress=lambda s: (bar.set_postfix_str(s), bar.update(1)),
-                             num_loops=loops))
+        calib, extra = None, {}
+        if scheme.method:
+            bar.set_postfix_str(f"{scheme.label}: calibrating")
+            calib, extra["calibration"] = fit_calibration(model, scheme, loops, rows=args.calibration_rows)
+        elif args.calibration and scheme.fmt.needs_calib and (found := saved_calibration(args.calibration, model,
+                                                                                          scheme, loops)):
+            calib, method = found
+            scheme = dataclasses.replace(scheme, label=f"{scheme.label} {method}", method=method)
+        row = evaluate(model, scheme, tasks, batch=args.batch, calib=calib, num_loops=loops,
+                       progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
+        rows.append({**row, **extra})
     bar.close()
     mixed = next((s for s in schemes(args.group_sizes) if s.label.startswith("[2,2,2,4]")))
     examples = tasks.retrieval.examples("eval", 8, tasks.seed, num_pairs=tasks.retrieval_pairs)

@@ -4,6 +4,7 @@ import importlib.util
 import pathlib
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -166,3 +167,104 @@ def test_wrong_calibration_type_is_named(ouro):
 def test_unknown_policy_keyword_is_named():
     with pytest.raises(ValueError, match=r"cache format 'kivi' does not take \['rotation'\]"):
         get_format("kivi", rotation="hadamard")
+
+
+# ---- FP8 metadata range and non-finite K/V ---------------------------------------------------------
+
+def _write(fmt, k, v):
+    """K/V [L, N, B, K, S, D] written by `fmt` as one segment: (reconstruct(loop) → K̂, V̂ [B, K, S, D],
+    the state, out_of_range [B])."""
+    from rq_jax.cache.base import segments, split_loops
+
+    (seg,) = segments(k.shape[0], fmt.group_len)
+    n, b, kh, s, d = k.shape[1:]
+    calib = fmt.default_calib(seg, n, kh, d)
+    lengths, num_new = jnp.zeros(b, jnp.int32), jnp.full(b, s, jnp.int32)
+    ks, vs = split_loops(k, seg), split_loops(v, seg)
+    state = fmt.write(fmt.init(seg, n, b, s, kh, d), ks, vs, lengths, num_new, calib)
+    full = jnp.full(b, s, jnp.int32)
+
+    def reconstruct(loop):
+        g, r = divmod(loop, seg.size)
+        return fmt.reconstruct(state, (g, 0), r, full, calib)
+
+    return reconstruct, state, fmt.out_of_range(ks, vs, num_new, calib)
+
+
+def _outlier_kv():
+    """K/V [4 loops, 1 layer, 2 rows, 1 head, 8 tokens, 64]: row 0 at ~1e-3, row 1 at ~1e4."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 4, 1, 2, 1, 8, 64)).astype(np.float32)
+    x[:, :, :, 0] *= 1e-3
+    x[:, :, :, 1] *= 1e4
+    return jnp.asarray(x[0]), jnp.asarray(x[1])
+
+
+def _row_errors(reconstruct, k, v):
+    """Worst relative RMS error over loops and K/V, per row [B]."""
+    rel = []
+    for loop in range(k.shape[0]):
+        for x, xh in zip((k[loop, 0], v[loop, 0]), reconstruct(loop)):
+            x, xh = np.asarray(x), np.asarray(xh)
+            rel.append(np.sqrt(np.mean((xh - x) ** 2, axis=(1, 2, 3)) / np.mean(x**2, axis=(1, 2, 3))))
+    return np.max(rel, axis=0)
+
+
+@pytest.mark.parametrize("name,bits", [("residual", (2, 2, 2, 4)), ("rotated", (4,))])
+def test_fp8_metadata_out_of_range_is_counted_and_the_super_scale_holds_it(name, bits):
+    """Outliers of 1e4 beside values of 1e-3: plain FP8 metadata reports out-of-range values in both
+    rows (saturated at 448, flushed to zero) and reconstructs the 1e4 row far off; with `super_scale`
+    nothing is out of range and every row reconstructs within the INT2/INT4 error of its own
+    magnitude. The bits per element count the super-scale and still equal the arrays' bytes."""
+    from rq_jax.cache.base import tree_nbytes
+
+    k, v = _outlier_kv()
+    errs = {}
+    for sup in (False, True):
+        fmt = get_format(name, bits=bits, group_size=32, super_scale=sup)
+        reconstruct, state, lost = _write(fmt, k, v)
+        assert np.all(np.asarray(lost) > 0) if not sup else np.all(np.asarray(lost) == 0)
+        errs[sup] = _row_errors(reconstruct, k, v)
+        assert tree_nbytes(state) * 8 == fmt.bits_per_element(4, 64) * 2 * k.size
+    assert errs[False][1] > 0.5  # plain FP8: the 1e4 row is clipped
+    assert np.all(errs[True] < (0.45 if 2 in bits else 0.12))  # INT2 / INT4 relative error
+
+
+def test_non_finite_kv_is_stored_as_zero_and_counted():
+    """A NaN and an inf in one token's key: that token's other entries and every other token decode
+    as if the bad entries were 0, nothing non-finite comes back, and both entries are counted."""
+    rng = np.random.default_rng(1)
+    k = rng.normal(size=(4, 1, 1, 2, 6, 64)).astype(np.float32)
+    v = rng.normal(size=k.shape).astype(np.float32)
+    dirty = k.copy()
+    dirty[1, 0, 0, 1, 2, 5], dirty[3, 0, 0, 0, 4, 7] = np.nan, np.inf
+    clean = np.where(np.isfinite(dirty), dirty, 0.0)
+    fmt = get_format("residual", group_size=32)
+    rec_dirty, _, lost = _write(fmt, jnp.asarray(dirty), jnp.asarray(v))
+    rec_clean, _, none = _write(fmt, jnp.asarray(clean), jnp.asarray(v))
+    np.testing.assert_array_equal(lost, [2])
+    np.testing.assert_array_equal(none, [0])
+    for loop in range(4):
+        for a, b in zip(rec_dirty(loop), rec_clean(loop)):
+            assert np.all(np.isfinite(np.asarray(a)))
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_cache_accumulates_out_of_range_through_model_calls(ouro):
+    """K projections scaled by 1e5 push key metadata past FP8's 448: the cache's `out_of_range`
+    counts it after a prompt and grows with a decode step; the super-scale option reports nothing."""
+    model, ref = ouro
+    graphdef, state = nnx.split(model)
+    state = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 1e5 if "k_proj" in jax.tree_util.keystr(path) else x, state)
+    loud = nnx.merge(graphdef, state)
+    ids = jnp.asarray(ref["input_ids"][:1, :6])
+    for sup in (False, True):
+        cache = loud.init_cache(1, 8, get_format("residual", group_size=8, super_scale=sup))
+        calib = default_calib(cache)
+        first = loud(ids[:, :5], cache, calib=calib).cache
+        second = loud(ids[:, 5:6], first, calib=calib).cache
+        if sup:
+            np.testing.assert_array_equal(second.out_of_range, [0])
+        else:
+            assert 0 < int(first.out_of_range[0]) < int(second.out_of_range[0])

@@ -1,4 +1,4 @@
-"""scripts/eval.py end to end on the shipped Ouro checkpoint (few examples, one scheme)."""
+"""scripts/eval.py end to end on the shipped Ouro checkpoint (few examples, one OSCAR-calibrated scheme)."""
 
 import importlib.util
 import json
@@ -22,19 +22,22 @@ def load_script():
 def test_eval_writes_the_table_json_and_figures(tmp_path):
     out = tmp_path / "ouro"
     load_script().main(["--model", "ouro", "--n", "3", "--retrieval-pairs", "2", "--text-windows", "1", "--batch", "4",
-                        "--only", "[2,2,2,4] g32", "--out", str(out), "--no-progress"])
+                        "--only", "[2,2,2,4] g32 oscar", "--rotations", "oscar", "--calibration-rows", "2", "--out", str(out), "--no-progress"])
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {r["scheme"]: r for r in result["rows"]}
-    assert list(rows) == ["[2,2,2,4] g32"]
+    assert list(rows) == ["[2,2,2,4] g32 oscar"]
     model, _ = checkpoint.load(SCRIPT.parents[1] / "checkpoints" / "ouro-small")
     length = 256  # the text windows are the longest rows
     cache = init_cache(model.config, 1, length, get_format("residual", group_size=32))
-    assert rows["[2,2,2,4] g32"]["bytes_per_token"] == cache_nbytes(cache) / length
-    assert rows["[2,2,2,4] g32"]["bits_per_element"] == pytest.approx(3.375)
-    mixed = rows["[2,2,2,4] g32"]
+    assert rows["[2,2,2,4] g32 oscar"]["bytes_per_token"] == cache_nbytes(cache) / length
+    assert rows["[2,2,2,4] g32 oscar"]["bits_per_element"] == pytest.approx(3.375)
+    mixed = rows["[2,2,2,4] g32 oscar"]
     assert mixed["retrieval"]["kl"] > 0 and 0 <= mixed["addition"]["agreement"] <= 1
     assert len(result["kv_error"]["k_layer"]) == 4 and len(result["kv_error"]["k_layer"][0]) == model.config.num_layers
-    assert "| [2,2,2,4] g32 | 3.375 |" in out.with_suffix(".md").read_text()
+    cal = mixed["calibration"]  # OSCAR fitted on the calib split: per-head holdout losses before/after
+    assert set(cal) == {"key_before", "key_after", "value_before", "value_after"} and cal["key_before"] > 0
+    text = out.with_suffix(".md").read_text()
+    assert "| [2,2,2,4] g32 oscar | 3.375 |" in text and "Calibrated rotations" in text
     for fig in ("_accuracy.png", "_kv_error.png"):
         assert (tmp_path / f"ouro{fig}").stat().st_size > 1000
 

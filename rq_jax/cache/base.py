@@ -145,6 +145,10 @@ class CacheFormat(Protocol):
     it: built once, outside jit, by `default_calib` (no data; raises ValueError when the format
     cannot run without data, `needs_data`) or fitted by `calibrate`. `needs_calib` says whether
     `attend`/`write`/`reconstruct` read one (None is accepted otherwise).
+
+    Optional: `out_of_range(k, v, num_new, calib) -> Int[Array, "b"]`, the values a `write` of the
+    same arguments cannot store faithfully (metadata outside its dtype's range, non-finite inputs),
+    per row; the cache accumulates it (`KVCache.out_of_range`).
     """
 
     name: str

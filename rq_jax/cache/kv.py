@@ -33,12 +33,18 @@ class KVCache:
     program, where the call cannot raise): the tokens past `max_len` were dropped, `lengths` stops at
     `max_len`, and every public entry that takes a cache — an un-jitted model call, `check_overflow` —
     raises. (The Sampler builds its own cache and checks room before it starts.)
+
+    `out_of_range[b]` counts, over every write to row b, the metadata values its format's metadata
+    dtype could not hold (FP8 saturating at 448 or flushing to zero) plus non-finite K/V entries —
+    for formats that report them (those with an `out_of_range` method: the `LoopQuant` family); it
+    stays 0 for the others. Generation and eval print it; see `LoopQuant.super_scale` for the remedy.
     """
 
     looped: tuple[Any, ...]
     plain: tuple[Any, ...] | None
     lengths: Int[Array, "b"]
     overflow: Bool[Array, "b"]
+    out_of_range: Int[Array, "b"]
     fmt: base.CacheFormat = struct.field(pytree_node=False)
     plain_fmt: base.CacheFormat = struct.field(pytree_node=False)
     num_loops: int = struct.field(pytree_node=False)
@@ -128,8 +134,8 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFor
     if config.num_plain_layers:
         plain = tuple(plain_fmt.init(seg, config.num_plain_layers, *dims)
                       for seg in base.segments(1, plain_fmt.group_len))
-    return KVCache(looped, plain, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), fmt, plain_fmt,
-                   num_loops, max_len, config.head_dim)
+    return KVCache(looped, plain, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
+                   jnp.zeros((batch,), jnp.int32), fmt, plain_fmt, num_loops, max_len, config.head_dim)
 
 
 def check_overflow(cache: KVCache) -> None:
@@ -256,14 +262,22 @@ class CallContext(NamedTuple):
             return None
 
         def write(group: Group, states, kvs):
+            """The group's new states and the values its format reports out of range, per row."""
             fmt, calib = c.schedule(group)[0], _part(self.calib, group)
-            return tuple(fmt.write(state, k, v, c.lengths, self.num_new, None if calib is None else calib[i])
-                         for i, (state, (k, v)) in enumerate(zip(states, kvs)))
+            new, lost = [], jnp.zeros_like(c.out_of_range)
+            for i, (state, (k, v)) in enumerate(zip(states, kvs)):
+                cal = None if calib is None else calib[i]
+                new.append(fmt.write(state, k, v, c.lengths, self.num_new, cal))
+                if hasattr(fmt, "out_of_range"):
+                    lost = lost + fmt.out_of_range(k, v, self.num_new, cal)
+            return tuple(new), lost
 
-        new_plain = None if c.plain is None else write("plain", c.plain, (plain,))
+        new_plain, plain_lost = (None, 0) if c.plain is None else write("plain", c.plain, (plain,))
+        new_looped, looped_lost = write("looped", c.looped, looped)
         end = c.lengths + self.num_new
-        return c.replace(looped=write("looped", c.looped, looped), plain=new_plain,
-                         lengths=jnp.minimum(end, c.max_len), overflow=c.overflow | (end > c.max_len))
+        return c.replace(looped=new_looped, plain=new_plain, lengths=jnp.minimum(end, c.max_len),
+                         overflow=c.overflow | (end > c.max_len),
+                         out_of_range=c.out_of_range + looped_lost + plain_lost)
 
 
 def dense_equivalent_nbytes(config: ModelConfig, cache: KVCache, dtype: str = "bfloat16") -> int:

@@ -147,7 +147,13 @@ class LoopQuant:
     """Loop-group quantization policy (see the module docstring); `name` is its registry name.
 
     `key_means`: `calibrate` fits per-(loop, layer, head) key means in the rotated basis.
+    `super_scale`: store the FP8 metadata relative to a per-vector bfloat16 super-scale (NVFP4/MX
+    style; 16 more bits per vector, counted) instead of plain FP8, which saturates at 448 and flushes
+    below 2**-9. Either way `out_of_range` counts the metadata values the dtype could not hold.
     `attend_impl`: a key of `ATTEND_IMPLS`, or "auto" (the Pallas kernel on a GPU, XLA elsewhere).
+
+    Non-finite K/V entries are stored as 0 (before the rotation, which would spread them over the
+    whole vector) and counted by `out_of_range`.
     """
 
     bits: tuple[int, ...] = (2, 2, 2, 4)
@@ -159,6 +165,7 @@ class LoopQuant:
     reference: str = "last"
     rotation_seed: int = 0
     key_means: bool = False
+    super_scale: bool = False
     attend_impl: str = "auto"
     name: str = "residual"
     needs_calib: bool = dataclasses.field(default=True, init=False)
@@ -190,7 +197,7 @@ class LoopQuant:
             bits, sizes = self.bits[:size], self.group_size[:size]
         return residual.ResidualConfig(bits, sizes, meta_dtype=self.meta_dtype,
                                        least_squares=self.least_squares and self.residual,
-                                       reference=self.reference)
+                                       reference=self.reference, super_scale=self.super_scale)
 
     def chain(self, cfg: residual.ResidualConfig, loop: int) -> tuple[int, ...]:
         """The positions attention to `loop` reads: itself, then its references down to the anchor."""
@@ -232,15 +239,22 @@ class LoopQuant:
         return RotationCalib(u, u)
 
     def calibrate(self, seg, k, v, lengths) -> RotationCalib:
-        """The default rotations, plus, when `key_means`, per-(loop, layer, kv head) key means: the mean
-        over tokens s < lengths[b] of each loop's quantization target in the rotated basis (the anchor's
-        key; a residual loop's key minus its scaled reference, itself encoded with the means fitted so
-        far). k, v: [G, p, N, B, K, S, D]."""
+        """The default rotations, plus, when `key_means`, the key means fitted for them
+        (`fit_key_means`). k, v: [G, p, N, B, K, S, D]."""
         calib = self.default_calib(seg, k.shape[2], k.shape[4], k.shape[6])
         if not self.key_means:
             return calib
+        return calib._replace(key_mean=self.fit_key_means(k, lengths, calib.key_rot))
+
+    def fit_key_means(self, k: Float[Array, "g p n b k s d"], lengths: Int[Array, "b"],
+                      key_rot: Float[Array, "g n k d d"]) -> Float[Array, "g n p k d"]:
+        """Per-(loop, layer, kv head) key means [G, N, p, K, D] for the key rotations `key_rot`: the mean
+        over tokens s < lengths[b] of each loop's quantization target in the rotated basis (the anchor's
+        key; a residual loop's key minus its scaled reference, itself encoded with the means fitted so
+        far). k: [G, p, N, B, K, S, D]. Used by `calibrate` (default rotations) and by
+        `rq_jax.calibrate` (learned rotations)."""
         cfg = self.group_config(k.shape[1])
-        z = jnp.einsum("gpnbksd,gnked->pgnbkse", k.astype(jnp.float32), calib.key_rot, precision=_HI)
+        z = jnp.einsum("gpnbksd,gnked->pgnbkse", k.astype(jnp.float32), key_rot, precision=_HI)
         valid = base.valid_tokens(lengths, k.shape[5]).astype(jnp.float32)[None, None, :, None, :, None]
         means = jnp.zeros(z.shape[:3] + (1, z.shape[4], 1, z.shape[6]), jnp.float32)  # [p, G, N, 1, K, 1, D]
         for r in (cfg.encode_order() if self.residual else range(cfg.num_loops)):
@@ -250,17 +264,35 @@ class LoopQuant:
                 target = z[r] - (recon[r] - affine.dequantize(enc.loops[r], cfg.quant_config(r)) - means[r])
             mean = jnp.sum(target * valid, axis=(2, 4), keepdims=True) / jnp.maximum(jnp.sum(valid), 1.0)
             means = means.at[r].set(mean)
-        return calib._replace(key_mean=jnp.moveaxis(means[:, :, :, 0, :, 0], 0, 2))
+        return jnp.moveaxis(means[:, :, :, 0, :, 0], 0, 2)
+
+    def _encode_kv(self, k, v, calib: RotationCalib) -> dict[str, residual.EncodedGroup]:
+        """Rotate and encode K/V [G, p, N, B, K, T, D] (non-finite entries zeroed and counted):
+        {"k": ..., "v": ...}, each EncodedGroup over [p, G, N, B, K, T, D]."""
+        cfg = self.group_config(k.shape[1])
+        enc = {}
+        for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
+            x = x.astype(jnp.float32)
+            finite = jnp.isfinite(x)
+            z = jnp.einsum("gpnbktd,gnked->pgnbkte", jnp.where(finite, x, 0.0), u, precision=_HI)
+            mean = None if kind == "v" or calib.key_mean is None else \
+                jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :]  # [p, G, N, 1, K, 1, D]
+            e = self._encode(z, cfg, mean)
+            enc[kind] = e._replace(out_of_range=e.out_of_range + jnp.sum(~finite, axis=(1, -1)))  # [G, N, B, K, T]
+        return enc
+
+    def out_of_range(self, k, v, num_new, calib: RotationCalib) -> Int[Array, "b"]:
+        """Per row: metadata values of the new tokens' K/V [G, p, N, B, K, T, D] (t < num_new[b]) that
+        the metadata dtype could not hold (saturated or flushed to zero), plus their non-finite entries,
+        summed over slots. The same encoding as `write` (one computation under jit)."""
+        enc = self._encode_kv(k, v, calib)
+        new = jnp.arange(k.shape[5])[None, :] < num_new[:, None]  # [B, T]
+        return sum(jnp.sum(jnp.where(new[:, None], e.out_of_range, 0), axis=(0, 1, 3, 4)) for e in enc.values())
 
     def write(self, state, k, v, lengths, num_new, calib: RotationCalib) -> tuple[LoopSlot, ...]:
         """Rotate and encode every group of K/V [G, p, N, B, K, T, D]; store at lengths[b] + t."""
         cfg = self.group_config(k.shape[1])
-        enc = {}
-        for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
-            z = jnp.einsum("gpnbktd,gnked->pgnbkte", x.astype(jnp.float32), u, precision=_HI)
-            mean = None if kind == "v" or calib.key_mean is None else \
-                jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :]  # [p, G, N, 1, K, 1, D]
-            enc[kind] = self._encode(z, cfg, mean)
+        enc = self._encode_kv(k, v, calib)
         new = tuple(
             LoopSlot(*(PackedCodes.from_quantized(enc[kind].loops[r], cfg.quant_config(r)) for kind in "kv"),
                      *(enc[kind].alpha[cfg.alpha_index(r)] if self._has_alpha(cfg, r) else None for kind in "kv"))
@@ -271,14 +303,14 @@ class LoopQuant:
         """Residual group coding, or (direct) every position coded on its own."""
         if self.residual:
             return residual.encode_group(z, cfg, mean)
-        loops = tuple(residual.encode_group(z[r : r + 1], self._direct(cfg, r),
-                                            None if mean is None else mean[r : r + 1]).loops[0]
-                      for r in range(cfg.num_loops))
-        return residual.EncodedGroup(loops, None)
+        parts = [residual.encode_group(z[r : r + 1], self._direct(cfg, r), None if mean is None else mean[r : r + 1])
+                 for r in range(cfg.num_loops)]
+        return residual.EncodedGroup(tuple(e.loops[0] for e in parts), None, sum(e.out_of_range for e in parts))
 
     def _direct(self, cfg: residual.ResidualConfig, r: int) -> residual.ResidualConfig:
         """The one-loop config of position r in a direct (residual-free) group."""
-        return residual.ResidualConfig(cfg.bits[r : r + 1], cfg.group_sizes[r : r + 1], meta_dtype=cfg.meta_dtype)
+        return residual.ResidualConfig(cfg.bits[r : r + 1], cfg.group_sizes[r : r + 1], meta_dtype=cfg.meta_dtype,
+                                       super_scale=cfg.super_scale)
 
     def fake_quant(self, k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
                    calib: RotationCalib) -> tuple[Array, Array]:
@@ -306,7 +338,7 @@ class LoopQuant:
         means = None if calib.key_mean is None else calib.key_mean[index]  # [p, K, D]
         return LoopOperands(
             index,
-            tuple(state[r].k for r in links), tuple(state[r].v for r in links),
+            tuple(state[r].k.effective() for r in links), tuple(state[r].v.effective() for r in links),
             tuple(state[r].k_alpha for r in links[:-1]), tuple(state[r].v_alpha for r in links[:-1]),
             tuple(None if means is None else means[r] for r in links))
 
@@ -353,7 +385,7 @@ class LoopQuant:
         for seg in base.segments(num_loops, self.group_len):
             cfg = self.group_config(seg.size)
             group = (qbits.residual_bits(cfg, head_dim) if self.residual else
-                     qbits.direct_bits([cfg.quant_config(r) for r in range(seg.size)]))
+                     qbits.direct_bits([cfg.quant_config(r) for r in range(seg.size)], head_dim))
             total += group * seg.num_loops
         return total / num_loops
 

@@ -45,6 +45,7 @@ class Scores(NamedTuple):
     correct: Bool[np.ndarray, "b t"]  # argmax == tokens[b, j], through the format's cache
     ref_correct: Bool[np.ndarray, "b t"]  # the same through the reference cache
     agree: Bool[np.ndarray, "b t"]  # the two argmaxes are equal
+    out_of_range: Int[np.ndarray, "b"]  # values the format could not store (`KVCache.out_of_range`)
 
 
 class _Carry(NamedTuple):
@@ -133,7 +134,7 @@ class CacheScorer:
 
         final = jax.lax.while_loop(lambda c: c.step < steps, body, _Carry(tuple(o.cache for o in outs), jnp.int32(0), first))
         scored = (jnp.arange(t)[None] >= prefix[:, None]) & (jnp.arange(t)[None] < lengths[:, None])
-        return (scored, *final.out)
+        return (scored, *final.out, final.caches[0].out_of_range)
 
     def __call__(self, tokens: np.ndarray, prefix: np.ndarray, lengths: np.ndarray) -> Scores:
         """Score rows tokens [B, T] (int32): prefill tokens[b, :prefix[b]], then feed one token per call
@@ -217,7 +218,8 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, groups: np.ndarray | None = N
 def task_metrics(scores: Scores, answer_id: np.ndarray) -> dict[str, float]:
     """Answer-level metrics of scored examples: accuracy (greedy exact match) through the format and
     the reference, the paired-bootstrap 95% CI of their difference, greedy agreement with the dense
-    model on answer tokens, mean answer NLL (nats per token) and mean KL over every scored position."""
+    model on answer tokens, mean answer NLL (nats per token), mean KL over every scored position, and
+    the values the format could not store (`KVCache.out_of_range`, summed)."""
     res = answers(scores, answer_id)
     on_answers = answer_id > 0
     diff, lo, hi = paired_bootstrap(res.correct, res.ref_correct, res.example)
@@ -225,12 +227,14 @@ def task_metrics(scores: Scores, answer_id: np.ndarray) -> dict[str, float]:
             "accuracy_diff": diff, "accuracy_diff_lo": lo, "accuracy_diff_hi": hi,
             "agreement": float(np.mean(scores.agree[on_answers])),
             "answer_nll": float(np.mean(scores.nll[on_answers])),
-            "kl": float(np.mean(scores.kl[scores.scored]))}
+            "kl": float(np.mean(scores.kl[scores.scored])), "out_of_range": int(np.sum(scores.out_of_range))}
 
 
 def text_metrics(scores: Scores) -> dict[str, float]:
     """Bits per byte through the format and the reference (every scored token is one byte), their
-    agreement and mean KL over scored positions."""
+    agreement, mean KL over scored positions and the values the format could not store."""
     s = scores.scored
-    return {"bpb": float(np.mean(scores.nll[s]) / math.log(2)), "dense_bpb": float(np.mean(scores.ref_nll[s]) / math.log(2)),
-            "agreement": float(np.mean(scores.agree[s])), "kl": float(np.mean(scores.kl[s]))}
+    return {"bpb": float(np.mean(scores.nll[s]) / math.log(2)),
+            "dense_bpb": float(np.mean(scores.ref_nll[s]) / math.log(2)),
+            "agreement": float(np.mean(scores.agree[s])), "kl": float(np.mean(scores.kl[s])),
+            "out_of_range": int(np.sum(scores.out_of_range))}

@@ -3,7 +3,8 @@ tasks through the cache (see `loops`), with its exact storage cost.
 
 `schemes(group_sizes)` lists the rows: dense; uniform INT2 and INT4; rotated INT2; kivi INT2; the
 paper's ablation ladder at each group size g (direct INT2 → + residual with α = 1 → + least squares
-→ + rotation → mixed [2,2,2,4]); residual_vq. `evaluate(...)` fills one row per scheme.
+→ + rotation → mixed [2,2,2,4]); residual_vq. `calibrated_schemes` adds the rotation comparison
+(OSCAR, OptR-H against Hadamard), fitted by `fit_calibration`. `evaluate(...)` fills one row.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import dataclasses
 from typing import Callable, Sequence
 
 
-from rq_jax.cache import Dense, cache_nbytes, get_format, init_cache
+import numpy as np
+
+from rq_jax.cache import CacheCalib, Dense, cache_nbytes, get_format, init_cache
 from rq_jax.cache.base import CacheFormat
 from rq_jax.data import Addition, Retrieval, StdlibText
 from rq_jax.eval import loops
@@ -20,11 +23,18 @@ from rq_jax.eval import loops
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
-    """A table row: its label, the format, and the ladder it belongs to ("" for baselines)."""
+    """A table row: its label, the format, the ladder it belongs to ("" for baselines), and the
+    rotation's calibration method ("": the format's default rotation, Hadamard)."""
 
     label: str
     fmt: CacheFormat
     ladder: str = ""
+    method: str = ""
+
+    @property
+    def rotated(self) -> bool:
+        """Whether the format stores rotated K/V (so a calibrated rotation can replace its default)."""
+        return getattr(self.fmt, "rotation", "identity") != "identity"
 
 
 def schemes(group_sizes: Sequence[int] = (32, 16)) -> list[Scheme]:
@@ -44,6 +54,39 @@ def schemes(group_sizes: Sequence[int] = (32, 16)) -> list[Scheme]:
                  Scheme(f"+rotation g{g}", get_format("residual", bits=(2, 2, 2, 2), group_size=g), ladder),
                  Scheme(f"[2,2,2,4] g{g}", get_format("residual", group_size=g), ladder)]
     return rows
+
+
+def calibrated_schemes(group_sizes: Sequence[int], methods: Sequence[str]) -> list[Scheme]:
+    """Rows of the rotation comparison (issue 11): direct rotated INT2, residual INT2 and residual
+    [2,2,2,4] at each group size, with each calibration `method` ("oscar", "optr-h") instead of the
+    default Hadamard. OptR-H rows also fit key means (App. G.1)."""
+    rows = []
+    for method in methods:
+        for g in group_sizes:
+            means = dict(key_means=method == "optr-h")
+            rows += [Scheme(f"rotated INT2 g{g} {method}", get_format("rotated", bits=2, group_size=g, **means),
+                            f"g{g}", method),
+                     Scheme(f"+rotation g{g} {method}", get_format("residual", bits=(2, 2, 2, 2), group_size=g, **means),
+                            f"g{g}", method),
+                     Scheme(f"[2,2,2,4] g{g} {method}", get_format("residual", group_size=g, **means), f"g{g}", method)]
+    return rows
+
+
+def fit_calibration(model, scheme: Scheme, num_loops: int, *, rows: int = 32, seq_len: int = 256, seed: int = 0,
+                    progress: bool = False):
+    """Fit `scheme.method` for the scheme's format on `rows` fit and `rows` holdout rows of the data's
+    calib split (disjoint from the eval split). Returns (CacheCalib, summary of the per-head holdout
+    losses: mean L_K and L_V before (Hadamard) and after, over every head and segment)."""
+    from rq_jax.calibrate import OptRHConfig, calibrate_model, calibration_set
+
+    fit = calibration_set("fit", rows, seq_len, seed=seed)
+    holdout = calibration_set("holdout", rows, seq_len, seed=seed)
+    cal = calibrate_model(model, scheme.fmt, fit.tokens, holdout.tokens, method=scheme.method, num_loops=num_loops,
+                          config=OptRHConfig(seed=seed, key_means=scheme.fmt.key_means), seed=seed, progress=progress)
+    segs = [seg for part in cal.report.values() for seg in part or ()]
+    summary = {f"{kind}_{when}": float(np.mean([np.mean(seg[f"{kind}_{when}"]) for seg in segs]))
+               for kind in ("key", "value") for when in ("before", "after")}
+    return cal.calib, summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +111,14 @@ class Tasks:
 
 
 def evaluate(model, scheme: Scheme, tasks: Tasks, *, batch: int = 32, text: StdlibText | None = None,
-             progress: Callable[[str], None] = lambda _: None, **model_kwargs) -> dict:
+             calib: CacheCalib | None = None, progress: Callable[[str], None] = lambda _: None,
+             **model_kwargs) -> dict:
     """One table row: per-task metrics of `loops.task_metrics` / `loops.text_metrics` through the
-    scheme's cache, bits per element (the format's accounting at the row length) and bytes per token
-    (the arrays of a cache of `tasks.length` positions, batch 1, all layers)."""
-    scorer = loops.CacheScorer(model, scheme.fmt, seed=tasks.seed, **model_kwargs)
-    row = {"scheme": scheme.label, "ladder": scheme.ladder}
+    scheme's cache (with `calib` when given, else the format's default), bits per element (the
+    format's accounting at the row length) and bytes per token (the arrays of a cache of
+    `tasks.length` positions, batch 1, all layers)."""
+    scorer = loops.CacheScorer(model, scheme.fmt, calib=calib, seed=tasks.seed, **model_kwargs)
+    row = {"scheme": scheme.label, "ladder": scheme.ladder, "method": scheme.method or "default"}
     for name, examples, length in (
             ("addition", tasks.addition.examples("eval", tasks.n, tasks.seed), tasks.addition.length),
             ("retrieval", tasks.retrieval.examples("eval", tasks.n, tasks.seed, num_pairs=tasks.retrieval_pairs),

@@ -46,11 +46,24 @@ broadcast or a constant behind it) and the clipped radius through a clamp to the
 (an identity for finite values that no compiler can drop, and that separates the multiply from the
 subtraction): the codes and metadata at exact ties are the same jitted and un-jitted.
 
+Metadata range. E4M3 spans 2**-9 .. 448, so a group whose offset or scale lies outside it saturates
+or flushes to zero. ``out_of_range(x, cfg)`` counts such metadata per vector (it is what the caches
+report), and ``super_scale=True`` is the second metadata option, as NVFP4/MX formats do: each vector
+``[..., D]`` also stores a bfloat16 super-scale ``S = bf16(m / 256)`` (``m`` the largest ``|offset|``
+or ``scale`` of its groups; 1 when ``m`` is 0), and the stored offsets and scales are ``meta(v / S)``;
+reconstruction multiplies them back (``S * o`` and ``S * s`` are exact in float32). It costs 16 bits
+per vector (``bits.affine_bits`` counts it) and keeps each vector's metadata inside the dtype's range
+whatever its magnitude; groups more than ~2**17 below their vector's largest still flush to zero
+(and are counted).
+
+Non-finite inputs never reach finite neighbours: a group's range is taken over its finite values,
++inf stores the top code and -inf the bottom one (they reconstruct as the group's clip values), NaN
+the code of u = 0 (the offset; zero when symmetric), and ``out_of_range`` counts each such value.
+
 Midpoint and radius are formed as ``hi/2 ± lo/2`` (equal to the spec's formulas, but no float32
 overflow for huge inputs). A group whose scale underflows to zero in the metadata dtype (e.g. a range below 2**-10 in fp8)
 reconstructs to its offset: never NaN. Inputs with ``|x| <= 1e38`` give finite outputs for every
-metadata dtype (beyond that, float32 and bfloat16 metadata can overflow ``scale * code``); inf/NaN
-inputs are out of scope (codes stay defined, reconstructions may not).
+metadata dtype (beyond that, float32 and bfloat16 metadata can overflow ``scale * code``).
 """
 
 from __future__ import annotations
@@ -84,7 +97,8 @@ class QuantConfig:
 
     Frozen and hashable, so it can be a static argument of ``jax.jit``. ``meta_dtype`` is normalised
     to a ``numpy.dtype``; ``clip=None`` means the spec default (``default_clip(bits)``); ``rounding``
-    is one of ``ROUNDINGS`` (``"half_down"``, the spec's, by default).
+    is one of ``ROUNDINGS`` (``"half_down"``, the spec's, by default); ``super_scale`` stores the
+    metadata relative to a per-vector bfloat16 super-scale (see the module docstring).
     """
 
     bits: int
@@ -93,6 +107,7 @@ class QuantConfig:
     meta_dtype: object = jnp.float8_e4m3fn
     clip: float | None = None
     rounding: str = "half_down"
+    super_scale: bool = False
 
     def __post_init__(self):
         if self.bits not in VALID_BITS:
@@ -140,13 +155,15 @@ class Quantized(NamedTuple):
     """Codes and metadata of an affine-quantized tensor (a pytree).
 
     codes:  uint8 ``[..., D]``, unpacked, values in ``[0, 2**bits)``.
-    scale:  ``[..., D // g]`` in ``meta_dtype``.
+    scale:  ``[..., D // g]`` in ``meta_dtype`` (relative to ``super_scale`` when there is one).
     offset: ``[..., D // g]`` in ``meta_dtype``; ``None`` for symmetric configs (implied).
+    super_scale: bfloat16 ``[..., 1]`` with ``cfg.super_scale``, else ``None``.
     """
 
     codes: jax.Array
     scale: jax.Array
     offset: jax.Array | None
+    super_scale: jax.Array | None = None
 
 
 def _groups(x: jax.Array, g: int) -> jax.Array:
@@ -189,43 +206,89 @@ def _to_meta(v: jax.Array, cfg: QuantConfig) -> jax.Array:
     return jnp.clip(v, -m, m).astype(cfg.meta_dtype)
 
 
+class _Meta(NamedTuple):
+    """The encoder's metadata of ``x`` grouped ``[..., G, g]``: float32 values before and after the
+    cast to the metadata dtype (relative to the super-scale when there is one), and the super-scale."""
+
+    raw: tuple[jax.Array, ...]  # (scale,) or (scale, offset), each [..., G]
+    stored: tuple[jax.Array, ...]
+    super_scale: jax.Array | None  # [..., 1] float32 (bfloat16 values)
+
+
+def _metadata(xg: jax.Array, cfg: QuantConfig) -> _Meta:
+    finite = jnp.isfinite(xg)
+    clip = cfg.clip_factor
+    if cfg.symmetric:
+        qmax = (1 << (cfg.bits - 1)) - 1
+        amax = jnp.max(jnp.where(finite, jnp.abs(xg), 0.0), axis=-1) * clip
+        raw = (amax / _exact(qmax, amax.shape),)
+    else:
+        lo = jnp.min(jnp.where(finite, xg, jnp.inf), axis=-1)
+        hi = jnp.max(jnp.where(finite, xg, -jnp.inf), axis=-1)
+        lo, hi = jnp.where(lo <= hi, lo, 0.0), jnp.where(lo <= hi, hi, 0.0)  # no finite value: [0, 0]
+        if clip == 1.0:  # mid - rad is lo exactly: take it as it is (KIVI's zero-point)
+            rad, low = hi / 2 - lo / 2, lo
+        else:
+            rad = _unfused((hi / 2 - lo / 2) * clip)  # rounded before the subtraction
+            low = (hi / 2 + lo / 2) - rad
+        raw = (2 * rad / _exact(cfg.levels - 1, rad.shape), low)
+    sup = None
+    if cfg.super_scale:
+        m = jnp.max(jnp.stack([jnp.abs(r) for r in raw]), axis=(0, -1))[..., None]
+        sup = jnp.where(m > 0, m / 256, 1.0).astype(jnp.bfloat16).astype(jnp.float32)
+        sup = jnp.where(sup > 0, sup, 1.0)  # a super-scale underflowing bfloat16
+        raw = tuple(r / _exact(sup, r.shape) for r in raw)
+    return _Meta(raw, tuple(_to_meta(r, cfg) for r in raw), sup)
+
+
 def quantize(x: jax.Array, cfg: QuantConfig) -> Quantized:
     """Quantize ``x [..., D]`` group-wise along the last axis.
 
-    Returns ``Quantized(codes uint8 [..., D], scale [..., D//g], offset [..., D//g] | None)``
-    (16 bits: bfloat16 codes and empty ``[..., 0]`` metadata). Raises ValueError when
-    ``D % cfg.group_size != 0``.
+    Returns ``Quantized(codes uint8 [..., D], scale [..., D//g], offset [..., D//g] | None,
+    super_scale [..., 1] | None)`` (16 bits: bfloat16 codes and empty ``[..., 0]`` metadata). Raises
+    ValueError when ``D % cfg.group_size != 0``.
     """
     xg = _groups(jnp.asarray(x, jnp.float32), cfg.group_size)  # [..., G, g]
     if cfg.bits == PASSTHROUGH_BITS:
         empty = jnp.zeros(x.shape[:-1] + (0,), cfg.meta_dtype)
         return Quantized(xg.reshape(x.shape).astype(jnp.bfloat16), empty, None if cfg.symmetric else empty)
-    clip = cfg.clip_factor
+    meta = _metadata(xg, cfg)
+    sup = None if meta.super_scale is None else meta.super_scale.astype(jnp.bfloat16)
+    s, o = _effective(meta.stored, meta.super_scale)
     if cfg.symmetric:
         qmax = (1 << (cfg.bits - 1)) - 1
-        zp = 1 << (cfg.bits - 1)
-        amax = jnp.max(jnp.abs(xg), axis=-1) * clip
-        scale = _to_meta(amax / _exact(qmax, amax.shape), cfg)
-        s = scale.astype(jnp.float32)
         u = xg / _exact(jnp.where(s > 0, s, 1.0)[..., None], xg.shape)
         u = jnp.nan_to_num(u, nan=0.0)
-        c = jnp.clip(_round(u, cfg), -qmax, qmax) + zp
-        return Quantized(c.astype(jnp.uint8).reshape(x.shape), scale, None)
-    lo = jnp.min(xg, axis=-1)
-    hi = jnp.max(xg, axis=-1)
-    if clip == 1.0:  # mid - rad is lo exactly: take it as it is (KIVI's zero-point)
-        rad, low = hi / 2 - lo / 2, lo
-    else:
-        rad = _unfused((hi / 2 - lo / 2) * clip)  # rounded before the subtraction
-        low = (hi / 2 + lo / 2) - rad
-    offset = _to_meta(low, cfg)
-    scale = _to_meta(2 * rad / _exact(cfg.levels - 1, rad.shape), cfg)
-    o = offset.astype(jnp.float32)[..., None]
-    s = scale.astype(jnp.float32)[..., None]
-    u = (xg - o) / _exact(jnp.where(s > 0, s, 1.0), xg.shape)
+        c = jnp.clip(_round(u, cfg), -qmax, qmax) + (1 << (cfg.bits - 1))
+        return Quantized(c.astype(jnp.uint8).reshape(x.shape), meta.stored[0], None, sup)
+    u = (xg - o[..., None]) / _exact(jnp.where(s > 0, s, 1.0)[..., None], xg.shape)
     u = jnp.nan_to_num(u, nan=0.0)
     c = jnp.clip(_round(u, cfg), 0, cfg.levels - 1)
-    return Quantized(c.astype(jnp.uint8).reshape(x.shape), scale, offset)
+    return Quantized(c.astype(jnp.uint8).reshape(x.shape), meta.stored[0], meta.stored[1], sup)
+
+
+def _effective(stored, sup) -> tuple[jax.Array, jax.Array | None]:
+    """Float32 scale and offset ``[..., G]`` as the reconstruction uses them (super-scale applied:
+    a bfloat16 times an fp8/bf16 value is exact in float32)."""
+    vals = [v.astype(jnp.float32) for v in stored]
+    if sup is not None:
+        vals = [v * sup.astype(jnp.float32) for v in vals]
+    return vals[0], (vals[1] if len(vals) > 1 else None)
+
+
+def out_of_range(x: jax.Array, cfg: QuantConfig) -> jax.Array:
+    """Per vector ``[...]`` (int32): metadata values of ``x [..., D]``'s groups that ``quantize`` could
+    not store — saturated beyond the dtype's finite range or flushed to zero from a non-zero value —
+    plus non-finite entries of ``x``. Zero at 16 bits."""
+    xg = _groups(jnp.asarray(x, jnp.float32), cfg.group_size)
+    bad = jnp.sum(~jnp.isfinite(xg), axis=(-2, -1))
+    if cfg.bits == PASSTHROUGH_BITS:
+        return bad.astype(jnp.int32)
+    meta = _metadata(xg, cfg)
+    for raw, stored in zip(meta.raw, meta.stored):
+        lost = (jnp.abs(raw) > cfg.meta_max) | ((raw != 0) & (stored.astype(jnp.float32) == 0))
+        bad = bad + jnp.sum(lost, axis=-1)
+    return bad.astype(jnp.int32)
 
 
 def dequantize(q: Quantized, cfg: QuantConfig, dtype=jnp.float32) -> jax.Array:
@@ -233,11 +296,11 @@ def dequantize(q: Quantized, cfg: QuantConfig, dtype=jnp.float32) -> jax.Array:
     if cfg.bits == PASSTHROUGH_BITS:
         return q.codes.astype(jnp.float32).astype(dtype)
     c = _groups(q.codes, cfg.group_size).astype(jnp.float32)  # [..., G, g]
-    s = q.scale.astype(jnp.float32)[..., None]
+    s, o = _effective((q.scale,) if cfg.symmetric else (q.scale, q.offset), q.super_scale)
     if cfg.symmetric:
-        xh = s * (c - float(1 << (cfg.bits - 1)))
+        xh = s[..., None] * (c - float(1 << (cfg.bits - 1)))
     else:
-        xh = q.offset.astype(jnp.float32)[..., None] + s * c
+        xh = o[..., None] + s[..., None] * c
     return xh.reshape(q.codes.shape).astype(dtype)
 
 

@@ -17,21 +17,29 @@ import numpy as np
 from rq_jax.quant import affine, packing, residual, rvq
 
 
-def affine_bits(cfg: affine.QuantConfig) -> Fraction:
-    """Bits per element of one affine quantizer: ``b + n_meta * meta_bits / g`` (16 bits: no metadata)."""
-    n_meta = 0 if cfg.bits == affine.PASSTHROUGH_BITS else 1 if cfg.symmetric else 2
-    return cfg.bits + Fraction(n_meta * cfg.meta_bits, cfg.group_size)
+def affine_bits(cfg: affine.QuantConfig, head_dim: int | None = None) -> Fraction:
+    """Bits per element of one affine quantizer: ``b + n_meta * meta_bits / g`` (16 bits: no metadata),
+    plus ``16 / head_dim`` for a per-vector bfloat16 super-scale (then ``head_dim`` is required)."""
+    if cfg.bits == affine.PASSTHROUGH_BITS:
+        return Fraction(cfg.bits)
+    n_meta = 1 if cfg.symmetric else 2
+    out = cfg.bits + Fraction(n_meta * cfg.meta_bits, cfg.group_size)
+    if cfg.super_scale:
+        if head_dim is None:
+            raise ValueError("a super-scale quantizer needs head_dim: its 16 bits are per vector")
+        out += Fraction(16, head_dim)
+    return out
 
 
-def direct_bits(cfgs: Sequence[affine.QuantConfig]) -> Fraction:
+def direct_bits(cfgs: Sequence[affine.QuantConfig], head_dim: int | None = None) -> Fraction:
     """Average bits per element of per-loop direct quantizers (e.g. [2,2,2,4] without residuals)."""
-    return sum((affine_bits(c) for c in cfgs), Fraction(0)) / len(cfgs)
+    return sum((affine_bits(c, head_dim) for c in cfgs), Fraction(0)) / len(cfgs)
 
 
 def residual_bits(cfg: residual.ResidualConfig, head_dim: int) -> Fraction:
     """Bits per element of a residual loop group: per-loop codes + metadata, plus alpha if LS."""
     n = cfg.num_loops
-    b = direct_bits([cfg.quant_config(r) for r in range(n)])
+    b = direct_bits([cfg.quant_config(r) for r in range(n)], head_dim)
     if cfg.least_squares:
         b += Fraction(cfg.alpha_dtype.itemsize * 8 * (n - 1), n * head_dim)
     return b
@@ -48,10 +56,11 @@ def bits_per_element(scheme, head_dim: int | None = None) -> Fraction:
     """Exact bits per element of a scheme.
 
     ``scheme``: ``affine.QuantConfig`` (direct), a sequence of them (direct, one per loop),
-    ``residual.ResidualConfig`` (needs ``head_dim`` for alpha), ``rvq.RVQCodebooks`` or ``"rvq"``.
+    ``residual.ResidualConfig`` (needs ``head_dim`` for alpha), ``rvq.RVQCodebooks`` or ``"rvq"``;
+    super-scale quantizers need ``head_dim`` too.
     """
     if isinstance(scheme, affine.QuantConfig):
-        return affine_bits(scheme)
+        return affine_bits(scheme, head_dim)
     if isinstance(scheme, residual.ResidualConfig):
         if head_dim is None:
             raise ValueError("residual schemes need head_dim for the alpha cost")
@@ -62,7 +71,7 @@ def bits_per_element(scheme, head_dim: int | None = None) -> Fraction:
     if isinstance(scheme, str) and scheme == "rvq":
         return rvq_bits()
     if isinstance(scheme, Sequence) and all(isinstance(c, affine.QuantConfig) for c in scheme):
-        return direct_bits(scheme)
+        return direct_bits(scheme, head_dim)
     raise TypeError(f"unsupported scheme {scheme!r}")
 
 
@@ -78,7 +87,7 @@ def stored_nbytes(obj, cfg=None) -> int:
     """
     if isinstance(obj, affine.Quantized):
         packed = packing.pack(obj.codes, cfg.bits)
-        return _nb(packed) + _nb(obj.scale) + _nb(obj.offset)
+        return _nb(packed) + _nb(obj.scale) + _nb(obj.offset) + _nb(obj.super_scale)
     if isinstance(obj, residual.EncodedGroup):
         total = sum(stored_nbytes(q, cfg.quant_config(r)) for r, q in enumerate(obj.loops))
         return total + _nb(obj.alpha)

@@ -101,6 +101,7 @@ class PackedCodes:
 
     codes:  uint8 ``[..., packed_dim(dim, bits)]`` (bfloat16 ``[..., dim]`` at 16 bits).
     scale, offset: ``[..., dim // group_size]`` in the metadata dtype (``[..., 0]`` at 16 bits).
+    super_scale: bfloat16 ``[..., 1]`` when the metadata is relative to a per-vector super-scale, else None.
     ``bits``, ``dim`` and ``group_size`` are static (part of the pytree structure, not leaves).
     """
 
@@ -110,20 +111,32 @@ class PackedCodes:
     bits: int = struct.field(pytree_node=False)
     dim: int = struct.field(pytree_node=False)
     group_size: int = struct.field(pytree_node=False)
+    super_scale: jax.Array | None = None
 
     @classmethod
     def from_quantized(cls, q: affine.Quantized, cfg: affine.QuantConfig) -> "PackedCodes":
         """Pack ``affine.quantize``'s output ``[..., D]`` (the metadata is kept as it is)."""
-        return cls(pack(q.codes, cfg.bits), q.scale, q.offset, cfg.bits, q.codes.shape[-1], cfg.group_size)
+        return cls(pack(q.codes, cfg.bits), q.scale, q.offset, cfg.bits, q.codes.shape[-1], cfg.group_size,
+                   q.super_scale)
 
     def unpacked(self) -> affine.Quantized:
         """The unpacked codes ``[..., dim]`` with their metadata."""
-        return affine.Quantized(unpack(self.codes, self.bits, self.dim), self.scale, self.offset)
+        return affine.Quantized(unpack(self.codes, self.bits, self.dim), self.scale, self.offset, self.super_scale)
 
     def dequantize(self) -> jax.Array:
         """The stored vectors ``[..., dim]`` in float32 (``offset + scale * code`` per group)."""
-        cfg = affine.QuantConfig(self.bits, self.group_size, meta_dtype=self.scale.dtype)
+        cfg = affine.QuantConfig(self.bits, self.group_size, meta_dtype=self.scale.dtype,
+                                 super_scale=self.super_scale is not None)
         return affine.dequantize(self.unpacked(), cfg)
+
+    def effective(self) -> "PackedCodes":
+        """The same codes with the super-scale folded into float32 scale and offset ``[..., dim // g]``
+        (exact), so readers of plain metadata (the attention paths, the kernel) need not know it."""
+        if self.super_scale is None:
+            return self
+        sup = self.super_scale.astype(jnp.float32)
+        return PackedCodes(self.codes, self.scale.astype(jnp.float32) * sup, self.offset.astype(jnp.float32) * sup,
+                           self.bits, self.dim, self.group_size)
 
     def map(self, fn) -> "PackedCodes":
         """The same codes with ``fn`` applied to every array (e.g. indexing a slot out of a stack)."""

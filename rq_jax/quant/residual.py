@@ -39,7 +39,8 @@ class ResidualConfig:
     """Per-group residual scheme: per-loop bits and group sizes, metadata/alpha dtypes, policy.
 
     ``bits``: one width per loop, e.g. ``(2, 2, 2, 4)``; ``group_sizes``: an int for every loop or one
-    per loop; ``clip``: None for the per-bit default (0.9 at INT2). Frozen/hashable (jit static).
+    per loop; ``clip``: None for the per-bit default (0.9 at INT2); ``super_scale``: metadata relative
+    to a per-vector bfloat16 super-scale (``affine``). Frozen/hashable (jit static).
     """
 
     bits: tuple[int, ...]
@@ -49,6 +50,7 @@ class ResidualConfig:
     least_squares: bool = True
     reference: str = "last"
     clip: float | None = None
+    super_scale: bool = False
 
     def __post_init__(self):
         bits = tuple(int(b) for b in self.bits)
@@ -65,7 +67,7 @@ class ResidualConfig:
         object.__setattr__(self, "alpha_dtype", np.dtype(self.alpha_dtype))
         # Validates bits, group sizes, meta dtype and clip for every loop.
         qcs = tuple(
-            affine.QuantConfig(b, g, meta_dtype=self.meta_dtype, clip=self.clip)
+            affine.QuantConfig(b, g, meta_dtype=self.meta_dtype, clip=self.clip, super_scale=self.super_scale)
             for b, g in zip(bits, gs)
         )
         object.__setattr__(self, "meta_dtype", qcs[0].meta_dtype)
@@ -83,7 +85,8 @@ class ResidualConfig:
     def quant_config(self, loop: int) -> affine.QuantConfig:
         """The affine quantizer of one loop."""
         return affine.QuantConfig(
-            self.bits[loop], self.group_sizes[loop], meta_dtype=self.meta_dtype, clip=self.clip
+            self.bits[loop], self.group_sizes[loop], meta_dtype=self.meta_dtype, clip=self.clip,
+            super_scale=self.super_scale,
         )
 
     def parent(self, loop: int) -> int:
@@ -117,10 +120,13 @@ class EncodedGroup(NamedTuple):
     loops: tuple of ``L`` ``affine.Quantized`` (codes ``[..., D]``, metadata ``[..., D // g_r]``).
     alpha: ``[L-1, ...]`` in ``alpha_dtype`` for the non-anchor loops in loop order
            (see ``ResidualConfig.alpha_index``), or ``None`` when least squares is off.
+    out_of_range: ``[...]`` int32 from the encoder: per vector, the loops' metadata values the
+           metadata dtype could not hold plus non-finite targets (``affine.out_of_range``); not stored.
     """
 
     loops: tuple
     alpha: jax.Array | None
+    out_of_range: jax.Array | None = None
 
 
 def ls_alpha(x: jax.Array, ref: jax.Array, alpha_dtype=jnp.bfloat16) -> jax.Array:
@@ -169,6 +175,7 @@ def encode_decode_group(
     codes: list = [None] * n
     alphas: list = [None] * n
     recon: list = [None] * n
+    oor = None
     for r in cfg.encode_order():
         qc = cfg.quant_config(r)
         if r == cfg.anchor:
@@ -182,12 +189,14 @@ def encode_decode_group(
                 pred = ref
         target = _sub(_sub(z[r], pred), mu[r])
         codes[r] = affine.quantize(target, qc)
+        lost = affine.out_of_range(target, qc)
+        oor = lost if oor is None else oor + lost
         recon[r] = _add(_add(affine.dequantize(codes[r], qc), pred), mu[r])
     alpha = None
     if cfg.least_squares:
         rows = [alphas[r] for r in range(n) if r != cfg.anchor]
         alpha = jnp.stack(rows) if rows else jnp.zeros((0,) + z.shape[1:-1], cfg.alpha_dtype)
-    return EncodedGroup(tuple(codes), alpha), jnp.stack(recon)
+    return EncodedGroup(tuple(codes), alpha, oor), jnp.stack(recon)
 
 
 def encode_group(z: jax.Array, cfg: ResidualConfig, mean: jax.Array | None = None) -> EncodedGroup:

@@ -1,5 +1,6 @@
 """Affine group quantizer: arithmetic of the spec, error bounds, robustness, jit/vmap."""
 
+import fractions
 import functools
 
 import jax
@@ -210,7 +211,8 @@ def test_jit_vmap_and_head_dims(d, g):
     x = make_data(0, (5, 2, d), "heavy")
     q = _quantize(x, cfg)
     qv = jax.jit(jax.vmap(lambda t: quantize(t, cfg)))(x)
-    for a, b in zip(q, qv):
+    assert q.super_scale is None and qv.super_scale is None
+    for a, b in zip(q[:3], qv[:3]):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     out = _dequantize(q, cfg, jnp.bfloat16)
     assert out.dtype == jnp.bfloat16 and out.shape == x.shape
@@ -245,3 +247,67 @@ def test_16_bit_passthrough_is_bfloat16_storage():
     np.testing.assert_array_equal(dequantize(q, cfg), x.astype(jnp.bfloat16).astype(jnp.float32))
     assert packing.pack(q.codes, 16) is q.codes and packing.unpacked_dim(32, 16) == 32
     assert bits.bits_per_element(cfg) == 16
+
+
+def _outlier_rows():
+    """Rows (vectors) of values ~1e-3 beside rows of outliers ~1e4, one 64-channel vector each."""
+    rng = np.random.default_rng(0)
+    small = rng.uniform(-1e-3, 1e-3, (4, 64))
+    big = rng.uniform(5e3, 1e4, (4, 64)) * rng.choice([-1, 1], (4, 64))
+    return jnp.asarray(np.concatenate([small, big]), jnp.float32)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("jit", [False, True])
+def test_super_scale_round_trips_outliers_that_plain_fp8_clips(bits, jit):
+    """1e4 outliers beside 1e-3 values: plain FP8 metadata saturates (and flushes the small groups'
+    scales) and `out_of_range` reports it; with the per-vector super-scale every group reconstructs
+    within its quantizer's error bound (half a step, plus the clipped tail at INT2) and nothing is counted."""
+    x = _outlier_rows()
+    plain, sup = QuantConfig(bits, 32), QuantConfig(bits, 32, super_scale=True)
+    q_fn, oor_fn = (jax.jit(quantize, static_argnums=1), jax.jit(affine.out_of_range, static_argnums=1)) if jit else \
+        (quantize, affine.out_of_range)
+    counts = np.asarray(oor_fn(x, plain))
+    assert counts.shape == (8,) and np.all(counts > 0)
+    assert np.abs(np.asarray(dequantize(q_fn(x, plain), plain)) - x).max() > 1e3
+    assert np.all(np.asarray(oor_fn(x, sup)) == 0)
+    q = q_fn(x, sup)
+    assert q.super_scale.dtype == jnp.bfloat16 and q.super_scale.shape == (8, 1) and q.scale.dtype == jnp.float8_e4m3fn
+    err = np.abs(np.asarray(dequantize(q, sup)) - np.asarray(x)).reshape(8, 2, 32)
+    xg = np.asarray(x).reshape(8, 2, 32)
+    step = (xg.max(-1) - xg.min(-1)) / (2**bits - 1)
+    # half a step, the INT2 clip tail (0.1 of the range), and E4M3's relative metadata rounding (2**-4)
+    bound = step * (0.5 + (0.1 * (2**bits - 1) if bits == 2 else 0) + 2**-4 * 2**bits) + 2**-4 * np.abs(xg).max(-1)
+    assert np.all(err.max(-1) <= bound)
+
+
+def test_super_scale_is_counted_in_the_bits():
+    from rq_jax.quant.bits import affine_bits
+
+    assert affine_bits(QuantConfig(2, 32), 64) == 2 + fractions.Fraction(16, 32)
+    assert affine_bits(QuantConfig(2, 32, super_scale=True), 64) == 2 + fractions.Fraction(16, 32) + fractions.Fraction(16, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        affine_bits(QuantConfig(2, 32, super_scale=True))
+    from rq_jax.quant.bits import stored_nbytes
+
+    for cfg in (QuantConfig(2, 32), QuantConfig(2, 32, super_scale=True)):  # the arrays' own bytes
+        assert stored_nbytes(quantize(_outlier_rows(), cfg), cfg) == affine_bits(cfg, 64) * 8 * 64 / 8
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("super_scale", [False, True])
+def test_non_finite_inputs_stay_in_their_place(symmetric, super_scale):
+    """inf/NaN entries are counted; every finite entry reconstructs as if they were absent (the group's
+    range comes from its finite values), and the non-finite ones come back finite (clip values / offset)."""
+    cfg = QuantConfig(4, 8, symmetric=symmetric, super_scale=super_scale)
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
+    dirty = x.copy()
+    dirty[0, 3], dirty[0, 5], dirty[1, 0] = np.inf, np.nan, -np.inf
+    ref = x.copy()  # the same groups with the bad entries replaced by values inside the finite range
+    ref[0, 3], ref[0, 5], ref[1, 0] = x[0, 4], x[0, 4], x[1, 1]
+    out = np.asarray(jax.jit(fake_quant, static_argnums=1)(jnp.asarray(dirty), cfg))
+    clean = np.asarray(fake_quant(jnp.asarray(ref), cfg))
+    assert np.all(np.isfinite(out))
+    keep = np.isfinite(dirty)
+    np.testing.assert_array_equal(out[keep], clean[keep])
+    np.testing.assert_array_equal(np.asarray(affine.out_of_range(jnp.asarray(dirty), cfg)), [2, 1])

@@ -1,0 +1,154 @@
+"""Calibrate a cache format for a model (OptR-H or OSCAR rotations, key means, RVQ codebooks).
+
+    python scripts/calibrate.py --checkpoint checkpoints/ouro-small --cache residual --bits 2,2,2,4 \\
+        --group-size 32 --method optr-h
+
+Runs the model over calibration rows from the data generators' "calib" split (fit and holdout parts,
+disjoint from each other and from evaluation data), fits the format's calibration, prints the per-head
+holdout losses before (default rotation) and after, and saves the artifact (default:
+<checkpoint>/calibration/<schedule>-<method>/) for `rq_jax.calibrate.load_calibration`.
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from rq_jax import checkpoint
+from rq_jax.cache import get_format
+from rq_jax.cache.base import segments
+from rq_jax.calibrate import (METHODS, OptRHConfig, artifact_name, calibrate_model, calibration_set,
+                              save_calibration)
+from rq_jax.data import TASKS, encode
+
+#: Formats that read a calibration, and the policy options each takes here.
+FORMATS = {"residual": ("bits", "group_size"), "rotated": ("bits", "group_size"),
+           "uniform": ("bits", "group_size"), "residual_vq": ()}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers such as 2,2,2,4, got {text!r}") from None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, help="model folder (HF or saved) or cached hub id")
+    p.add_argument("--cache", choices=sorted(FORMATS), default="residual", help="cache format to calibrate")
+    p.add_argument("--bits", type=int_list, help="bits per loop of a group, e.g. 2,2,2,4")
+    p.add_argument("--group-size", type=int_list, help="channel group size, or one per loop")
+    p.add_argument("--method", choices=METHODS, default="optr-h", help="rotation method (LoopQuant formats)")
+    p.add_argument("--out", help="artifact folder (default <checkpoint>/calibration/<schedule>-<method>)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing artifact folder")
+    p.add_argument("--loops", "--num-steps", dest="loops", type=positive_int, help="loops; default the config's")
+    p.add_argument("--steps", type=positive_int, default=80, help="OptR-H Adam steps")
+    p.add_argument("--lr", type=float, default=0.02, help="OptR-H learning rate")
+    p.add_argument("--rows-per-step", type=positive_int, default=2, help="OptR-H fit rows per step")
+    p.add_argument("--query-len", type=positive_int, default=64, help="query positions per row (last ones)")
+    p.add_argument("--candidate-every", type=positive_int, default=20,
+                   help="OptR-H checkpoints kept as holdout-selection candidates")
+    p.add_argument("--no-key-means", dest="key_means", action="store_false", help="OptR-H without key means")
+    p.add_argument("--fit-rows", type=positive_int, default=128)
+    p.add_argument("--holdout-rows", type=positive_int, default=128)
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per calibration row")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
+    p.add_argument("--seed", type=int, default=0, help="data, row order and Huginn initial-state seed")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass when collecting")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def check_tokenizer(folder: str, vocab_size: int) -> None:
+    """Exit unless the model reads the byte-level ids of the calibration data."""
+    if vocab_size < 259:
+        sys.exit(f"calibrate.py: the calibration data are byte-level token ids (0..258) but the model's vocabulary "
+                 f"has {vocab_size} entries")
+    path = os.path.join(folder, "tokenizer.json")
+    if os.path.exists(path):
+        from rq_jax.tokenizer import load_tokenizer
+
+        sample = "def f(x):\n    return x + 1  # é"
+        if load_tokenizer(folder).encode(sample).ids != encode(sample).tolist():
+            sys.exit(f"calibrate.py: {path} is not the byte-level tokenizer the calibration data are written in")
+
+
+def print_table(report: dict) -> None:
+    """Per-head holdout losses before → after, per stack, segment, group and layer."""
+    for group, segments in report.items():
+        for seg in segments or ():
+            start, groups, size = seg["segment"]
+            if "key_before" not in seg:
+                print(f"{group} loops {start}..{start + groups * size - 1}: holdout NMSE per loop  K "
+                      + " ".join(f"{x:.4f}" for x in seg["k_nmse"]) + "   V "
+                      + " ".join(f"{x:.4f}" for x in seg["v_nmse"]))
+                continue
+            print(f"{group} segment loops {start}..{start + groups * size - 1} (groups of {size}): "
+                  "holdout loss per kv head, default rotation → calibrated")
+            print(f"  {'group':>5s} {'layer':>5s} {'head':>4s} {'L_K before':>11s} {'L_K after':>11s} "
+                  f"{'L_V before':>11s} {'L_V after':>11s}")
+            kb, ka, vb, va = (np.asarray(seg[k]) for k in ("key_before", "key_after", "value_before", "value_after"))
+            for g, n, h in np.ndindex(kb.shape):
+                print(f"  {g:5d} {n:5d} {h:4d} {kb[g, n, h]:11.4e} {ka[g, n, h]:11.4e} "
+                      f"{vb[g, n, h]:11.4e} {va[g, n, h]:11.4e}")
+            print(f"  mean{'':12s} {kb.mean():11.4e} {ka.mean():11.4e} {vb.mean():11.4e} {va.mean():11.4e}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    policy = {k: getattr(args, k) for k in FORMATS[args.cache] if getattr(args, k) is not None}
+    if len(policy.get("group_size", (0, 0))) == 1:
+        policy["group_size"] = policy["group_size"][0]  # one size for every loop
+    given = [k for k in ("bits", "group_size") if getattr(args, k) is not None and k not in FORMATS[args.cache]]
+    if given:
+        flags = ", ".join("--" + g.replace("_", "-") for g in given)
+        sys.exit(f"calibrate.py: --cache {args.cache} does not take {flags}")
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    try:
+        fmt = get_format(args.cache, **policy)
+        config = OptRHConfig(steps=args.steps, lr=args.lr, rows_per_step=args.rows_per_step,
+                             query_len=args.query_len, candidate_every=args.candidate_every,
+                             key_means=args.key_means, seed=args.seed)
+    except ValueError as err:
+        sys.exit(f"calibrate.py: {err}")
+    model, folder = checkpoint.load(args.checkpoint)
+    c = model.config
+    loops = args.loops or c.num_loops
+    try:
+        fmt.bits_per_element(loops, c.head_dim)
+        fmt.init(segments(loops, fmt.group_len)[0], 1, 1, 1, 1, c.head_dim)  # group sizes must divide D
+    except ValueError as err:
+        sys.exit(f"calibrate.py: bad --cache policy for this model: {err}")
+    check_tokenizer(folder, c.vocab_size)
+    try:
+        fit = calibration_set("fit", args.fit_rows, args.seq_len, seed=args.seed, tasks=tasks)
+        holdout = calibration_set("holdout", args.holdout_rows, args.seq_len, seed=args.seed, tasks=tasks)
+    except ValueError as err:
+        sys.exit(f"calibrate.py: {err}")
+    cal = calibrate_model(model, fmt, fit.tokens, holdout.tokens, method=args.method, num_loops=loops,
+                          config=config, seed=args.seed, batch_size=args.batch_size, progress=not args.quiet,
+                          data_info=dict(fit=fit.info, holdout=holdout.info))
+    cal.meta["checkpoint"] = os.path.abspath(folder)
+    out = args.out or os.path.join(folder, "calibration", artifact_name(cal))
+    print(f"model: {args.checkpoint} ({c.family}, {c.num_layers} layers, {c.num_kv_heads} kv heads, D={c.head_dim}), "
+          f"{loops} loops; cache {fmt.name} ({cal.meta['schedule']}); method {cal.meta['method']}; "
+          f"{args.fit_rows} fit + {args.holdout_rows} holdout rows of {args.seq_len} tokens")
+    print_table(cal.report)
+    try:
+        path = save_calibration(out, cal, overwrite=args.overwrite)
+    except FileExistsError as err:
+        sys.exit(f"calibrate.py: {err}")
+    print(f"saved: {path}")
+
+
+if __name__ == "__main__":
+    main()
