@@ -2,6 +2,9 @@
 
 Prompts of different lengths are right-padded; each row's positions and masks follow its own length.
 The compiled functions are cached on the `Sampler`, so later calls with the same shapes do not retrace.
+Given a `jax.sharding.Mesh`, the same programs run sharded (`rq_jax.sharding`): params split over
+`model`, prompts and cache rows over `data`, the cache's kv heads over `model`; the generated tokens
+come back replicated, so every process can read them.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
+from rq_jax import sharding
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.kv import CacheCalib, KVCache, calibrate, default_calib, init_cache
@@ -108,12 +113,19 @@ class Sampler:
     prompt's prefill takes the same rule when its `exit_in_prefill` is set (the default: the whole
     prompt exits jointly, as in the reference's default) and runs every step otherwise. Each call gets
     its own PRNG stream from the seed.
+
+    `mesh` (a `jax.sharding.Mesh` with axes `data` and/or `model`, e.g. `rq_jax.sharding.parse_mesh`)
+    runs generation sharded: params by `sharding.param_specs`, the cache by `sharding.cache_specs`
+    (built in place), calibration by `sharding.calib_specs`; greedy tokens are those of one device.
     """
 
     def __init__(self, model, cfg: SamplingConfig, fmt: CacheFormat | None = None, *,
                  plain_fmt: CacheFormat | None = None, return_logits: bool = False,
-                 calib: CacheCalib | None = None, decode_kwargs: dict | None = None, **model_kwargs):
+                 calib: CacheCalib | None = None, decode_kwargs: dict | None = None, mesh: Mesh | None = None,
+                 **model_kwargs):
+        self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
+        self.params = sharding.shard_state(self.params, model.config, mesh)
         self.model_config = model.config
         self.cfg, self.return_logits = cfg, return_logits
         self.fmt = fmt or Dense()
@@ -130,14 +142,14 @@ class Sampler:
         self.needs_data = self.fmt.needs_data or self.plain_fmt.needs_data
         if calib is None and not self.needs_data:  # built once, here, and passed to the compiled steps
             calib = default_calib(jax.eval_shape(lambda: self._empty_cache(1, 1)))
-        self.calib = calib
+        self.calib = sharding.shard_calib(calib, mesh)
         self._calibrate = jax.jit(self._calibrate_fn)
         self._prefill = jax.jit(self._prefill_fn)
         self._decode = jax.jit(self._decode_fn)
 
-    def _empty_cache(self, batch: int, max_len: int) -> KVCache:
-        return init_cache(self.model_config, batch, max_len, self.fmt, num_loops=self.num_loops,
-                          plain_fmt=self.plain_fmt)
+    def _empty_cache(self, batch: int, max_len: int, mesh: Mesh | None = None) -> KVCache:
+        return sharding.init_sharded_cache(self.model_config, batch, max_len, self.fmt, mesh,
+                                           num_loops=self.num_loops, plain_fmt=self.plain_fmt)
 
     def num_compiled(self) -> int:
         """How many prefill and decode programs have been compiled (one each per batch shape)."""
@@ -154,7 +166,8 @@ class Sampler:
         model = nnx.merge(self.graphdef, params)  # a dense prefill of every step: the K/V to fit on
         kwargs = {k: v for k, v in self.model_kwargs.items() if k != "adaptive"}
         out = model(tokens, dense, num_new=lengths, rng=rng, last_only=True, **kwargs)
-        return calibrate(out.cache, self.fmt, self.plain_fmt)
+        calib = calibrate(out.cache, self.fmt, self.plain_fmt)
+        return sharding.constrain(calib, sharding.calib_specs(calib, self.mesh), self.mesh)
 
     def _prefill_fn(self, params, calib, tokens, lengths, cache, rng):
         rng, model_rng, pick_rng = jax.random.split(rng, 3)
@@ -166,7 +179,8 @@ class Sampler:
             logits = jnp.zeros((b, n, out.logits.shape[-1]), jnp.float32).at[:, 0].set(out.logits)
         return DecodeState(
             tokens=jnp.full((b, n), self.cfg.pad_id, jnp.int32).at[:, 0].set(first), logits=logits,
-            num_generated=jnp.ones((b,), jnp.int32), done=self._stops(first), cache=out.cache, rng=rng,
+            num_generated=jnp.ones((b,), jnp.int32), done=self._stops(first),
+            cache=sharding.constrain_cache(out.cache, self.mesh), rng=rng,
             step=jnp.int32(1), steps=self._prefill_steps(out, lengths, n))
 
     def _prefill_steps(self, out, lengths, n):
@@ -202,9 +216,16 @@ class Sampler:
             return DecodeState(
                 tokens=s.tokens.at[:, s.step].set(new), logits=logits,
                 num_generated=s.num_generated + active, done=s.done | (active & self._stops(new)),
-                cache=out.cache, rng=rng, step=s.step + 1, steps=steps)
+                cache=sharding.constrain_cache(out.cache, self.mesh), rng=rng, step=s.step + 1, steps=steps)
 
-        return jax.lax.while_loop(cond, body, state)
+        state = jax.lax.while_loop(cond, body, state)
+        if self.mesh is None:
+            return state
+        # What the host reads comes back replicated (every process can read it); the cache stays split.
+        small = dict(tokens=state.tokens, logits=state.logits, num_generated=state.num_generated,
+                     done=state.done, steps=state.steps)
+        small = sharding.constrain(small, jax.tree_util.tree_map(lambda _: PartitionSpec(), small), self.mesh)
+        return state.replace(**small)
 
     def __call__(self, prompts: Sequence[Sequence[int]], *, seed: int = 0, max_len: int | None = None) -> Generation:
         """Generate for a batch of token-id prompts (lists of different lengths allowed).
@@ -227,8 +248,12 @@ class Sampler:
         tokens = np.full((len(prompts), lengths.max()), self.cfg.pad_id, np.int32)
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = p
-        cache = self._empty_cache(len(prompts), max_len)
+        cache = self._empty_cache(len(prompts), max_len, self.mesh)
         rng = jax.random.key(seed)
+        if self.mesh is not None:
+            rows = sharding.batch_sharding(self.mesh, tokens.shape)
+            tokens, lengths = sharding.put((tokens, lengths), rows)
+            rng = sharding.put(rng, sharding.replicated(self.mesh))
         start = time.perf_counter()
         calib = self.calib
         if calib is None:

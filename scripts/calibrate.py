@@ -16,6 +16,7 @@ import sys
 import numpy as np
 
 from rq_jax import checkpoint
+from rq_jax.cli import int_list, positive_int
 from rq_jax.cache import get_format
 from rq_jax.cache.base import segments
 from rq_jax.calibrate import (METHODS, OptRHConfig, artifact_name, calibrate_model, calibration_set,
@@ -25,20 +26,6 @@ from rq_jax.data import TASKS, encode
 #: Formats that read a calibration, and the policy options each takes here.
 FORMATS = {"residual": ("bits", "group_size"), "rotated": ("bits", "group_size"),
            "uniform": ("bits", "group_size"), "residual_vq": ()}
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(b) for b in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers such as 2,2,2,4, got {text!r}") from None
 
 
 def parse_args(argv=None):

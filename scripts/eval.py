@@ -18,11 +18,13 @@ import platform
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from rq_jax import checkpoint
+from rq_jax import checkpoint, sharding
+from rq_jax.cli import int_list, positive_int
 from rq_jax.data import collate
 from rq_jax.eval.kv_error import dense_kv, reconstruction_error
 from rq_jax.eval.table import Tasks, calibrated_schemes, evaluate, fit_calibration, schemes
@@ -34,29 +36,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("huginn", "ouro"), required=True)
     p.add_argument("--checkpoint", help="checkpoint folder (default: the shipped small model)")
-    p.add_argument("--loops", type=int, help="loops / recurrence steps (default: the config's)")
-    p.add_argument("--n", type=int, default=1000, help="held-out examples per task")
-    p.add_argument("--retrieval-pairs", type=int, default=32, help="key-value pairs of every retrieval example")
-    p.add_argument("--text-windows", type=int, default=64, help="stdlib windows for bits per byte")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--group-sizes", default="32,16", help="group sizes of the ablation ladder")
+    p.add_argument("--loops", type=positive_int, help="loops / recurrence steps (default: the config's)")
+    p.add_argument("--n", type=positive_int, default=1000, help="held-out examples per task")
+    p.add_argument("--retrieval-pairs", type=positive_int, default=32, help="key-value pairs of every retrieval example")
+    p.add_argument("--text-windows", type=positive_int, default=64, help="stdlib windows for bits per byte")
+    p.add_argument("--batch", type=positive_int, default=64, help="rows per compiled call (a multiple of the mesh's data size)")
+    p.add_argument("--group-sizes", type=int_list, default=(32, 16), help="group sizes of the ablation ladder")
     p.add_argument("--only", action="append", help="keep the schemes whose label contains this (repeatable)")
     p.add_argument("--rotations", default="", help="comma-separated calibration methods (oscar, optr-h) to add as "
                    "rows beside Hadamard, fitted on the calib split's fit/holdout rows")
-    p.add_argument("--calibration-rows", type=int, default=32, help="fit and holdout rows for --rotations")
+    p.add_argument("--calibration-rows", type=positive_int, default=32, help="fit and holdout rows for --rotations")
     p.add_argument("--calibration", help="folder of saved calibration artifacts (scripts/calibrate.py): rows whose "
                    "schedule has one use it (label suffixed with its method)")
+    p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     p.add_argument("--out", required=True, help="output prefix: PREFIX.md, PREFIX.json, PREFIX_*.png")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    for name in ("loops", "n", "retrieval_pairs", "text_windows", "batch", "calibration_rows"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
-    try:
-        args.group_sizes = tuple(int(g) for g in args.group_sizes.split(","))
-    except ValueError:
-        p.error(f"--group-sizes must be comma-separated integers, got {args.group_sizes!r}")
     from rq_jax.calibrate import METHODS
 
     args.rotations = tuple(m for m in args.rotations.split(",") if m)
@@ -136,6 +131,13 @@ def figures(rows: list[dict], kv_err: dict, loops: int, prefix: str) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
+    try:
+        mesh = sharding.parse_mesh(args.mesh)
+    except ValueError as err:
+        sys.exit(f"eval.py: bad --mesh: {err}")
+    if args.batch % sharding.axis_size(mesh, "data"):
+        sys.exit(f"eval.py: --batch {args.batch} is not a multiple of the mesh's data axis")
     folder = args.checkpoint or os.path.join(SHIPPED, f"{args.model}-small")
     model, _ = checkpoint.load(folder)
     loops = args.loops or model.config.num_loops
@@ -157,7 +159,7 @@ def main(argv=None):
                                                                                           scheme, loops)):
             calib, method = found
             scheme = dataclasses.replace(scheme, label=f"{scheme.label} {method}", method=method)
-        row = evaluate(model, scheme, tasks, batch=args.batch, calib=calib, num_loops=loops,
+        row = evaluate(model, scheme, tasks, batch=args.batch, calib=calib, mesh=mesh, num_loops=loops,
                        progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
         rows.append({**row, **extra})
     bar.close()
@@ -175,6 +177,8 @@ def main(argv=None):
               f"{args.retrieval_pairs}-pair retrieval, {args.text_windows} stdlib windows (Python {meta['python']})\n\n"
               "Accuracy: exact match through the cache, with the 95% paired-bootstrap CI of its difference to the "
               "float32 dense cache.")
+    if jax.process_index():  # several processes: the first writes the results
+        return rows
     text = markdown(rows, header)
     print(text)
     with open(f"{args.out}.md", "w") as f:

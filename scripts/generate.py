@@ -4,11 +4,15 @@
 
 Without --checkpoint it runs the small model shipped in checkpoints/. Prints the text, prefill and
 decode tokens/s (a warm-up call compiles first), and the KV cache's bytes.
+
+    python scripts/generate.py --model ouro --mesh data=4,model=2      # sharded over 8 devices
+
+`--mesh` runs on a `jax.sharding.Mesh` (see rq_jax/sharding.py); several hosts run the same command
+with JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID set, and process 0 prints.
 """
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -16,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rq_jax import checkpoint, memory
+from rq_jax import checkpoint, memory, sharding
+from rq_jax.cli import finite_float, int_list, nonnegative_int, positive_int
 from rq_jax.cache import available_formats, cache_nbytes, dense_equivalent_nbytes, get_format
 from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, AdaptiveExit
 from rq_jax.sampling import Sampler, SamplingConfig
@@ -26,42 +31,10 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkp
 STOP_STRINGS = ("<|endoftext|>", "<|end_text|>", "<|end_turn|>", "<|im_end|>")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer ≥ 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    """An argparse type: an integer ≥ 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """An argparse type: a finite float (no nan or inf)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def bit_list(text: str) -> tuple[int, ...]:
-    """An argparse type: comma-separated bit widths, e.g. 2,2,2,4."""
-    try:
-        return tuple(int(b) for b in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers such as 2,2,2,4, got {text!r}") from None
-
-
 #: Options each cache format takes (anything else given on the command line is an error).
-FORMAT_OPTIONS = {"dense": {"cache_dtype"}, "uniform": {"bits", "group_size", "rotation"},
-                  "rotated": {"bits", "group_size", "rotation"}, "residual": {"bits", "group_size", "rotation"},
-                  "kivi": {"bits", "group_size"}, "residual_vq": set()}
+_LOOP = {"bits", "group_size", "rotation", "super_scale", "calibration"}
+FORMAT_OPTIONS = {"dense": {"cache_dtype"}, "uniform": _LOOP, "rotated": _LOOP, "residual": _LOOP,
+                  "kivi": {"bits", "group_size", "residual_length"}, "residual_vq": {"calibration"}}
 
 
 def parse_args(argv=None):
@@ -77,18 +50,25 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_argument("--cache", choices=available_formats(), default="dense", help="KV cache format")
-    p.add_argument("--bits", type=bit_list, help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi)")
+    p.add_argument("--cache", choices=available_formats(), default="residual", help="KV cache format (default: residual, [2,2,2,4])")
+    p.add_argument("--bits", type=int_list, help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi)")
     p.add_argument("--group-size", type=positive_int, help="channel group size of the quantizers")
     p.add_argument("--rotation", choices=("identity", "hadamard", "random"), help="uniform/rotated/residual")
     p.add_argument("--cache-dtype", choices=("bfloat16", "float32"), help="storage dtype of the dense cache (bfloat16)")
+    p.add_argument("--super-scale", action="store_const", const=True,
+                   help="uniform/rotated/residual: FP8 metadata relative to a per-vector bf16 super-scale")
+    p.add_argument("--residual-length", type=positive_int, help="kivi: recent tokens kept in full precision (128)")
+    p.add_argument("--calibration", help="calibration artifact (scripts/calibrate.py) or a folder holding one "
+                   "for this schedule (default: the format's own, Hadamard)")
     p.add_argument("--init-state", choices=("zeros", "random"),
                    help="Huginn's initial latent state (default random, seeded by --seed)")
     p.add_argument("--exit-criterion", choices=sorted(DEFAULT_THRESHOLDS),
                    help="Huginn: per-token adaptive exit while decoding")
     p.add_argument("--exit-threshold", type=finite_float, help="threshold of --exit-criterion (default: its own)")
+    p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     args = p.parse_args(argv)
-    given = {name for name in ("bits", "group_size", "rotation", "cache_dtype") if getattr(args, name) is not None}
+    given = {name for name in ("bits", "group_size", "rotation", "cache_dtype", "super_scale", "residual_length",
+                               "calibration") if getattr(args, name) is not None}
     extra = sorted(given - FORMAT_OPTIONS[args.cache])
     if extra:
         p.error(f"--cache {args.cache} does not take {', '.join('--' + e.replace('_', '-') for e in extra)}")
@@ -112,8 +92,9 @@ def cache_policy(args) -> dict:
         policy["bits"] = args.bits[0] if args.cache == "kivi" and len(args.bits) == 1 else args.bits
     if args.group_size is not None:
         policy["group_size"] = args.group_size
-    if args.rotation is not None:
-        policy["rotation"] = args.rotation
+    for name in ("rotation", "super_scale", "residual_length"):
+        if getattr(args, name) is not None:
+            policy[name] = getattr(args, name)
     return policy
 
 
@@ -133,6 +114,11 @@ def check_memory(model, fmt, prompt_len: int, max_new: int, num_loops: int, dtyp
 def main(argv=None):
     """Run the command line; returns the `Generation` it printed."""
     args = parse_args(argv)
+    sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
+    try:
+        mesh = sharding.parse_mesh(args.mesh)
+    except ValueError as err:
+        sys.exit(f"generate.py: bad --mesh: {err}")
     source = args.checkpoint or os.path.relpath(os.path.join(SHIPPED, f"{args.model}-small"))
     model, folder = checkpoint.load(source, dtype=jnp.dtype(args.dtype))
     if model.config.family != args.model:
@@ -167,13 +153,25 @@ def main(argv=None):
         sys.exit(f"generate.py: {len(prompt)} prompt tokens + --max-new-tokens {args.max_new_tokens} exceed the "
                  f"model's {model.config.max_position_embeddings} positions")
     check_memory(model, fmt, len(prompt), args.max_new_tokens, loops, args.dtype)
-    sampler = Sampler(model, sampling, fmt, **kwargs)
+    calib = None
+    if args.calibration:
+        from rq_jax.calibrate import load_calibration
+
+        try:
+            calib = load_calibration(args.calibration, model, fmt, num_loops=loops)
+        except (ValueError, FileNotFoundError) as err:
+            sys.exit(f"generate.py: --calibration {args.calibration}: {err}")
+    sampler = Sampler(model, sampling, fmt, calib=calib, mesh=mesh, **kwargs)
     sampler([prompt], seed=args.seed)  # compile
     out = sampler([prompt], seed=args.seed)
     n = int(out.num_generated[0])
     dense_bytes = dense_equivalent_nbytes(model.config, out.cache)
+    if jax.process_index():
+        return out
 
     print(f"model: {args.model} from {source}" + (f"  [{note}]" if note else ""))
+    if mesh is not None:
+        print("\n".join(sharding.describe(model.config, mesh, batch=1)))
     print(f"prompt: {args.prompt!r}")
     print(f"generated: {tokenizer.decode(out.tokens[0, :n].tolist())!r}")
     print(f"prefill: {len(prompt) / out.prefill_seconds:,.1f} tok/s ({len(prompt)} tokens)   "
@@ -181,10 +179,15 @@ def main(argv=None):
     if out.mean_steps is not None:
         print(f"adaptive exit ({args.exit_criterion}): {out.mean_steps:.2f} of {out.cache.num_loops} steps "
               f"per decoded token on average")
-    bits = float(fmt.bits_per_element(out.cache.num_loops, model.config.head_dim))
+    at = dict(context_len=out.cache.max_len) if args.cache == "kivi" else {}  # kivi: its exact window at this length
+    bits = float(fmt.bits_per_element(out.cache.num_loops, model.config.head_dim, **at))
     nbytes = cache_nbytes(out.cache)
     print(f"KV cache ({args.cache}, looped layers at {bits:.4g} bits/element): {nbytes:,} bytes for "
           f"{out.cache.max_len} positions (dense bf16 would take {dense_bytes:,}: {nbytes / dense_bytes:.1%})")
+    if hasattr(fmt, "out_of_range"):
+        lost = int(sharding.to_host(out.cache.out_of_range).sum())
+        print(f"values the cache could not store (metadata outside {fmt.meta_dtype}'s range, non-finite K/V): {lost:,}"
+              + ("" if not lost or fmt.super_scale else "  (try --super-scale)"))
     return out
 
 

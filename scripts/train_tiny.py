@@ -7,6 +7,10 @@ Rerunning the same command resumes from the run directory's latest checkpoint (t
 flags must match the saved run; the error lists any difference). Progress goes to a tqdm bar, metrics to
 RUN_DIR/metrics.jsonl, checkpoints to RUN_DIR/ckpt (orbax) and RUN_DIR/portable (HF-named params and
 Adam moments, which `--init-from` reads into a run of newer model code). SIGTERM/SIGINT checkpoint and exit.
+
+`--mesh data=2,model=2` trains sharded (rq_jax/sharding.py): batch rows over `data`, heads and MLP over
+`model`. Several hosts run the same command with JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES
+and JAX_PROCESS_ID set and a RUN_DIR they all see; each builds only its own rows of every batch.
 """
 
 import argparse
@@ -15,6 +19,9 @@ import os
 import shlex
 import sys
 
+import jax
+
+from rq_jax import sharding
 from rq_jax.data import Addition, MixtureConfig, Retrieval
 from rq_jax.train import RunOptions, TrainConfig, Trainer, tiny_model_config
 
@@ -59,6 +66,7 @@ def make_parser():
                    "with the same flags, e.g. written by older model code) when RUN_DIR has no checkpoint")
     r.add_argument("--export", metavar="DIR", help="after training, write the HF folder + tokenizer + model card")
     r.add_argument("--export-n", type=int, default=1000, help="held-out examples per task for the model card")
+    r.add_argument("--mesh", help="train on a device mesh, e.g. data=2,model=2 (default: one device)")
     p.trajectory = g
     return p
 
@@ -98,13 +106,23 @@ def main(argv=None):
     parser = make_parser()
     a = parser.parse_args(argv)
     cfg = build_config(a)
+    sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
+    try:
+        mesh = sharding.parse_mesh(a.mesh)
+    except ValueError as err:
+        parser.error(str(err))
     opts = RunOptions(run_dir=a.run_dir, stop_step=a.stop_step, max_minutes=a.max_minutes,
                       ckpt_every_s=60 * a.ckpt_every_min, eval_every=a.eval_every, eval_addition=a.eval_n,
-                      progress=not a.no_progress, init_from=a.init_from)
+                      progress=not a.no_progress, init_from=a.init_from, mesh=mesh)
     trainer = Trainer(cfg, opts)
-    print(f"{a.model}: step {trainer.step} of {cfg.total_steps}, run dir {a.run_dir}", file=sys.stderr)
+    if trainer.is_main:
+        print(f"{a.model}: step {trainer.step} of {cfg.total_steps}, run dir {a.run_dir}", file=sys.stderr)
+        if mesh is not None:
+            print("\n".join(sharding.describe(cfg.model, mesh, batch=cfg.data.batch_size)), file=sys.stderr)
     trainer.run()
     if a.export:
+        if jax.process_count() > 1:
+            sys.exit("train_tiny.py: --export runs in a single process (rerun it without the JAX_* variables)")
         from rq_jax.train.export import export_hf
 
         n = a.export_n

@@ -36,7 +36,7 @@ def test_generate_prints_the_library_tokens_and_exact_bytes(model, extra, capsys
     """The printed text is the Sampler's greedy tokens decoded; the printed bytes are the dense bf16
     cache's: 2 (K, V) · loops · layers · kv heads · positions · head dim · 2 bytes (+ Huginn's plain layers)."""
     script = load_script()
-    gen = script.main(["--model", model, "--max-new-tokens", "4", "--prompt", "Hello", *extra])
+    gen = script.main(["--model", model, "--cache", "dense", "--max-new-tokens", "4", "--prompt", "Hello", *extra])
     out = capsys.readouterr().out
     assert f"checkpoints/{model}-small" in out and "random initialisation" in out
     folder = SHIPPED / f"{model}-small"
@@ -108,3 +108,44 @@ def test_checkpoint_without_tokenizer_is_reported():
 
     with pytest.raises(SystemExit, match="no tokenizer.json"):
         load_script().main(["--model", "ouro", "--checkpoint", str(fixture_dir("ouro-tiny"))])
+
+
+def test_residual_is_the_default_and_values_out_of_range_are_reported(capsys):
+    load_script().main(["--model", "ouro", "--max-new-tokens", "2"])
+    out = capsys.readouterr().out
+    assert "KV cache (residual, looped layers at 3.375 bits/element)" in out
+    assert re.search(r"values the cache could not store \(metadata outside float8_e4m3fn's range, non-finite K/V\): "
+                     r"[\d,]+", out)
+
+
+def test_super_scale_and_kivi_window_options(capsys):
+    gen = load_script().main(["--model", "ouro", "--max-new-tokens", "2", "--super-scale"])
+    out = capsys.readouterr().out
+    assert "bits/element" in out and int(gen.cache.out_of_range.sum()) == 0
+    gen = load_script().main(["--model", "ouro", "--max-new-tokens", "2", "--cache", "kivi", "--residual-length", "32"])
+    bits = float(printed(capsys.readouterr().out, r"KV cache \(kivi, looped layers at ([\d.]+) bits/element")[0])
+    assert bits == pytest.approx(float(gen.cache.fmt.bits_per_element(4, 32, context_len=gen.cache.max_len)), rel=1e-3)
+    with pytest.raises(SystemExit):
+        load_script().main(["--model", "ouro", "--cache", "dense", "--super-scale"])
+
+
+def test_generate_reads_a_calibration_artifact(tmp_path, capsys):
+    """--calibration loads an OSCAR artifact for the schedule and generates with it (the Sampler's own
+    tokens with that calibration); an artifact for another group size is refused by name."""
+    from rq_jax.cache import get_format
+    from rq_jax.calibrate import calibrate_model, calibration_set, load_calibration, save_calibration
+
+    folder = SHIPPED / "ouro-small"
+    model, _ = checkpoint.load(folder)
+    rows = [calibration_set(part, 2, 64, tasks=("addition",)).tokens for part in ("fit", "holdout")]
+    fmt = get_format("residual", group_size=16)
+    path = save_calibration(tmp_path / "cal", calibrate_model(model, fmt, *rows, method="oscar"))
+    gen = load_script().main(["--model", "ouro", "--max-new-tokens", "3", "--group-size", "16", "--calibration", path])
+    tokenizer = load_tokenizer(folder)
+    stops = tuple(i for i in map(tokenizer.token_to_id, load_script().STOP_STRINGS) if i is not None)
+    calib = load_calibration(path, model, fmt)
+    library = Sampler(model, SamplingConfig(max_new_tokens=3, stop_tokens=stops), fmt, calib=calib)(
+        [tokenizer.encode("The looped transformer").ids])
+    np.testing.assert_array_equal(gen.tokens, library.tokens)
+    with pytest.raises(SystemExit, match="--calibration"):
+        load_script().main(["--model", "ouro", "--max-new-tokens", "2", "--calibration", path])

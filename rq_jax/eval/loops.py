@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
+from rq_jax import sharding
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.kv import CacheCalib, calibrate, default_calib, init_cache
@@ -70,13 +72,17 @@ class CacheScorer:
     `calib`: the formats' calibration; when None, formats that need data are fitted per batch on its
     rows' prefixes (a dense prefill first, as the Sampler does for prompts), the others use their
     `default_calib`, built once here. `model_kwargs` go to every model call (e.g. `num_loops`). Both
-    caches see identical calls, including Huginn's random initial state (seeded per call).
+    caches see identical calls, including Huginn's random initial state (seeded per call). With a
+    `mesh` (axes `data`, `model`; `rq_jax.sharding`) params, calibration, rows and caches are sharded
+    (batch over `data`, kv heads over `model`): keep the batch a multiple of the `data` size.
     """
 
     def __init__(self, model, fmt: CacheFormat, *, plain_fmt: CacheFormat | None = None,
                  reference: CacheFormat = Dense("float32"), calib: CacheCalib | None = None, seed: int = 0,
-                 **model_kwargs):
+                 mesh: Mesh | None = None, **model_kwargs):
         self.graphdef, self.params = nnx.split(model)
+        self.mesh = mesh
+        self.params = sharding.shard_state(self.params, model.config, mesh)
         self.config = model.config
         self.fmt, self.plain_fmt, self.reference = fmt, plain_fmt or fmt, reference
         self.model_kwargs, self.seed = model_kwargs, seed
@@ -85,13 +91,15 @@ class CacheScorer:
         self.needs_data = self.fmt.needs_data or self.plain_fmt.needs_data
         if calib is None and not self.needs_data:
             calib = default_calib(jax.eval_shape(lambda: self._cache(self.fmt, self.plain_fmt, 1, 1)))
-        self.calib = calib
-        self.ref_calib = default_calib(jax.eval_shape(lambda: self._cache(reference, reference, 1, 1)))
+        self.calib = sharding.shard_calib(calib, mesh)
+        self.ref_calib = sharding.shard_calib(
+            default_calib(jax.eval_shape(lambda: self._cache(reference, reference, 1, 1))), mesh)
         self._calibrate = jax.jit(self._calibrate_fn)
         self._score = jax.jit(self._score_fn)
 
     def _cache(self, fmt, plain_fmt, batch, max_len):
-        return init_cache(self.config, batch, max_len, fmt, num_loops=self.num_loops, plain_fmt=plain_fmt)
+        cache = init_cache(self.config, batch, max_len, fmt, num_loops=self.num_loops, plain_fmt=plain_fmt)
+        return sharding.constrain_cache(cache, self.mesh)
 
     def num_compiled(self) -> int:
         """How many scoring programs have been compiled (one per batch shape)."""
@@ -105,7 +113,8 @@ class CacheScorer:
     def _calibrate_fn(self, params, tokens, prefix):
         dense = self._cache(Dense("float32"), Dense("float32"), *tokens.shape)
         out = self._call(params, tokens, dense, prefix, None, 0)
-        return calibrate(out.cache, self.fmt, self.plain_fmt)
+        calib = calibrate(out.cache, self.fmt, self.plain_fmt)
+        return sharding.constrain(calib, sharding.calib_specs(calib, self.mesh), self.mesh)
 
     def _score_fn(self, params, calib, tokens, prefix, lengths):
         b, t = tokens.shape
@@ -130,7 +139,8 @@ class CacheScorer:
             live = (pos + 1 < lengths).astype(jnp.int32)
             fed = tokens[rows, jnp.minimum(pos, t - 1)][:, None]
             outs = [self._call(params, fed, cache, live, cal, c.step + 1) for cache, cal in zip(c.caches, calibs)]
-            return _Carry(tuple(o.cache for o in outs), c.step + 1, record(c.out, pos + 1, [o.logits for o in outs]))
+            caches = tuple(sharding.constrain_cache(o.cache, self.mesh) for o in outs)
+            return _Carry(caches, c.step + 1, record(c.out, pos + 1, [o.logits for o in outs]))
 
         final = jax.lax.while_loop(lambda c: c.step < steps, body, _Carry(tuple(o.cache for o in outs), jnp.int32(0), first))
         scored = (jnp.arange(t)[None] >= prefix[:, None]) & (jnp.arange(t)[None] < lengths[:, None])
@@ -147,10 +157,13 @@ class CacheScorer:
         if not (np.all(1 <= prefix) and np.all(prefix <= lengths) and np.all(lengths <= tokens.shape[1])):
             raise ValueError(f"need 1 ≤ prefix ≤ length ≤ {tokens.shape[1]} per row, got prefix {prefix.tolist()} "
                              f"and lengths {lengths.tolist()}")
+        if self.mesh is not None:
+            tokens, prefix, lengths = sharding.put((tokens, prefix, lengths),
+                                                   sharding.batch_sharding(self.mesh, tokens.shape))
         calib = self.calib
         if calib is None:
             calib = self._calibrate(self.params, tokens, prefix)
-        return Scores(*map(np.asarray, self._score(self.params, calib, tokens, prefix, lengths)))
+        return Scores(*map(np.asarray, sharding.to_host(self._score(self.params, calib, tokens, prefix, lengths))))
 
 
 def score_examples(scorer: CacheScorer, examples: Sequence[Example], length: int, batch: int

@@ -111,13 +111,13 @@ class Tasks:
 
 
 def evaluate(model, scheme: Scheme, tasks: Tasks, *, batch: int = 32, text: StdlibText | None = None,
-             calib: CacheCalib | None = None, progress: Callable[[str], None] = lambda _: None,
+             calib: CacheCalib | None = None, mesh=None, progress: Callable[[str], None] = lambda _: None,
              **model_kwargs) -> dict:
     """One table row: per-task metrics of `loops.task_metrics` / `loops.text_metrics` through the
     scheme's cache (with `calib` when given, else the format's default), bits per element (the
     format's accounting at the row length) and bytes per token (the arrays of a cache of
-    `tasks.length` positions, batch 1, all layers)."""
-    scorer = loops.CacheScorer(model, scheme.fmt, calib=calib, seed=tasks.seed, **model_kwargs)
+    `tasks.length` positions, batch 1, all layers). `mesh`: see `loops.CacheScorer`."""
+    scorer = loops.CacheScorer(model, scheme.fmt, calib=calib, seed=tasks.seed, mesh=mesh, **model_kwargs)
     row = {"scheme": scheme.label, "ladder": scheme.ladder, "method": scheme.method or "default"}
     for name, examples, length in (
             ("addition", tasks.addition.examples("eval", tasks.n, tasks.seed), tasks.addition.length),

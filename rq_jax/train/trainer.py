@@ -3,6 +3,11 @@
 State saved at a step boundary: params, optimizer state (its schedule count included) and the step.
 The data position is the step itself (`Mixture.batch(step)` is a pure function), and the step has no
 other randomness, so a resumed run follows the uninterrupted run's trajectory bit for bit.
+
+With a mesh (`RunOptions.mesh`, see `rq_jax.sharding`) params and Adam moments are split over `model`
+and the batch rows over `data`; each process builds only the rows its devices hold (`Mixture.row` is
+random-access) and orbax saves and restores the sharded arrays, every process writing its shards.
+Metrics, logs and portable snapshots are written by process 0 only.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import jax
@@ -22,7 +28,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
+from rq_jax import sharding
 from rq_jax.data import TASKS, Addition, Mixture, Retrieval, StdlibText
 from rq_jax.models import init_model
 from rq_jax.train import evaluate
@@ -47,6 +55,9 @@ class RunOptions:
     progress: bool = True
     init_from: str | None = None  # a `portable` snapshot to start from when run_dir has no checkpoint
     portable: bool = True  # also write RUN_DIR/portable (see rq_jax.train.portable) at every checkpoint
+    #: Train on this mesh (axes data/model, `rq_jax.sharding.parse_mesh`); None: one device. A mesh
+    #: changes only the order of float reductions, so trajectories agree to rounding, not bit for bit.
+    mesh: Mesh | None = None
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -59,16 +70,18 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     return tx, sched
 
 
-def make_train_step(graphdef, rest, cfg: TrainConfig) -> Callable:
+def make_train_step(graphdef, rest, cfg: TrainConfig, mesh: Mesh | None = None) -> Callable:
     """(params, opt_state, tokens [B, L+1], weights [B, L], task [B], step) → (params, opt_state, metrics),
-    jitted (compiled once per (graphdef, cfg) in a process). `step` seeds Huginn's random initial state."""
-    fn = _jitted_train_step(graphdef, cfg)
+    jitted (compiled once per (graphdef, cfg, mesh) in a process). `step` seeds Huginn's random initial
+    state. With a mesh the new params and Adam moments keep `sharding.param_specs`, metrics are replicated."""
+    fn = _jitted_train_step(graphdef, cfg, mesh)
+    as_step = jnp.int32 if mesh is None else np.int32  # a host scalar is a valid input on any mesh
     return lambda params, opt_state, tokens, weights, task, step: fn(params, rest, opt_state, tokens, weights, task,
-                                                                    jnp.int32(step))
+                                                                    as_step(step))
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_train_step(graphdef, cfg: TrainConfig) -> Callable:
+def _jitted_train_step(graphdef, cfg: TrainConfig, mesh: Mesh | None = None) -> Callable:
     tx, _ = make_optimizer(cfg)
     kw = evaluate.forward_kwargs(cfg.model.family, cfg.num_loops)
     task_w = np.asarray(cfg.task_weights, np.float32) * (np.asarray(cfg.data.rows) > 0)
@@ -92,7 +105,12 @@ def _jitted_train_step(graphdef, cfg: TrainConfig) -> Callable:
         (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens, weights, task, step)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, dict(loss=loss, per_task=per_task, grad_norm=optax.tree.norm(grads))
+        metrics = dict(loss=loss, per_task=per_task, grad_norm=optax.tree.norm(grads))
+        if mesh is not None:  # the Adam moments' paths end in the param names, so one rule set fits both
+            params = sharding.constrain(params, sharding.param_specs(params, cfg.model, mesh), mesh)
+            opt_state = sharding.constrain(opt_state, sharding.param_specs(opt_state, cfg.model, mesh), mesh)
+            metrics = sharding.constrain(metrics, jax.tree.map(lambda _: PartitionSpec(), metrics), mesh)
+        return params, opt_state, metrics
 
     return step
 
@@ -120,11 +138,18 @@ class Trainer:
         if cfg.embed_std is not None:
             self.params = reinit_embedding(self.params, cfg)
         self.tx, self.schedule = make_optimizer(cfg)
+        self.mesh = opts.mesh
         self.opt_state = self.tx.init(self.params)
+        self._place()
         self.step = 0
         self.train_seconds = 0.0
-        self._train_step = make_train_step(self.graphdef, self.rest, cfg)
+        self._train_step = make_train_step(self.graphdef, self.rest, cfg, self.mesh)
         self._score = evaluate.make_score_fn(self.graphdef, self.rest, cfg.model.family, cfg.num_loops)
+        if self.mesh is not None:
+            score = self._score
+            self._score = lambda params, tokens: sharding.to_host(
+                score(params, sharding.put(tokens, sharding.batch_sharding(self.mesh, tokens.shape))))
+        self.is_main = jax.process_index() == 0
         os.makedirs(opts.run_dir, exist_ok=True)
         self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(opts.run_dir, "ckpt")),
                                              options=ocp.CheckpointManagerOptions(max_to_keep=opts.ckpt_keep))
@@ -134,10 +159,37 @@ class Trainer:
             from rq_jax.train.portable import load_portable
 
             load_portable(self, opts.init_from)
+            self._place()
+
+    def _place(self) -> None:
+        """Put params, optimizer state and rest on the mesh (`sharding.param_specs`); no-op without one."""
+        if self.mesh is None:
+            return
+        self.params = sharding.shard_state(self.params, self.cfg.model, self.mesh)
+        self.opt_state = sharding.shard_state(self.opt_state, self.cfg.model, self.mesh)
+        self.rest = sharding.put(self.rest, sharding.replicated(self.mesh))
+
+    def batch(self, step: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Step `step`'s training batch as arrays: tokens [B, L+1], weights [B, L], task [B]. With a mesh,
+        global arrays split over `data`, of which this process builds only the rows its devices hold."""
+        if self.mesh is None:
+            b = self.mixture.batch(step)
+            return jnp.asarray(b.tokens), jnp.asarray(b.weights), jnp.asarray(b.task)
+        b, length = self.cfg.data.batch_size, self.cfg.data.seq_len + 1
+        rows_sharding = sharding.batch_sharding(self.mesh, (b,))  # the same rows for every field
+        rows = [self.mixture.row(step, r) for r in sharding.process_rows(rows_sharding, (b,))]
+        tokens = np.stack([t for t, _, _ in rows])
+        weights = np.stack([w for _, w, _ in rows])[:, 1:]
+        task = np.array([k for _, _, k in rows], np.int32)
+        return tuple(sharding.put_process_local(x, rows_sharding, shape) for x, shape in
+                     ((tokens, (b, length)), (weights, (b, length - 1)), (task, (b,))))
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {"params": self.params, "opt_state": self.opt_state, "step": jnp.int32(self.step)}
+        step = jnp.int32(self.step)
+        if self.mesh is not None:  # every saved array global, so each process writes its own shards
+            step = sharding.put(np.int32(self.step), sharding.replicated(self.mesh))
+        return {"params": self.params, "opt_state": self.opt_state, "step": step}
 
     def save(self) -> None:
         """Checkpoint the current step (blocking) unless it is already saved."""
@@ -151,7 +203,13 @@ class Trainer:
         if self.opts.portable:
             from rq_jax.train.portable import save_portable
 
-            save_portable(self, os.path.join(self.opts.run_dir, "portable"))
+            view = self
+            if jax.process_count() > 1:  # gathered on every process (a collective), written by process 0
+                view = SimpleNamespace(params=sharding.to_host(self.params), opt_state=sharding.to_host(self.opt_state),
+                                       graphdef=self.graphdef, rest=self.rest, step=self.step,
+                                       train_seconds=self.train_seconds, cfg=self.cfg)
+            if self.is_main:
+                save_portable(view, os.path.join(self.opts.run_dir, "portable"))
 
     def restore(self) -> bool:
         """Load the latest checkpoint of run_dir if any (its config must equal ours). True if loaded."""
@@ -172,7 +230,7 @@ class Trainer:
     # ---- metrics ------------------------------------------------------------------------------
     def _truncate_log(self) -> None:
         """Drop the records a resumed run writes again: training steps ≥ the current step, evals after it."""
-        if not os.path.exists(self.log_path):
+        if not self.is_main or not os.path.exists(self.log_path):
             return
 
         def keep_record(r):
@@ -184,6 +242,8 @@ class Trainer:
             f.writelines(keep)
 
     def _log(self, record: dict) -> None:
+        if not self.is_main:
+            return
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -229,24 +289,23 @@ class Trainer:
         handlers = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGTERM, signal.SIGINT)}
         start_wall = last_ckpt = time.time()
         last = None
-        bar = tqdm(total=stop, initial=self.step, disable=not o.progress, dynamic_ncols=True,
+        bar = tqdm(total=stop, initial=self.step, disable=not (o.progress and self.is_main), dynamic_ncols=True,
                    mininterval=1.0 if sys.stderr.isatty() else 60.0, desc=f"{cfg.model.family}")
         try:
             while self.step < stop and not stopping:
                 if o.max_minutes is not None and time.time() - start_wall > 60 * o.max_minutes:
                     break
                 t0 = time.time()
-                batch = self.mixture.batch(self.step)
-                self.params, self.opt_state, m = self._train_step(
-                    self.params, self.opt_state, jnp.asarray(batch.tokens), jnp.asarray(batch.weights),
-                    jnp.asarray(batch.task), self.step)
+                tokens, weights, task = self.batch(self.step)
+                self.params, self.opt_state, m = self._train_step(self.params, self.opt_state, tokens, weights, task,
+                                                                  self.step)
                 loss, per_task = float(m["loss"]), np.asarray(m["per_task"])
                 dt = time.time() - t0
                 self.train_seconds += dt
                 last = {"step": self.step, "loss": loss,
                         **{f"loss_{t}": float(v) for t, v in zip(TASKS, per_task)},
                         "lr": float(self.schedule(self.step)), "grad_norm": float(m["grad_norm"]),
-                        "tokens_per_s": batch.tokens[:, 1:].size / dt, "s_per_step": dt,
+                        "tokens_per_s": weights.size / dt, "s_per_step": dt,
                         "retrieval_max_pairs": cfg.data.retrieval_max_pairs(self.step),
                         "train_seconds": self.train_seconds}
                 self._log(last)
@@ -258,7 +317,8 @@ class Trainer:
                     t1 = time.time()
                     ev = self.evaluate()
                     self._log({"step": self.step, "eval": ev, "eval_seconds": time.time() - t1})
-                    bar.write(f"step {self.step} eval " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
+                    if self.is_main:
+                        bar.write(f"step {self.step} eval " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
                 if time.time() - last_ckpt > o.ckpt_every_s:
                     self.save()
                     last_ckpt = time.time()
