@@ -1,4 +1,5 @@
-"""Memory a generation will need, estimated before anything is allocated, and the memory available."""
+"""Memory a generation will need, estimated before anything is allocated, the memory available, and
+the check that refuses a run that would not fit (`check_fits`)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,22 @@ def available_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def check_fits(model, fmt: base.CacheFormat, *, batch: int, prompt_len: int, max_len: int, num_loops: int,
+               compute_itemsize: int = 4, caches: int = 1, what: str = "this run", advice: str = "") -> None:
+    """Raise MemoryError with the estimate when `caches` caches of `fmt` (plus everything
+    `generation_bytes` counts) would not fit in the memory available; nothing is allocated."""
+    from flax import nnx
+
+    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    need = generation_bytes(model.config, fmt, batch=batch, prompt_len=prompt_len, max_len=max_len,
+                            num_loops=num_loops, param_bytes=param_bytes, compute_itemsize=compute_itemsize)
+    need["cache"] *= caches
+    need["total"] = sum(v for k, v in need.items() if k != "total")
+    have = available_bytes()
+    if have is not None and need["total"] > have:
+        parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items() if k != "total")
+        raise MemoryError(f"{what} needs about {need['total'] / 2**30:.2f} GiB ({parts}) but only "
+                          f"{have / 2**30:.2f} GiB is available" + (f"; {advice}" if advice else ""))
+

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from rq_jax import checkpoint, sharding
+from rq_jax import checkpoint, memory, sharding
+from rq_jax.cache import get_format
 from rq_jax.cli import int_list, positive_int
 from rq_jax.data import collate
 from rq_jax.eval.kv_error import dense_kv, reconstruction_error
@@ -141,6 +142,12 @@ def main(argv=None):
     folder = args.checkpoint or os.path.join(SHIPPED, f"{args.model}-small")
     model, _ = checkpoint.load(folder)
     loops = args.loops or model.config.num_loops
+    length = max(Tasks().text_len, Tasks(retrieval_pairs=args.retrieval_pairs).retrieval.max_length(args.retrieval_pairs))
+    try:  # the format's cache and the float32 dense reference, a batch of the longest rows
+        memory.check_fits(model, get_format("dense", dtype="float32"), batch=args.batch, prompt_len=length,
+                          max_len=length, num_loops=loops, caches=2, what="this eval", advice="use a smaller --batch")
+    except MemoryError as err:
+        sys.exit(f"eval.py: {err}")
     tasks = Tasks(n=args.n, retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows)
     rows_to_run = schemes(args.group_sizes) + calibrated_schemes(args.group_sizes, args.rotations)
     if args.only:

@@ -18,7 +18,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from rq_jax import checkpoint, memory, sharding
 from rq_jax.cli import finite_float, int_list, nonnegative_int, positive_int
@@ -98,19 +97,6 @@ def cache_policy(args) -> dict:
     return policy
 
 
-def check_memory(model, fmt, prompt_len: int, max_new: int, num_loops: int, dtype) -> None:
-    """Exit with the estimate when the generation would not fit in the memory available."""
-    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
-    need = memory.generation_bytes(model.config, fmt, batch=1, prompt_len=prompt_len, max_len=prompt_len + max_new,
-                                   num_loops=num_loops, param_bytes=param_bytes,
-                                   compute_itemsize=jnp.dtype(dtype).itemsize)
-    have = memory.available_bytes()
-    if have is not None and need["total"] > have:
-        parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items() if k != "total")
-        sys.exit(f"generate.py: this run needs about {need['total'] / 2**30:.2f} GiB ({parts}) but only "
-                 f"{have / 2**30:.2f} GiB is available; use fewer --loops or --max-new-tokens")
-
-
 def main(argv=None):
     """Run the command line; returns the `Generation` it printed."""
     args = parse_args(argv)
@@ -152,7 +138,12 @@ def main(argv=None):
     if len(prompt) + args.max_new_tokens > model.config.max_position_embeddings:
         sys.exit(f"generate.py: {len(prompt)} prompt tokens + --max-new-tokens {args.max_new_tokens} exceed the "
                  f"model's {model.config.max_position_embeddings} positions")
-    check_memory(model, fmt, len(prompt), args.max_new_tokens, loops, args.dtype)
+    try:
+        memory.check_fits(model, fmt, batch=1, prompt_len=len(prompt), max_len=len(prompt) + args.max_new_tokens,
+                          num_loops=loops, compute_itemsize=jnp.dtype(args.dtype).itemsize, what="this generation",
+                          advice="use fewer --loops or --max-new-tokens")
+    except MemoryError as err:
+        sys.exit(f"generate.py: {err}")
     calib = None
     if args.calibration:
         from rq_jax.calibrate import load_calibration

@@ -131,6 +131,19 @@ def test_generate_refuses_a_run_that_does_not_fit_in_memory(monkeypatch):
         script("generate").main(["--model", "huginn", "--loops", "100000"])
 
 
+def test_eval_refuses_a_run_that_does_not_fit_in_memory(monkeypatch, tmp_path):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2**20)
+    with pytest.raises(SystemExit, match=r"eval.py: this eval needs about [\d.]+ GiB .*use a smaller --batch"):
+        script("eval").main(["--model", "ouro", "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize("argv", [["--n", "0"], ["--batch", "nan"], ["--group-sizes", "32,x"], ["--rotations", "pca"],
+                                  ["--only", "no such scheme"], ["--mesh", "data=3"]])
+def test_eval_rejects_bad_options(argv, tmp_path):
+    with pytest.raises(SystemExit):
+        script("eval").main(["--model", "ouro", "--out", str(tmp_path / "x"), *argv])
+
+
 # ---- errors that name the file, option or type -----------------------------------------------------
 
 def test_truncated_weights_and_malformed_config_name_the_file(tmp_path):

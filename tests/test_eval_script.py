@@ -41,7 +41,3 @@ def test_eval_writes_the_table_json_and_figures(tmp_path):
     for fig in ("_accuracy.png", "_kv_error.png"):
         assert (tmp_path / f"ouro{fig}").stat().st_size > 1000
 
-
-def test_eval_rejects_bad_options():
-    with pytest.raises(SystemExit):
-        load_script().main(["--model", "ouro", "--n", "0", "--out", "x"])
