@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 
 
 def positive_int(text: str) -> int:
@@ -37,3 +38,16 @@ def int_list(text: str) -> tuple[int, ...]:
         return tuple(int(b) for b in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be comma-separated integers such as 2,2,2,4, got {text!r}") from None
+
+
+def spelled_command(words: list[str], group: argparse._ArgumentGroup, args: argparse.Namespace) -> str:
+    """`words` (the script and its fixed arguments) plus every option of `group` that `args` sets,
+    spelled out and shell-quoted: the command that reproduces a run (for model cards)."""
+    words = list(words)
+    for action in group._group_actions:
+        value = getattr(args, action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            words += [action.option_strings[0]] if value else []
+        elif value is not None:
+            words += [action.option_strings[0], str(value)]
+    return " ".join(shlex.quote(w) for w in words)

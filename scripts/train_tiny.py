@@ -16,12 +16,12 @@ and JAX_PROCESS_ID set and a RUN_DIR they all see; each builds only its own rows
 import argparse
 import json
 import os
-import shlex
 import sys
 
 import jax
 
 from rq_jax import sharding
+from rq_jax.cli import spelled_command
 from rq_jax.data import Addition, MixtureConfig, Retrieval
 from rq_jax.train import RunOptions, TrainConfig, Trainer, tiny_model_config
 
@@ -72,15 +72,8 @@ def make_parser():
 
 
 def training_command(parser, a) -> str:
-    """The command that trains this run, every trajectory flag spelled out (for model cards)."""
-    words = ["python", "scripts/train_tiny.py", "--model", a.model, "--run-dir", a.run_dir]
-    for action in parser.trajectory._group_actions:
-        value = getattr(a, action.dest)
-        if isinstance(action, argparse._StoreTrueAction):
-            words += [action.option_strings[0]] if value else []
-        elif value is not None:
-            words += [action.option_strings[0], str(value)]
-    return " ".join(shlex.quote(w) for w in words)
+    """The command that trains this run, every trajectory flag given spelled out (for model cards)."""
+    return spelled_command(["python", "scripts/train_tiny.py", "--model", a.model, "--run-dir", a.run_dir], parser.trajectory, a)
 
 
 def build_config(a) -> TrainConfig:

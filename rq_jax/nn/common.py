@@ -8,6 +8,8 @@ scan outputs, [G, p, N, B, K, T, D] per segment, and are written to the cache on
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -27,7 +29,8 @@ Attend = Callable[[Array, Array, Array], tuple[Array, KV]]
 
 
 class ModelOutput(NamedTuple):
-    """Logits [B, T, V] (or [B, V] with `last_only`), the updated cache, and family-specific extras."""
+    """Logits [B, T, V] (or [B, V] with `last_only`), the updated cache (for a teacher-forced QAT pass,
+    the pass's K/V: `rq_jax.train.qat`), and family-specific extras."""
 
     logits: Float[Array, "b t v"] | Float[Array, "b v"]
     cache: KVCache | None
@@ -83,7 +86,25 @@ def scan_layers(layers: nnx.Module, x: Array, call: Callable[[nnx.Module, Array,
         p, i, e = xs
         return call(nnx.merge(graphdef, p), i, x, e)
 
+    if _REMAT.get():
+        body = jax.checkpoint(body, prevent_cse=False)
     return jax.lax.scan(body, x, (params, jnp.arange(n), extra))
+
+
+_REMAT = contextvars.ContextVar("rq_jax_remat_layers", default=False)
+
+
+@contextlib.contextmanager
+def remat_layers(enabled: bool = True):
+    """While a forward is *traced* inside this context, `scan_layers` wraps each layer in
+    `jax.checkpoint`: the backward pass recomputes a layer's activations from its input instead of
+    keeping them, so training holds one layer's activations per scan step rather than all of them.
+    Enter it inside the function being traced (a jitted loss), so every trace of it agrees."""
+    token = _REMAT.set(enabled)
+    try:
+        yield
+    finally:
+        _REMAT.reset(token)
 
 
 def run_loops(segments: tuple[base.Segment, ...], carry: Any,
@@ -134,6 +155,10 @@ def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Ar
     num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
     if num_new.shape != (b,):
         raise ValueError(f"num_new must have shape ({b},), got {num_new.shape}")
+    if cache is not None and not isinstance(cache, KVCache):
+        # Stored K/V from elsewhere (e.g. `rq_jax.train.qat.TeacherForced`) build their own context,
+        # an object with CallContext's `positions`, `num_new`, `segments`, `attend` and `finish`.
+        return cache.call_context(num_new, t, num_loops)
     if cache is not None:
         if cache.lengths.shape != (b,):
             raise ValueError(f"cache was built for batch {cache.lengths.shape[0]}, tokens have batch {b}")
@@ -153,7 +178,7 @@ def check_values(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"token ids must lie in [0, {vocab_size}), got ids from {tokens.min()} to {tokens.max()}")
-    if cache is not None and tokens.ndim == 2:
+    if isinstance(cache, KVCache) and tokens.ndim == 2:
         check_overflow(cache)
         if tokens.shape[1] > cache.max_len:
             raise ValueError(f"{tokens.shape[1]} tokens do not fit in a cache of max_len {cache.max_len}")

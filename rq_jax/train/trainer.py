@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import signal
 import sys
@@ -26,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
@@ -35,6 +33,7 @@ from rq_jax.data import TASKS, Addition, Mixture, Retrieval, StdlibText
 from rq_jax.models import init_model
 from rq_jax.train import evaluate
 from rq_jax.train.config import TrainConfig, diff
+from rq_jax.train.run_dir import RunDir
 
 
 @dataclasses.dataclass
@@ -150,10 +149,7 @@ class Trainer:
             self._score = lambda params, tokens: sharding.to_host(
                 score(params, sharding.put(tokens, sharding.batch_sharding(self.mesh, tokens.shape))))
         self.is_main = jax.process_index() == 0
-        os.makedirs(opts.run_dir, exist_ok=True)
-        self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(opts.run_dir, "ckpt")),
-                                             options=ocp.CheckpointManagerOptions(max_to_keep=opts.ckpt_keep))
-        self.log_path = os.path.join(opts.run_dir, "metrics.jsonl")
+        self.run_dir = RunDir(opts.run_dir, keep=opts.ckpt_keep, is_main=self.is_main)
         self._eval_sets = None
         if not self.restore() and opts.init_from:
             from rq_jax.train.portable import load_portable
@@ -193,13 +189,10 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current step (blocking) unless it is already saved."""
-        if self.manager.latest_step() == self.step:
-            return
         meta = {"step": self.step, "train_seconds": self.train_seconds, "config": self.cfg.to_json(),
                 "python_version": self.text.python_version, "jax_version": jax.__version__}
-        self.manager.save(self.step, args=ocp.args.Composite(state=ocp.args.StandardSave(self._state()),
-                                                             meta=ocp.args.JsonSave(meta)))
-        self.manager.wait_until_finished()
+        if not self.run_dir.save(self.step, self._state(), meta):
+            return
         if self.opts.portable:
             from rq_jax.train.portable import save_portable
 
@@ -213,40 +206,19 @@ class Trainer:
 
     def restore(self) -> bool:
         """Load the latest checkpoint of run_dir if any (its config must equal ours). True if loaded."""
-        latest = self.manager.latest_step()
-        if latest is None:
+        restored = self.run_dir.restore(self._state())
+        if restored is None:
             return False
-        restored = self.manager.restore(latest, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(self._state()), meta=ocp.args.JsonRestore()))
-        saved = TrainConfig.from_json(restored.meta["config"])
+        state, meta = restored
+        saved = TrainConfig.from_json(meta["config"])
         if saved != self.cfg:
             raise ValueError(f"{self.opts.run_dir} holds a run with another config; differences (saved != "
                              f"requested):\n  " + "\n  ".join(diff(saved, self.cfg)))
-        state = restored.state
         self.params, self.opt_state, self.step = state["params"], state["opt_state"], int(state["step"])
-        self.train_seconds = float(restored.meta.get("train_seconds", 0.0))
+        self.train_seconds = float(meta.get("train_seconds", 0.0))
         return True
 
     # ---- metrics ------------------------------------------------------------------------------
-    def _truncate_log(self) -> None:
-        """Drop the records a resumed run writes again: training steps ≥ the current step, evals after it."""
-        if not self.is_main or not os.path.exists(self.log_path):
-            return
-
-        def keep_record(r):
-            return r.get("step", -1) <= self.step if "eval" in r else r.get("step", -1) < self.step
-
-        with open(self.log_path) as f:
-            keep = [line for line in f if line.strip() and keep_record(json.loads(line))]
-        with open(self.log_path, "w") as f:
-            f.writelines(keep)
-
-    def _log(self, record: dict) -> None:
-        if not self.is_main:
-            return
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
     # ---- evaluation ---------------------------------------------------------------------------
     def eval_sets(self) -> dict:
         """Held-out sets (built once): addition, retrieval (uniform pairs and all max_pairs), text windows."""
@@ -284,7 +256,8 @@ class Trainer:
 
         cfg, o = self.cfg, self.opts
         stop = min(o.stop_step if o.stop_step is not None else cfg.total_steps, cfg.total_steps)
-        self._truncate_log()
+        # a resumed run drops the records it writes again: training steps ≥ the current step, evals after it
+        self.run_dir.truncate_log(lambda r: r["step"] <= self.step if "eval" in r else r["step"] < self.step)
         stopping = []
         handlers = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGTERM, signal.SIGINT)}
         start_wall = last_ckpt = time.time()
@@ -308,7 +281,7 @@ class Trainer:
                         "tokens_per_s": weights.size / dt, "s_per_step": dt,
                         "retrieval_max_pairs": cfg.data.retrieval_max_pairs(self.step),
                         "train_seconds": self.train_seconds}
-                self._log(last)
+                self.run_dir.log(last)
                 self.step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", add=f"{per_task[0]:.2f}", ret=f"{per_task[1]:.2f}",
@@ -316,7 +289,7 @@ class Trainer:
                 if o.eval_every and self.step % o.eval_every == 0:
                     t1 = time.time()
                     ev = self.evaluate()
-                    self._log({"step": self.step, "eval": ev, "eval_seconds": time.time() - t1})
+                    self.run_dir.log({"step": self.step, "eval": ev, "eval_seconds": time.time() - t1})
                     if self.is_main:
                         bar.write(f"step {self.step} eval " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
                 if time.time() - last_ckpt > o.ckpt_every_s:
