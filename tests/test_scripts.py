@@ -17,22 +17,50 @@ def run_script(name, argv):
     module.main(argv)
 
 
-def test_bench_decode_rows_match_the_accounting(tmp_path):
-    """One row per format, finite positive times, and bytes equal to the toolbox's bits per element
-    (kivi adds its full-precision open key group: bf16 [L, N, B, K, g, D])."""
-    out = tmp_path / "bench.json"
-    run_script("bench_decode", ["--context", "32", "--heads", "2", "--head-dim", "32", "--layers", "1",
-                                "--repeats", "1", "--json", str(out)])
-    rows = {r["format"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["dense bf16", "uniform INT2", "rotated INT2", "kivi INT2", "residual [2,2,2,4]"]
-    assert all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in rows.values())
-    elements = 2 * 4 * 1 * 1 * 2 * 33 * 32  # K and V · loops · layers · batch · kv heads · positions · D
-    for label, name in (("dense bf16", "dense"), ("uniform INT2", "uniform"), ("rotated INT2", "rotated"),
-                        ("residual [2,2,2,4]", "residual")):
-        assert rows[label]["nbytes"] == get_format(name).bits_per_element(4, 32) * elements / 8, label
-    # kivi at its defaults (R = 128 full-precision tokens, fp16): a 33-token context is all full precision.
-    s, d = 33, 32
-    assert rows["kivi INT2"]["nbytes"] == 4 * 2 * 2 * s * d * 2  # loops · kv heads · (K, V) · S · D · fp16
+def test_bench_decode_rows_bytes_ratios_and_budget(tmp_path):
+    """Every requested row; cache bytes equal `cache_nbytes` of a cache built the same way; ratios follow
+    the bytes and times of the same run; the largest batch's compiled step fits the budget and the next
+    batch's does not. Also the byte limits at Ouro-1.4B's shape (no compile)."""
+    import pytest
+
+    from rq_jax.cache import cache_nbytes, init_cache
+    from rq_jax.config import ModelConfig, preset
+
+    tiny = ("ouro-1.4b:num_layers=1,hidden_size=64,num_heads=2,num_kv_heads=2,head_dim=32,intermediate_size=128,"
+            "vocab_size=256")
+    out = tmp_path / "bench"
+    run_script("bench_decode", ["--models", tiny, "--formats", "dense bf16", "uniform INT2", "--context", "40",
+                                "--batch", "1", "--memory-gb", "0.004", "--repeats", "1", "--out", str(out)])
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert "## Largest batch in 0.004 GiB" in out.with_suffix(".md").read_text()
+    config = ModelConfig(**data["models"]["ouro-1.4b"]["config"])
+    names = {"dense bf16": "dense", "uniform INT2": "uniform"}
+    rows = {(r["format"], r["batch"]): r for r in data["rows"]}
+    assert sorted(rows) == sorted((f, 1) for f in names)
+    for (label, batch), r in rows.items():
+        fmt = get_format(names[label])
+        dense = rows["dense bf16", batch]
+        assert r["cache_nbytes"] == cache_nbytes(init_cache(config, batch, 41, fmt)) == r["memory"]["cache"]
+        assert r["ms"] > 0 and r["tok_s"] == pytest.approx(batch / (r["ms"] / 1e3))
+        assert r["bytes_x_dense"] == dense["cache_nbytes"] / r["cache_nbytes"]
+        assert r["tok_s_x_dense"] == r["tok_s"] / dense["tok_s"]
+        assert r["storage_limit"] == pytest.approx(16 / float(fmt.bits_per_element(4, 32)))
+    assert rows["uniform INT2", 1]["bytes_x_dense"] == pytest.approx(rows["uniform INT2", 1]["storage_limit"])
+    budget = {r["format"]: r for r in data["budget_rows"]}
+    assert sorted(budget) == sorted(names) and data["budget"] == int(0.004 * 2**30)
+    for label, r in budget.items():
+        assert r["max_batch"] >= 1 and r["next_batch"] == r["max_batch"] + 1
+        assert r["memory"]["total"] <= data["budget"] < r["next_memory"]["total"]
+        assert r["memory"]["cache"] == cache_nbytes(init_cache(config, r["max_batch"], 41, get_format(names[label])))
+        assert r["peak_tok_s"] > 0
+        assert r["batch_x_dense"] == r["max_batch"] / budget["dense bf16"]["max_batch"]
+        assert r["peak_x_dense"] == r["peak_tok_s"] / budget["dense bf16"]["peak_tok_s"]
+    # The limits at Ouro-1.4B: [2,2,2,4] stores 3.09 bits and reads 6.47 (each residual loop reads the anchor).
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPTS / "bench_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    limits = module.byte_limits(get_format("residual"), preset("ouro-1.4b"), 4096)
+    assert limits["storage_bits"] == 3.09375 and limits["read_limit"] == pytest.approx(64 / 25.875)
 
 
 def test_bench_compile_table(tmp_path):
