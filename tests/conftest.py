@@ -37,3 +37,13 @@ def huginn():
 
     model, _ = load_model(fixture_dir("huginn-tiny"))
     return model, dict(np.load(fixture_dir("huginn-tiny") / "reference.npz"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module: the suite compiles hundreds of them, and
+    keeping them all alive in one process grows its memory for no benefit."""
+    yield
+    import jax
+
+    jax.clear_caches()
