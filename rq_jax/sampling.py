@@ -134,6 +134,7 @@ class Sampler:
         self.decode_kwargs = {**model_kwargs, **(decode_kwargs or {})}
         rule = self.decode_kwargs.get("adaptive")
         self.reports_steps = rule is not None
+        self.track_steps = rule is not None and rule.lookup == "full"  # the cache hides skipped steps
         self.prefill_kwargs = {k: v for k, v in model_kwargs.items() if k != "adaptive"}
         if rule is not None and rule.exit_in_prefill:
             self.prefill_kwargs["adaptive"] = rule
@@ -148,8 +149,8 @@ class Sampler:
         self._decode = jax.jit(self._decode_fn)
 
     def _empty_cache(self, batch: int, max_len: int, mesh: Mesh | None = None) -> KVCache:
-        return sharding.init_sharded_cache(self.model_config, batch, max_len, self.fmt, mesh,
-                                           num_loops=self.num_loops, plain_fmt=self.plain_fmt)
+        return sharding.init_sharded_cache(self.model_config, batch, max_len, self.fmt, mesh, num_loops=self.num_loops,
+                                           plain_fmt=self.plain_fmt, track_steps=self.track_steps)
 
     def num_compiled(self) -> int:
         """How many prefill and decode programs have been compiled (one each per batch shape)."""

@@ -327,10 +327,11 @@ def shard_model(model, mesh: Mesh | None):
 
 
 def init_sharded_cache(config: ModelConfig, batch: int, max_len: int, fmt=None, mesh: Mesh | None = None, *,
-                       num_loops: int | None = None, plain_fmt=None) -> KVCache:
+                       num_loops: int | None = None, plain_fmt=None, track_steps: bool = False) -> KVCache:
     """`rq_jax.cache.init_cache`, built directly in its sharded layout (`cache_specs`): no device
     ever holds the whole cache."""
-    make = lambda: init_cache(config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt)  # noqa: E731
+    make = lambda: init_cache(config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt,  # noqa: E731
+                              track_steps=track_steps)
     if mesh is None:
         return make()
     return jax.jit(make, out_shardings=named(mesh, cache_specs(jax.eval_shape(make), mesh)))()

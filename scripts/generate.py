@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from rq_jax import checkpoint, memory, sharding
 from rq_jax.cli import finite_float, int_list, nonnegative_int, positive_int
 from rq_jax.cache import available_formats, cache_nbytes, dense_equivalent_nbytes, get_format
-from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, AdaptiveExit
+from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, LOOKUPS, AdaptiveExit
 from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer
 
@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--exit-criterion", choices=sorted(DEFAULT_THRESHOLDS),
                    help="Huginn: per-token adaptive exit while decoding")
     p.add_argument("--exit-threshold", type=finite_float, help="threshold of --exit-criterion (default: its own)")
+    p.add_argument("--exit-lookup", choices=LOOKUPS, default="full",
+                   help="what later tokens read at a skipped step: nothing (full, the reference's default) "
+                        "or the token's last computed step (latest-m4, keeps the fused attention)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     args = p.parse_args(argv)
     given = {name for name in ("bits", "group_size", "rotation", "cache_dtype", "super_scale", "residual_length",
@@ -127,7 +130,8 @@ def main(argv=None):
     else:
         kwargs = dict(num_loops=args.loops, init_scale=0.0 if args.init_state == "zeros" else 1.0)
         if args.exit_criterion:
-            kwargs["decode_kwargs"] = dict(adaptive=AdaptiveExit(args.exit_criterion, args.exit_threshold))
+            kwargs["decode_kwargs"] = dict(adaptive=AdaptiveExit(args.exit_criterion, args.exit_threshold,
+                                                                    lookup=args.exit_lookup))
     try:
         fmt = get_format(args.cache, **cache_policy(args))
         fmt.bits_per_element(model.config.num_loops, model.config.head_dim)

@@ -5,18 +5,23 @@ per-op compilations are reused across tests. Thresholds were chosen from the fix
 criterion values (noted at each use) with wide margins.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import rq_jax.cache as rq_cache
 from rq_jax.cache import Dense
 from rq_jax.nn.huginn import AdaptiveExit, _exit_fires, _ExitTracker
+from rq_jax.nn.layers import rope_angles
 from rq_jax.sampling import Sampler, SamplingConfig
 
 N = 4  # core steps everywhere (the tiny model's mean recurrence)
-NEVER, ALWAYS = AdaptiveExit("kl", -1.0), AdaptiveExit("kl", 1e9)  # KL ≥ 0 < -1 never; < 1e9 at step 1
+M4 = "latest-m4"  # skipped steps read the token's last computed step (works with any cache)
+NEVER, ALWAYS = AdaptiveExit("kl", -1.0, lookup=M4), AdaptiveExit("kl", 1e9, lookup=M4)  # KL ≥ 0: never < -1
 
 
 def max_err(a, b):
@@ -78,7 +83,7 @@ def test_mixed_batch_rows_exit_independently(huginn):
     # token 88 exits after step 3, token 0 runs all 4.
     tokens = jnp.array([[88], [0]], jnp.int32)
     out = model(tokens, model.init_cache(2, 1, Dense("float32"), num_loops=N), num_steps=N,
-                adaptive=AdaptiveExit("kl", 0.1))
+                adaptive=AdaptiveExit("kl", 0.1, lookup=M4))
     np.testing.assert_array_equal(out.extras["steps_used"], [[3], [N]])
     three = model(tokens, model.init_cache(2, 1, Dense("float32"), num_loops=3), num_steps=3)
     full = model(tokens, model.init_cache(2, 1, Dense("float32"), num_loops=N), num_steps=N)
@@ -93,9 +98,9 @@ def test_mixed_batch_rows_exit_independently(huginn):
 
 
 @pytest.mark.parametrize("rule,expected", [
-    (AdaptiveExit("entropy-diff", 0.05), [[2], [N]]),  # measured on the prefix's next token
-    (AdaptiveExit("argmax-stability", 1), [[2], [N]]),
-    (AdaptiveExit("argmax-stability", 0), [[1], [1]]),  # stable for 0 steps: exit after the first
+    (AdaptiveExit("entropy-diff", 0.05, lookup=M4), [[2], [N]]),  # measured on the prefix's next token
+    (AdaptiveExit("argmax-stability", 1, lookup=M4), [[2], [N]]),
+    (AdaptiveExit("argmax-stability", 0, lookup=M4), [[1], [1]]),  # stable for 0 steps: exit after the first
 ])
 def test_other_criteria_in_decode(huginn, prefix, rule, expected):
     model, _ = huginn
@@ -151,7 +156,7 @@ def test_works_with_a_quantized_format(huginn, prefix):
 
 def test_sampler_reports_mean_steps_without_retracing(huginn, prefix):
     model, ref = huginn
-    rule = AdaptiveExit("entropy-diff", 0.05, exit_in_prefill=False)  # the prompt runs every step
+    rule = AdaptiveExit("entropy-diff", 0.05, exit_in_prefill=False, lookup=M4)  # the prompt runs every step
     sampler = Sampler(model, SamplingConfig(max_new_tokens=3), Dense("float32"), return_logits=True, num_steps=N,
                       init_scale=0.0, decode_kwargs=dict(adaptive=rule))
     gen = sampler(ref["input_ids"].tolist())
@@ -255,8 +260,10 @@ def test_prompt_exits_jointly_as_the_reference(huginn, step_logits, rule, expect
     used = reference_prompt_exit(step_logits, rule)
     np.testing.assert_array_equal(used, expected)
     ids = jnp.asarray(ref["input_ids"])
-    out = model(ids, model.init_cache(2, 12, Dense("float32"), num_loops=N), num_steps=N, adaptive=rule)
+    out = model(ids, model.init_cache(2, 12, Dense("float32"), num_loops=N, track_steps=True), num_steps=N,
+                adaptive=rule)
     np.testing.assert_array_equal(out.extras["steps_used"], np.repeat(used[:, None], 10, 1))  # every prompt token
+    np.testing.assert_array_equal(out.cache.steps[:, :10], out.extras["steps_used"])
     for b, n in enumerate(used):
         assert max_err(out.logits[b], step_logits[n - 1][b]) <= 1e-4  # the whole prompt at its exit step
     for pos in range(10):
@@ -274,10 +281,101 @@ def test_sampler_exits_in_the_prompt_by_default(huginn, step_logits):
     used = reference_prompt_exit(step_logits, rule)
     np.testing.assert_array_equal(gen.steps[:, 0], used)
     np.testing.assert_array_equal(gen.tokens[:, 0], [np.argmax(step_logits[n - 1][b, -1]) for b, n in enumerate(used)])
-    out = model(jnp.asarray(ref["input_ids"]), model.init_cache(2, 12, Dense("float32"), num_loops=N), num_steps=N,
-                adaptive=rule, last_only=True)
+    out = model(jnp.asarray(ref["input_ids"]), model.init_cache(2, 12, Dense("float32"), num_loops=N, track_steps=True),
+                num_steps=N, adaptive=rule, last_only=True)
     for step in (1, 2):  # the same rule, token by token
         out = model(jnp.asarray(gen.tokens[:, step - 1 : step]), out.cache, num_steps=N, adaptive=rule, last_only=True)
         np.testing.assert_array_equal(gen.steps[:, step], out.extras["steps_used"][:, 0])
         assert max_err(gen.logits[:, step], out.logits) <= 1e-4
         np.testing.assert_array_equal(gen.tokens[:, step], np.argmax(out.logits, -1))
+
+
+def layers(stack):
+    """The layers of a stacked module, one module each."""
+    graphdef, params = nnx.split(stack)
+    n = jax.tree_util.tree_leaves(params)[0].shape[0]
+    return [nnx.merge(graphdef, jax.tree_util.tree_map(lambda x, i=i: x[i], params)) for i in range(n)]
+
+
+def reference_generation(model, prompt, new_tokens, threshold):
+    """The reference's default adaptive generation (generate_with_adaptive_compute: criterion "kl",
+    do_not_exit_in_prefill=False, cache_lookup_strategy="full"; batch 1, greedy, zero initial state),
+    re-stated with a dictionary cache: slot → {position: (k, v)}. Attention at a slot sees only the
+    positions stored there, so a token that exited before a core step is absent from it. The coda
+    runs at every check and overwrites its entries. Returns (tokens, steps per token, logits)."""
+    c = model.config
+    prelude, core, coda = layers(model.prelude), layers(model.core_block), layers(model.coda)
+    store: dict[int, dict[int, tuple]] = {}
+
+    def attend_at(slot, start):
+        def attend(q, k, v):  # q [1, T, H, D]; k, v [1, K, T, D]
+            entries = store.setdefault(slot, {})
+            for t in range(k.shape[2]):
+                entries[start + t] = (k[:, :, t], v[:, :, t])
+            pos = np.array(sorted(entries))
+            ks, vs = (jnp.stack([entries[p][i] for p in pos], axis=2) for i in (0, 1))
+            mask = jnp.asarray(pos[None, :] <= start + np.arange(q.shape[1])[:, None])
+            qg = q.reshape(*q.shape[:2], c.num_kv_heads, -1, q.shape[-1])
+            scores = jnp.einsum("btkgd,bksd->btkgs", qg, ks) / np.sqrt(q.shape[-1])
+            p = jax.nn.softmax(jnp.where(mask[None, :, None, None], scores, -jnp.inf), axis=-1)
+            return jnp.einsum("btkgs,bksd->btkgd", p, vs).reshape(q.shape), (k, v)
+        return attend
+
+    tokens, steps, logits_out, inputs, start = [], [], [], list(prompt), 0
+    for _ in range(new_tokens):
+        ids = jnp.asarray([inputs])
+        angles = rope_angles(start + jnp.arange(len(inputs))[None], c.head_dim, c.rope_theta)
+        e = model.wte(ids) * c.embed_scale
+        for i, block in enumerate(prelude):
+            e, _ = block(e, angles, attend_at(i, start))
+        s, prev = jnp.zeros_like(e), np.full(c.vocab_size, -np.log(c.vocab_size))
+        for step in range(N):
+            s = model.adapter(jnp.concatenate([s, e], axis=-1))
+            for j, block in enumerate(core):
+                s, _ = block(s, angles, attend_at(c.num_prelude + step * c.num_layers + j, start))
+            x = model.ln_f(s)
+            for i, block in enumerate(coda):
+                x, _ = block(x, angles, attend_at(-(i + 1), start))
+            logits = np.asarray(model.head(x)[0, -1], np.float64)
+            lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+            kl, prev = float((np.exp(prev) * (prev - lp)).sum()), lp
+            if kl < threshold or step == N - 1:
+                break
+        tokens.append(int(np.argmax(logits)))
+        steps.append(step + 1)
+        logits_out.append(logits)
+        start += len(inputs)
+        inputs = [tokens[-1]]
+    return np.array(tokens), np.array(steps), np.stack(logits_out)
+
+
+def test_generation_reproduces_the_references_default(huginn):
+    """Tokens, per-token steps and logits of the Sampler's default adaptive generation (joint prompt exit,
+    skipped steps hidden) against the reference's, re-stated above, on each fixture prompt. The hidden
+    steps matter: the same run with lookup="latest-m4" gives other logits."""
+    model, ref = huginn
+    rule = AdaptiveExit("kl", 0.3)
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=5), Dense("float32"), return_logits=True, num_steps=N,
+                      init_scale=0.0, decode_kwargs=dict(adaptive=rule))
+    gen = sampler(ref["input_ids"].tolist())
+    latest = Sampler(model, SamplingConfig(max_new_tokens=5), Dense("float32"), return_logits=True, num_steps=N,
+                     init_scale=0.0, decode_kwargs=dict(adaptive=dataclasses.replace(rule, lookup=M4)))(
+        ref["input_ids"].tolist())
+    for b, prompt in enumerate(ref["input_ids"].tolist()):
+        tokens, steps, logits = reference_generation(model, prompt, 5, rule.threshold)
+        np.testing.assert_array_equal(gen.tokens[b], tokens)
+        np.testing.assert_array_equal(gen.steps[b], steps)
+        assert max_err(gen.logits[b], logits) <= 1e-4
+    assert (gen.steps < N).any() and max_err(gen.logits, latest.logits) > 1e-3
+
+
+def test_lookup_must_match_the_cache(huginn, prefix):
+    model, _ = huginn
+    cache, token = prefix
+    with pytest.raises(ValueError, match="track_steps=True"):
+        model(token, cache, num_steps=N, adaptive=AdaptiveExit())
+    tracking = model.init_cache(2, 12, Dense("float32"), num_loops=N, track_steps=True)
+    with pytest.raises(ValueError, match="hides skipped steps"):
+        model(token, tracking, num_steps=N, adaptive=AdaptiveExit(lookup=M4))
+    with pytest.raises(ValueError, match="'skip'"):
+        AdaptiveExit(lookup="skip")

@@ -38,6 +38,12 @@ class KVCache:
     dtype could not hold (FP8 saturating at 448 or flushing to zero) plus non-finite K/V entries —
     for formats that report them (those with an `out_of_range` method: the `LoopQuant` family); it
     stays 0 for the others. Generation and eval print it; see `LoopQuant.super_scale` for the remedy.
+
+    `steps[b, s]` (only in a cache built with `track_steps=True`, else None) is how many loops the
+    token at position s computed: Huginn's adaptive exit stops a token early, and such a cache hides
+    its skipped steps — attention at loop t sees only the positions with steps > t, the reference's
+    default ("full") cache lookup. Without it, skipped steps read the token's last computed K/V
+    (`latest-m4`); see `rq_jax.nn.huginn.AdaptiveExit.lookup`.
     """
 
     looped: tuple[Any, ...]
@@ -45,6 +51,7 @@ class KVCache:
     lengths: Int[Array, "b"]
     overflow: Bool[Array, "b"]
     out_of_range: Int[Array, "b"]
+    steps: Int[Array, "b s"] | None
     fmt: base.CacheFormat = struct.field(pytree_node=False)
     plain_fmt: base.CacheFormat = struct.field(pytree_node=False)
     num_loops: int = struct.field(pytree_node=False)
@@ -112,11 +119,13 @@ def cache_nbytes(cache: KVCache) -> int:
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFormat | None = None, *,
-               num_loops: int | None = None, plain_fmt: base.CacheFormat | None = None) -> KVCache:
+               num_loops: int | None = None, plain_fmt: base.CacheFormat | None = None,
+               track_steps: bool = False) -> KVCache:
     """An empty cache for `batch` rows of up to `max_len` tokens, run with `num_loops` loops.
 
     `fmt` stores the looped layers (default dense bf16); `plain_fmt` Huginn's prelude/coda (default
-    `fmt`). Raises ValueError if `max_len` exceeds the model's maximum position.
+    `fmt`). `track_steps` records each token's computed loops and hides the skipped ones from later
+    tokens (`KVCache.steps`). Raises ValueError if `max_len` exceeds the model's maximum position.
     """
     from rq_jax.cache.dense import Dense
 
@@ -134,8 +143,9 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFor
     if config.num_plain_layers:
         plain = tuple(plain_fmt.init(seg, config.num_plain_layers, *dims)
                       for seg in base.segments(1, plain_fmt.group_len))
+    steps = jnp.zeros((batch, max_len), jnp.int32) if track_steps else None
     return KVCache(looped, plain, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
-                   jnp.zeros((batch,), jnp.int32), fmt, plain_fmt, num_loops, max_len, config.head_dim)
+                   jnp.zeros((batch,), jnp.int32), steps, fmt, plain_fmt, num_loops, max_len, config.head_dim)
 
 
 def check_overflow(cache: KVCache) -> None:
@@ -240,22 +250,41 @@ class CallContext(NamedTuple):
         return self.cache.schedule(group)[1]
 
     def attend(self, group: Group, seg: int, index: base.Index, loop: int, q: Float[Array, "b t h d"],
-               k: Float[Array, "b k t d"], v: Float[Array, "b k t d"]) -> Float[Array, "b t h d"]:
+               k: Float[Array, "b k t d"], v: Float[Array, "b k t d"],
+               skipped: Bool[Array, "b t"] | None = None) -> Float[Array, "b t h d"]:
         """Attention of q over slot (segment `seg`, `index`, group position `loop`)'s past and this
-        call's own K/V (k, v), merged exactly."""
-        out = base.dense_partial(q, k, v, self.self_mask)
+        call's own K/V (k, v), merged exactly.
+
+        In a cache that tracks steps (`KVCache.steps`) the past positions that skipped this loop are
+        hidden, and so are this call's tokens marked `skipped` [B, T] (each still sees itself); the
+        past is then read through the format's `reconstruct` (its semantic reference) under that mask.
+        """
+        mask = self.self_mask
+        hide = self.cache is not None and self.cache.steps is not None and group == "looped"
+        if hide and skipped is not None:
+            mask = mask & (~skipped[:, None, :] | jnp.eye(mask.shape[1], dtype=bool)[None])
+        out = base.dense_partial(q, k, v, mask)
         if self.cache is not None:
-            fmt = self.cache.schedule(group)[0]
+            fmt, segs = self.cache.schedule(group)
             state = self.cache.stack(group)[seg]
             calib = _part(self.calib, group)
-            past = fmt.attend(state, index, loop, q, self.cache.lengths, None if calib is None else calib[seg])
+            calib = None if calib is None else calib[seg]
+            if hide:
+                number = segs[seg].start + index[0] * segs[seg].size + loop  # the loop this slot holds
+                pk, pv = fmt.reconstruct(state, index, loop, self.cache.lengths, calib)
+                seen = base.valid_tokens(self.cache.lengths, pk.shape[2]) & (self.cache.steps > number)
+                past = base.dense_partial(q, pk, pv, jnp.broadcast_to(seen[:, None], (*q.shape[:2], pk.shape[2])))
+            else:
+                past = fmt.attend(state, index, loop, q, self.cache.lengths, calib)
             out = base.merge(past, out)
         return base.finalize(out).astype(q.dtype)
 
-    def finish(self, looped: tuple[KV, ...], plain: KV | None) -> KVCache | None:
+    def finish(self, looped: tuple[KV, ...], plain: KV | None,
+               steps_used: Int[Array, "b t"] | None = None) -> KVCache | None:
         """The cache with this call's K/V written and lengths advanced.
 
-        looped: per segment, K and V [G, p, N, B, K, T, D]; plain: K and V [1, 1, N_plain, B, K, T, D].
+        looped: per segment, K and V [G, p, N, B, K, T, D]; plain: K and V [1, 1, N_plain, B, K, T, D];
+        steps_used: loops each token computed (default all), recorded when the cache tracks steps.
         """
         c = self.cache
         if c is None:
@@ -274,10 +303,15 @@ class CallContext(NamedTuple):
 
         new_plain, plain_lost = (None, 0) if c.plain is None else write("plain", c.plain, (plain,))
         new_looped, looped_lost = write("looped", c.looped, looped)
+        steps = c.steps
+        if steps is not None:
+            used = jnp.full(self.positions.shape, c.num_loops, jnp.int32) if steps_used is None else steps_used
+            steps = base.scatter_tokens(steps[None, None, :, None], used[None, None, :, None], c.lengths,
+                                        self.num_new)[0, 0, :, 0]
         end = c.lengths + self.num_new
         return c.replace(looped=new_looped, plain=new_plain, lengths=jnp.minimum(end, c.max_len),
                          overflow=c.overflow | (end > c.max_len),
-                         out_of_range=c.out_of_range + looped_lost + plain_lost)
+                         out_of_range=c.out_of_range + looped_lost + plain_lost, steps=steps)
 
 
 def dense_equivalent_nbytes(config: ModelConfig, cache: KVCache, dtype: str = "bfloat16") -> int:

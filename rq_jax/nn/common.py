@@ -24,8 +24,9 @@ from rq_jax.cache.kv import KV, CacheCalib, CallContext, Group, KVCache, check_c
 from rq_jax.config import ModelConfig
 from rq_jax.nn.layers import linear
 
-#: attend(q [B, T, H, D], k [B, K, T, D], v [B, K, T, D]) -> (o [B, T, H, D], the (k, v) to store).
-Attend = Callable[[Array, Array, Array], tuple[Array, KV]]
+#: attend(q [B, T, H, D], k [B, K, T, D], v [B, K, T, D]) -> (o [B, T, H, D], the (k, v) to store);
+#: the slot attention also takes `skipped` [B, T] (see `CallContext.attend`).
+Attend = Callable[..., tuple[Array, KV]]
 
 
 class ModelOutput(NamedTuple):
@@ -43,9 +44,10 @@ class LoopedModule(nnx.Module):
     config: ModelConfig
 
     def init_cache(self, batch: int, max_len: int, fmt=None, *, num_loops: int | None = None,
-                   plain_fmt=None) -> KVCache:
+                   plain_fmt=None, track_steps: bool = False) -> KVCache:
         """An empty cache for this model run with `num_loops` loops (see `rq_jax.cache.init_cache`)."""
-        return init_cache(self.config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt)
+        return init_cache(self.config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt,
+                          track_steps=track_steps)
 
 
 def embedding_and_head(c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype) -> tuple[nnx.Embed, nnx.Linear | None]:
@@ -136,7 +138,7 @@ def flatten_loops(per_segment: tuple[Any, ...]) -> Any:
 
 def slot_attend(ctx: CallContext, group: Group, seg: int, index: base.Index, loop: int) -> Attend:
     """The `Attend` of one slot: its stored past and the call's own K/V; stores the K/V it was given."""
-    return lambda q, k, v: (ctx.attend(group, seg, index, loop, q, k, v), (k, v))
+    return lambda q, k, v, skipped=None: (ctx.attend(group, seg, index, loop, q, k, v, skipped), (k, v))
 
 
 def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Array, "b"] | None,

@@ -12,9 +12,10 @@ accepted as an alias.
 
 Adaptive compute (`AdaptiveExit`): a call's tokens stop their recurrence once a convergence criterion
 fires — by default all tokens of a row together, on the criterion of its last token, as the reference's
-`generate_with_adaptive_compute` does (also for the prompt); their later steps' K/V repeat those of
-their last computed step (the reference's `latest-m4` lookup, materialised), so the cache stays
-complete for every format.
+`generate_with_adaptive_compute` does (also for the prompt). Their skipped steps are hidden from later
+tokens — the reference's default ("full") cache lookup, in a cache built with `track_steps=True` —
+or, with `lookup="latest-m4"`, read as their last computed step's K/V, which every later slot of the
+token holds either way (so the cache stays complete for every format).
 
 Random initial state: token t of batch row b draws its noise from `fold_in(fold_in(rng, b), t)`, so a
 row's state depends on the key, its batch position and its own tokens only — never on its batch-mates
@@ -41,6 +42,8 @@ from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_interleaved
 #: The reference's default ("auto") threshold of each criterion (seal-rg/recurrent-pretraining
 #: `raven_modeling_minimal.py`; older commits and the paper used 5e-4 for "kl").
 DEFAULT_THRESHOLDS = {"kl": 1e-3, "entropy-diff": 1e-3, "latent-diff": 0.03, "argmax-stability": 5}
+#: What later tokens read at a step an earlier token skipped (the reference's lookup strategy names).
+LOOKUPS = ("full", "latest-m4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +70,20 @@ class AdaptiveExit:
     the Sampler's prefill runs every step, and in a model call every token exits on its own criterion.
     Decode calls (one token per row) behave the same either way. The default follows the reference so
     that adaptive generation is the reference's out of the box; False keeps the prompt's K/V of every
-    step (no frozen copies), which later tokens read. Raises ValueError for an unknown criterion or a
-    non-finite threshold.
+    step (no frozen copies), which later tokens read.
+
+    `lookup`: what later tokens see at a step an earlier token skipped. "full" (the reference's default
+    `cache_lookup_strategy`): nothing — the token is absent from that step's attention; the cache
+    must track steps (`init_cache(..., track_steps=True)`, which the Sampler builds) and attention to
+    its past runs through the format's `reconstruct` under that mask, not the fused paths. "latest-m4":
+    the token's last computed step, which its skipped slots hold; any cache, every fast path. Raises
+    ValueError for an unknown criterion or lookup, or a non-finite threshold.
     """
 
     criterion: str = "kl"
     threshold: float | None = None
     exit_in_prefill: bool = True
+    lookup: str = "full"
 
     def __post_init__(self):
         if self.criterion not in DEFAULT_THRESHOLDS:
@@ -85,6 +95,19 @@ class AdaptiveExit:
             raise ValueError(f"adaptive-exit threshold must be finite, got {self.threshold}")
         if not isinstance(self.exit_in_prefill, bool):
             raise ValueError(f"exit_in_prefill must be True or False, got {self.exit_in_prefill!r}")
+        if self.lookup not in LOOKUPS:
+            raise ValueError(f"unknown cache lookup {self.lookup!r}: expected one of {LOOKUPS}")
+
+    def check_cache(self, cache: KVCache | None) -> None:
+        """Raise ValueError unless `cache` (None: no cache) suits the lookup: one that tracks steps for
+        "full", one that does not for "latest-m4"."""
+        if cache is None or not isinstance(cache, KVCache) or (cache.steps is not None) == (self.lookup == "full"):
+            return
+        if self.lookup == "full":
+            raise ValueError('adaptive exit with lookup="full" hides skipped steps and needs a cache built with '
+                             'init_cache(..., track_steps=True) (or AdaptiveExit(lookup="latest-m4"))')
+        raise ValueError('adaptive exit with lookup="latest-m4" needs a cache without track_steps '
+                         '(a cache that tracks steps hides skipped steps: lookup="full")')
 
 
 class _ExitTracker(NamedTuple):
@@ -130,11 +153,11 @@ def _exit_fires(rule: AdaptiveExit, tracker: _ExitTracker, logits: Float[Array, 
 
 def _frozen(attend: common.Attend, exited: Bool[Array, "b t"], prev: KV) -> common.Attend:
     """`attend` with exited tokens' K/V replaced by `prev` ([B, K, T, D] each, their K/V of the previous
-    step: by induction their last computed step, the reference's `latest-m4`), for the attention of the
-    other tokens and for storage."""
+    step: by induction their last computed step, the reference's `latest-m4`), for storage and the
+    other tokens' attention — which hides them instead in a cache that tracks steps."""
     def call(q, k, v):
         frozen = exited[:, None, :, None]
-        return attend(q, jnp.where(frozen, prev[0], k), jnp.where(frozen, prev[1], v))
+        return attend(q, jnp.where(frozen, prev[0], k), jnp.where(frozen, prev[1], v), skipped=exited)
 
     return call
 
@@ -268,7 +291,9 @@ class Huginn(common.LoopedModule):
             e, prelude_kv = self._plain(self.prelude, 0, e, angles, ctx)
         s = self.initial_state(e, rng, init_scale)
         segments = ctx.segments("looped", num_loops)
+        steps_used = None
         if adaptive is not None:
+            adaptive.check_cache(cache)
             s, logits, steps_used, looped_kv, coda_kv = self._adaptive(e, s, angles, ctx, segments, adaptive)
             extras = dict(latents=self.ln_f(s), steps_used=steps_used)
         else:
@@ -283,7 +308,7 @@ class Huginn(common.LoopedModule):
             logits = common.take_last(logits, ctx.num_new)
         plain_kv = [kv for kv in (prelude_kv, coda_kv) if kv is not None]
         plain_kv = tuple(jnp.concatenate(x)[None, None] for x in zip(*plain_kv)) if plain_kv else None
-        return common.ModelOutput(logits, ctx.finish(looped_kv, plain_kv), extras)
+        return common.ModelOutput(logits, ctx.finish(looped_kv, plain_kv, steps_used), extras)
 
     def _plain(self, blocks: nnx.Module, first: int, x, angles, ctx: CallContext, frozen=None):
         """x through prelude or coda blocks (plain slots `first` + i): (x, K/V [N, B, K, T, D] each).

@@ -92,9 +92,10 @@ class TeacherForcedContext(NamedTuple):
         return base.segments(num_loops, 1)
 
     def attend(self, group, seg: int, index: base.Index, loop: int, q: Float[Array, "b t h d"],
-               k: Float[Array, "b k t d"], v: Float[Array, "b k t d"]) -> Float[Array, "b t h d"]:
+               k: Float[Array, "b k t d"], v: Float[Array, "b k t d"], skipped: None = None) -> Float[Array, "b t h d"]:
         """Attention of q over the stored K/V of earlier calls and this pass's own K/V (k, v) of the
-        same call, merged exactly (as `CallContext.attend`)."""
+        same call, merged exactly (as `CallContext.attend`; no adaptive exit, so nothing `skipped`)."""
+        _no_adaptive_exit(skipped)
         out = base.dense_partial(q, k, v, self.self_mask)
         if self.stored is not None:
             part = self.stored.looped if group == "looped" else self.stored.plain
@@ -103,11 +104,17 @@ class TeacherForcedContext(NamedTuple):
             out = base.merge(base.dense_partial(q, sk, sv, self.past_mask), out)
         return base.finalize(out).astype(q.dtype)
 
-    def finish(self, looped: tuple[KV, ...], plain: KV | None) -> PassKV:
+    def finish(self, looped: tuple[KV, ...], plain: KV | None, steps_used: None = None) -> PassKV:
         """The pass's K/V: looped per segment [G, p, N, B, K, T, D], plain [1, 1, N_plain, B, K, T, D]."""
+        _no_adaptive_exit(steps_used)
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
         k, v = (jnp.concatenate([flat(kv[i]) for kv in looped]) for i in (0, 1))
         return PassKV((k, v), None if plain is None else tuple(map(flat, plain)))
+
+
+def _no_adaptive_exit(value) -> None:
+    if value is not None:
+        raise ValueError("teacher-forced passes run every loop: Huginn's adaptive exit is not supported here")
 
 
 class TeacherForced(NamedTuple):
