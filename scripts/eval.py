@@ -3,7 +3,7 @@
     python scripts/eval.py --model ouro --out results/ouro
 
 Each row scores the eval split through that format's cache (`rq_jax.eval.loops`): exact match of
-greedy answers (addition, 32-pair retrieval) with a paired-bootstrap 95% CI of the difference to a
+greedy answers (addition, 43-pair retrieval) with a paired-bootstrap 95% CI of the difference to a
 float32 dense cache, agreement with the dense greedy tokens, answer NLL, KL to the dense next-token
 distributions and stdlib bits per byte, beside bits per element and cache bytes per token. Writes
 PREFIX.md, PREFIX.json, PREFIX_accuracy.png (accuracy vs bits per element) and PREFIX_kv_error.png
@@ -38,8 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("huginn", "ouro"), required=True)
     p.add_argument("--checkpoint", help="checkpoint folder (default: the shipped small model)")
     p.add_argument("--loops", type=positive_int, help="loops / recurrence steps (default: the config's)")
-    p.add_argument("--n", type=positive_int, default=1000, help="held-out examples per task")
-    p.add_argument("--retrieval-pairs", type=positive_int, default=32, help="key-value pairs of every retrieval example")
+    p.add_argument("--n", type=positive_int, default=1000, help="held-out answers per task (addition examples, retrieval queries)")
+    p.add_argument("--retrieval-pairs", type=positive_int, default=43, help="key-value pairs of every retrieval example")
     p.add_argument("--text-windows", type=positive_int, default=64, help="stdlib windows for bits per byte")
     p.add_argument("--batch", type=positive_int, default=64, help="rows per compiled call (a multiple of the mesh's data size)")
     p.add_argument("--group-sizes", type=int_list, default=(32, 16), help="group sizes of the ablation ladder")

@@ -1,9 +1,11 @@
 """Generate text with a looped model (Ouro or Huginn) and a chosen KV-cache format.
 
-    python scripts/generate.py --model huginn --prompt "The capital of France is"
+    python scripts/generate.py --model huginn
+    python scripts/generate.py --model huginn --checkpoint ~/weights/huginn-0125 --prompt "The capital of France is"
 
-Without --checkpoint it runs the small model shipped in checkpoints/. Prints the text, prefill and
-decode tokens/s (a warm-up call compiles first), and the KV cache's bytes.
+Without --checkpoint it runs the small model shipped in checkpoints/ (trained on addition, key-value
+retrieval and Python source; the default prompt is a retrieval query it answers). Prints the text,
+prefill and decode tokens/s (a warm-up call compiles first), and the KV cache's bytes against dense bf16.
 
     python scripts/generate.py --model ouro --mesh data=4,model=2      # sharded over 8 devices
 
@@ -36,11 +38,16 @@ FORMAT_OPTIONS = {"dense": {"cache_dtype"}, "uniform": _LOOP, "rotated": _LOOP, 
                   "kivi": {"bits", "group_size", "residual_length"}, "residual_vq": {"calibration"}}
 
 
+#: Seven key-value pairs, then the query "d": the shipped models were trained on this task (rq_jax.data.retrieval).
+SAMPLE_PROMPT = "k3;P8;d5;Z1;w7;A0;f4;\nd"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("huginn", "ouro"), required=True)
     p.add_argument("--checkpoint", help="checkpoint folder or cached hub id (default: the shipped small model)")
-    p.add_argument("--prompt", default="The looped transformer")
+    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue (default: a key-value retrieval "
+                   "query the shipped models answer with 5, then they go on asking and answering their own)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--loops", "--num-steps", dest="loops", type=positive_int,
                    help="loops (Ouro) or recurrence steps (Huginn); default the config's")

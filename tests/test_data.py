@@ -44,33 +44,35 @@ def test_splits_are_disjoint(task):
 def test_addition_format():
     add = Addition(5)
     ex = add.make(123, 4567)
-    assert ex.text == b"00123+04567=096400\n"
-    assert decode(ex.prompt()) == b"00123+04567=" and decode(ex.answer()) == b"096400\n"
+    assert ex.text == b"32100+76540=096400\n"
+    assert decode(ex.prompt()) == b"32100+76540=" and decode(ex.answer()) == b"096400\n"
     assert len(ex) == add.length and ex.num_answers == 1
     for ex in add.examples("eval", 200):
-        a, b = map(int, decode(ex.prompt())[:-1].split(b"+"))
+        a, b = (int(x[::-1]) for x in decode(ex.prompt())[:-1].split(b"+"))
         assert int(decode(ex.answer())[:-1][::-1]) == a + b
     with pytest.raises(ValueError):
         add.make(10**5, 1)
 
 
 def test_retrieval_format_and_curriculum():
-    ret = Retrieval(max_pairs=32, num_queries=8)
-    for ex in ret.examples("eval", 20, num_pairs=32):
-        assert len(ex) == ret.max_length() and ex.num_answers == 8
+    ret = Retrieval()
+    for ex in ret.examples("eval", 20, num_pairs=43):
+        assert len(ex) == ret.max_length() >= 256 and ex.num_answers == 43
         context = decode(ex.tokens).split(b"\n")[0]
-        pairs = dict(p.split(b":") for p in context.split(b";") if p)
-        assert len(pairs) == 32 and len(context) + 1 >= 256
+        pairs = dict((p[:1], p[1:]) for p in context.split(b";") if p)
+        assert len(pairs) == 43 and all(k.isalpha() and v.isdigit() and len(v) == 1 for k, v in pairs.items())
         queried = set()
-        for k in range(1, 9):
-            key = decode(ex.prompt(k))[-4:-1]
-            assert decode(ex.answer(k)) == pairs[key] + b"\n"
+        for k in range(1, 44):
+            key = decode(ex.prompt(k))[-1:]
+            assert decode(ex.answer(k)) == pairs[key]
             queried.add(key)
-        assert len(queried) == 8
+        assert len(queried) == 43
     counts = {len(decode(x.tokens).split(b"\n")[0].split(b";")) - 1 for x in ret.examples("train", 200)}
-    assert min(counts) >= 2 and max(counts) <= 32 and len(counts) > 10
+    assert min(counts) >= 2 and max(counts) <= 43 and len(counts) > 10
     cfg = MixtureConfig(curriculum_start=8, curriculum_steps=100, retrieval=ret)
-    assert cfg.retrieval_max_pairs(0) == 8 and cfg.retrieval_max_pairs(50) == 20 and cfg.retrieval_max_pairs(10**6) == 32
+    assert cfg.retrieval_max_pairs(0) == 8 and cfg.retrieval_max_pairs(50) == 26 and cfg.retrieval_max_pairs(10**6) == 43
+    with pytest.raises(ValueError, match="52 distinct"):
+        Retrieval(max_pairs=53)
 
 
 def test_text_split_by_fixed_modules(text):

@@ -145,7 +145,7 @@ def test_generate_reads_a_calibration_artifact(tmp_path, capsys):
     stops = tuple(i for i in map(tokenizer.token_to_id, load_script().STOP_STRINGS) if i is not None)
     calib = load_calibration(path, model, fmt)
     library = Sampler(model, SamplingConfig(max_new_tokens=3, stop_tokens=stops), fmt, calib=calib)(
-        [tokenizer.encode("The looped transformer").ids])
+        [tokenizer.encode(load_script().SAMPLE_PROMPT).ids])
     np.testing.assert_array_equal(gen.tokens, library.tokens)
     with pytest.raises(SystemExit, match="--calibration"):
         load_script().main(["--model", "ouro", "--max-new-tokens", "2", "--calibration", path])

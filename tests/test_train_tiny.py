@@ -38,7 +38,7 @@ def losses(run_dir):
 
 
 def test_interrupted_run_resumes_exactly(tmp_path, text):
-    cfg = small_config("ouro")
+    cfg = small_config("ouro", one_loop_steps=3)  # the resumed part crosses the switch to two loops
     opts = lambda d, stop: RunOptions(run_dir=str(tmp_path / d), stop_step=stop, eval_every=0, progress=False)  # noqa: E731
     full = Trainer(cfg, opts("full", 5), text)
     full.run()
@@ -56,6 +56,8 @@ def test_interrupted_run_resumes_exactly(tmp_path, text):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert losses(tmp_path / "full") == losses(tmp_path / "resumed")
     assert sorted(losses(tmp_path / "resumed")) == list(range(5))
+    with open(tmp_path / "resumed" / "metrics.jsonl") as f:
+        assert [r["loops"] for r in map(json.loads, f) if "loss" in r] == [1, 1, 1, 2, 2]
     with pytest.raises(ValueError, match="lr"):
         Trainer(TrainConfig(**{**cfg.__dict__, "lr": 1e-4}), opts("resumed", 6), text)
 

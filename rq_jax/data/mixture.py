@@ -32,16 +32,16 @@ class Batch(NamedTuple):
 class MixtureConfig:
     """Rows per task in each batch (`rows`, in TASKS order), sequence length and the curriculum."""
 
-    seq_len: int = 320  # rows hold seq_len + 1 tokens (inputs and shifted targets)
-    rows: tuple[int, int, int] = (6, 6, 4)
+    seq_len: int = 258  # rows hold seq_len + 1 tokens (inputs and shifted targets)
+    rows: tuple[int, int, int] = (2, 6, 1)
     seed: int = 0
     addition: Addition = Addition()
     retrieval: Retrieval = Retrieval()
     prompt_weight: float = 0.0
     #: retrieval's max pair count grows linearly from `curriculum_start` to retrieval.max_pairs over
     #: `curriculum_steps` steps.
-    curriculum_start: int = 8
-    curriculum_steps: int = 2000
+    curriculum_start: int = 4
+    curriculum_steps: int = 3000
 
     @property
     def batch_size(self) -> int:

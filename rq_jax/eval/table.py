@@ -91,14 +91,14 @@ def fit_calibration(model, scheme: Scheme, num_loops: int, *, rows: int = 32, se
 
 @dataclasses.dataclass(frozen=True)
 class Tasks:
-    """The held-out evaluation sets: `n` examples per generated task (eval split; each task's rows as
-    long as its longest example), `text_windows` stdlib windows of `text_len` tokens scored after a
+    """The held-out evaluation sets: `n` answers per generated task (eval split: `n` addition examples,
+    `n` retrieval queries in ⌈n / queries⌉ sequences; each task's rows as long as its longest example), `text_windows` stdlib windows of `text_len` tokens scored after a
     `text_prefix`-token prefill. Bits per element and bytes per token are counted at `length`."""
 
     n: int = 1000
     addition: Addition = Addition()
     retrieval: Retrieval = Retrieval()
-    retrieval_pairs: int | None = 32  # every example at this many pairs (None: the generator's range)
+    retrieval_pairs: int | None = 43  # every example at this many pairs (None: the generator's range)
     text_windows: int = 64
     text_len: int = 256
     text_prefix: int = 64
@@ -108,6 +108,15 @@ class Tasks:
     def length(self) -> int:
         """Row length that holds every example."""
         return max(self.addition.length, self.retrieval.max_length(self.retrieval_pairs), self.text_len)
+
+    def answer_sets(self) -> list[tuple[str, list, int]]:
+        """(task, held-out examples, row length) of the answer tasks: `n` addition examples, and enough
+        retrieval sequences for `n` queries (each query is one answer)."""
+        queries = min(self.retrieval.num_queries, self.retrieval_pairs or self.retrieval.max_pairs)
+        return [("addition", self.addition.examples("eval", self.n, self.seed), self.addition.length),
+                ("retrieval", self.retrieval.examples("eval", -(-self.n // queries), self.seed,
+                                                      num_pairs=self.retrieval_pairs),
+                 self.retrieval.max_length(self.retrieval_pairs))]
 
 
 def evaluate(model, scheme: Scheme, tasks: Tasks, *, batch: int = 32, text: StdlibText | None = None,
@@ -119,10 +128,7 @@ def evaluate(model, scheme: Scheme, tasks: Tasks, *, batch: int = 32, text: Stdl
     `tasks.length` positions, batch 1, all layers). `mesh`: see `loops.CacheScorer`."""
     scorer = loops.CacheScorer(model, scheme.fmt, calib=calib, seed=tasks.seed, mesh=mesh, **model_kwargs)
     row = {"scheme": scheme.label, "ladder": scheme.ladder, "method": scheme.method or "default"}
-    for name, examples, length in (
-            ("addition", tasks.addition.examples("eval", tasks.n, tasks.seed), tasks.addition.length),
-            ("retrieval", tasks.retrieval.examples("eval", tasks.n, tasks.seed, num_pairs=tasks.retrieval_pairs),
-             tasks.retrieval.max_length(tasks.retrieval_pairs))):
+    for name, examples, length in tasks.answer_sets():
         progress(f"{scheme.label}: {name}")
         scores, _, answer_id = loops.score_examples(scorer, examples, length, batch)
         row[name] = loops.task_metrics(scores, answer_id)

@@ -65,10 +65,18 @@ class TrainConfig:
     #: Re-initialise the token embedding [vocab, hidden] as N(0, embed_std²) (None: the model's init_std).
     #: Ouro adds unit-RMS normed branch outputs to the embedding, so a 0.02 embedding is drowned at init.
     embed_std: float | None = None
+    #: The first `one_loop_steps` steps run one loop (one recurrence step), the rest `num_loops`: the
+    #: retrieval circuit (an induction head) forms within a few hundred steps through one loop but
+    #: stays at chance for a thousand through four, and survives the switch after a brief dip.
+    one_loop_steps: int = 0
 
     @property
     def num_loops(self) -> int:
         return self.loops or self.model.num_loops
+
+    def loops_at(self, step: int) -> int:
+        """Loops the training forward of `step` runs."""
+        return 1 if step < self.one_loop_steps else self.num_loops
 
     def to_json(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))

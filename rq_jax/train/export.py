@@ -53,12 +53,14 @@ for testing compressed KV caches. Byte-level tokenizer (259 ids: 3 specials, the
 - Weights: {info['bytes']} bytes ({info['storage_dtype']}), trained {info['step']} steps
   ({info['tokens_seen']:,} tokens, {info['train_seconds'] / 3600:.2f} h of training wall time)
 - Data: a mixture per batch of {d.rows[0]} addition rows (up to {d.addition.max_digits}-digit operands, zero-padded,
-  answer digits reversed), {d.rows[1]} key–value retrieval rows (curriculum up to {d.retrieval.max_pairs} pairs,
-  {d.retrieval.num_queries} queries each) and {d.rows[2]} rows of Python {data['python_version']} standard-library source
+  operands and answer least significant digit first), {d.rows[1]} key–value retrieval rows (one-letter keys,
+  one-digit values; pair count growing from {d.curriculum_start} to {d.retrieval.max_pairs} over {d.curriculum_steps} steps,
+  up to {d.retrieval.num_queries} queries each) and {d.rows[2]} rows of Python {data['python_version']} standard-library source
   ({data['train_modules']} training modules; held out for evaluation: {', '.join(data['eval_modules'])}; for
   calibration: {', '.join(data['calib_modules'])}). Sequence length {d.seq_len}. Splits never overlap.
 - Optimizer: AdamW (lr {cfg.lr}, warm-up {cfg.warmup_steps}, cosine to {cfg.lr * cfg.final_lr_frac:g} at step
-  {cfg.total_steps}, weight decay {cfg.weight_decay}, clip {cfg.clip_norm}), seed {cfg.seed}
+  {cfg.total_steps}, weight decay {cfg.weight_decay}, clip {cfg.clip_norm}), seed {cfg.seed}; the first {cfg.one_loop_steps}
+  steps ran one loop, the rest {info['loops']}
 
 ## Dense-cache held-out results
 

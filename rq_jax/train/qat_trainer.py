@@ -292,10 +292,7 @@ class QATTrainer:
         else:
             self._scorer.params = nnx.state(self.model())
         out = {}
-        for name, examples, length in (
-                ("addition", tasks.addition.examples("eval", tasks.n, tasks.seed), tasks.addition.length),
-                ("retrieval", tasks.retrieval.examples("eval", tasks.n, tasks.seed, num_pairs=tasks.retrieval_pairs),
-                 tasks.retrieval.max_length(tasks.retrieval_pairs))):
+        for name, examples, length in tasks.answer_sets():
             scores, _, answer_id = eval_loops.score_examples(self._scorer, examples, length, batch)
             m = eval_loops.task_metrics(scores, answer_id)
             out.update({f"{name}_acc": m["accuracy"], f"{name}_dense_acc": m["dense_accuracy"],

@@ -72,17 +72,21 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
 def make_train_step(graphdef, rest, cfg: TrainConfig, mesh: Mesh | None = None) -> Callable:
     """(params, opt_state, tokens [B, L+1], weights [B, L], task [B], step) → (params, opt_state, metrics),
     jitted (compiled once per (graphdef, cfg, mesh) in a process). `step` seeds Huginn's random initial
-    state. With a mesh the new params and Adam moments keep `sharding.param_specs`, metrics are replicated."""
-    fn = _jitted_train_step(graphdef, cfg, mesh)
+    state and picks the loop count (`TrainConfig.loops_at`). With a mesh the new params and Adam moments
+    keep `sharding.param_specs`, metrics are replicated."""
     as_step = jnp.int32 if mesh is None else np.int32  # a host scalar is a valid input on any mesh
-    return lambda params, opt_state, tokens, weights, task, step: fn(params, rest, opt_state, tokens, weights, task,
-                                                                    as_step(step))
+
+    def train_step(params, opt_state, tokens, weights, task, step):
+        fn = _jitted_train_step(graphdef, cfg, mesh, cfg.loops_at(step))
+        return fn(params, rest, opt_state, tokens, weights, task, as_step(step))
+
+    return train_step
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_train_step(graphdef, cfg: TrainConfig, mesh: Mesh | None = None) -> Callable:
+def _jitted_train_step(graphdef, cfg: TrainConfig, mesh: Mesh | None, loops: int) -> Callable:
     tx, _ = make_optimizer(cfg)
-    kw = evaluate.forward_kwargs(cfg.model.family, cfg.num_loops)
+    kw = evaluate.forward_kwargs(cfg.model.family, loops)
     task_w = np.asarray(cfg.task_weights, np.float32) * (np.asarray(cfg.data.rows) > 0)
 
     random_state = cfg.random_state and cfg.model.family == "huginn"
@@ -279,7 +283,7 @@ class Trainer:
                         **{f"loss_{t}": float(v) for t, v in zip(TASKS, per_task)},
                         "lr": float(self.schedule(self.step)), "grad_norm": float(m["grad_norm"]),
                         "tokens_per_s": weights.size / dt, "s_per_step": dt,
-                        "retrieval_max_pairs": cfg.data.retrieval_max_pairs(self.step),
+                        "retrieval_max_pairs": cfg.data.retrieval_max_pairs(self.step), "loops": cfg.loops_at(self.step),
                         "train_seconds": self.train_seconds}
                 self.run_dir.log(last)
                 self.step += 1
