@@ -149,3 +149,12 @@ def test_generate_reads_a_calibration_artifact(tmp_path, capsys):
     np.testing.assert_array_equal(gen.tokens, library.tokens)
     with pytest.raises(SystemExit, match="--calibration"):
         load_script().main(["--model", "ouro", "--max-new-tokens", "2", "--calibration", path])
+
+
+@pytest.mark.parametrize("model", ["huginn", "ouro"])
+def test_shipped_models_answer_the_sample_prompt(model, capsys):
+    """The default run (the residual cache) answers the default retrieval query: "d" → "5"."""
+    load_script().main(["--model", model])
+    out = capsys.readouterr().out
+    assert "[trained]" in out and "KV cache (residual" in out
+    assert printed(out, r"generated: '(.*)'")[0].startswith("5;")

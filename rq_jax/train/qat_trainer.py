@@ -30,8 +30,6 @@ import functools
 import json
 import os
 import shutil
-import signal
-import sys
 import time
 from typing import Any
 
@@ -53,7 +51,7 @@ from rq_jax.train import lora
 from rq_jax.train.config import TrainConfig, diff
 from rq_jax.train.evaluate import forward_kwargs
 from rq_jax.train.qat import fake_quant_forward, format_calib, supports_fake_quant
-from rq_jax.train.run_dir import RunDir
+from rq_jax.train.run_dir import RunDir, run_steps
 from rq_jax.train.trainer import RunOptions, make_optimizer
 
 TRAINABLE = ("all", "attn_norms", "lora")
@@ -303,13 +301,6 @@ class QATTrainer:
             out.update(text_bpb=m["bpb"], text_dense_bpb=m["dense_bpb"], text_kl=m["kl"])
         return out
 
-    def _eval_and_log(self, bar) -> dict[str, float]:
-        t0 = time.time()
-        ev = self.evaluate()
-        self.run_dir.log({"step": self.step, "eval": ev, "eval_seconds": time.time() - t0})
-        bar.write(f"step {self.step} eval " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
-        return ev
-
     # ---- the loop ----------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
         """Run training step `step` on its batch, updating the trainable state; returns its metrics."""
@@ -322,53 +313,31 @@ class QATTrainer:
     def run(self) -> dict | None:
         """Train from the current step until stop_step / total_steps / max_minutes or SIGTERM/SIGINT,
         checkpointing every ckpt_every_s and on exit; evaluate every eval_every steps (and before the
-        first step, as the starting point). Returns the last step's record."""
-        from tqdm import tqdm
-
+        first step, as the starting point). Returns the last step's record (`run_dir.run_steps`)."""
         tc, o = self.cfg.train, self.opts
         stop = min(o.stop_step if o.stop_step is not None else tc.total_steps, tc.total_steps)
         # a resumed run drops what it writes again: training steps ≥ the current step, evals after it (and
         # the starting eval when it resumes at step 0)
         self.run_dir.truncate_log(lambda r: r["step"] < self.step or (r["step"] == self.step > 0 and "eval" in r))
-        stopping = []
-        handlers = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGTERM, signal.SIGINT)}
-        start_wall = last_ckpt = time.time()
-        last = None
-        bar = tqdm(total=stop, initial=self.step, disable=not o.progress, dynamic_ncols=True,
-                   mininterval=1.0 if sys.stderr.isatty() else 60.0, desc=f"qat {self.fmt.name}")
-        tokens = tc.data.batch_size * tc.data.seq_len
-        try:
-            if o.eval_every and self.step == 0 and self.step < stop:
-                self._eval_and_log(bar)
-            while self.step < stop and not stopping:
-                if o.max_minutes is not None and time.time() - start_wall > 60 * o.max_minutes:
-                    break
-                t0 = time.time()
-                m = self.train_step(self.step)
-                loss = float(m["loss"])
-                dt = time.time() - t0
-                self.train_seconds += dt
-                last = {"step": self.step, "loss": loss, "nll": float(m["nll"]),
-                        **{f"loss_{t}": float(v) for t, v in zip(TASKS, np.asarray(m["per_task"]))},
-                        "kl_dense": float(m["kl_dense"]),
-                        **({"kl_teacher": float(m["kl_teacher"])} if "kl_teacher" in m else {}),
-                        "lr": float(self.schedule(self.step)), "grad_norm": float(m["grad_norm"]),
-                        "tokens_per_s": tokens / dt, "s_per_step": dt, "train_seconds": self.train_seconds}
-                self.run_dir.log(last)
-                self.step += 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", kl=f"{last['kl_dense']:.4f}", refresh=False)
-                if o.eval_every and self.step % o.eval_every == 0:
-                    self._eval_and_log(bar)
-                if time.time() - last_ckpt > o.ckpt_every_s:
-                    self.save()
-                    last_ckpt = time.time()
-        finally:
-            bar.close()
-            self.save()
-            for s, h in handlers.items():
-                signal.signal(s, h)
-        return last
+        return run_steps(self.run_dir, self.step, stop, o, train=self._train_one, evaluate=self.evaluate,
+                         save=self.save, desc=f"qat {self.fmt.name}", eval_at_start=self.step == 0)
+
+    def _train_one(self, step: int) -> tuple[dict, dict]:
+        """Train step `step` (the current one) and advance: (its log record, the bar's postfix)."""
+        t0 = time.time()
+        m = self.train_step(step)
+        loss = float(m["loss"])
+        dt = time.time() - t0
+        self.train_seconds += dt
+        self.step = step + 1
+        tc = self.cfg.train
+        record = {"step": step, "loss": loss, "nll": float(m["nll"]),
+                  **{f"loss_{t}": float(v) for t, v in zip(TASKS, np.asarray(m["per_task"]))},
+                  "kl_dense": float(m["kl_dense"]), **({"kl_teacher": float(m["kl_teacher"])} if "kl_teacher" in m else {}),
+                  "lr": float(self.schedule(step)), "grad_norm": float(m["grad_norm"]),
+                  "tokens_per_s": tc.data.batch_size * tc.data.seq_len / dt, "s_per_step": dt,
+                  "train_seconds": self.train_seconds}
+        return record, dict(loss=f"{loss:.3f}", kl=f"{record['kl_dense']:.4f}")
 
     # ---- export ----------------------------------------------------------------------------------
     def logged_eval(self, step: int) -> dict[str, float] | None:

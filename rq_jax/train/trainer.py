@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import signal
-import sys
 import time
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -33,7 +31,7 @@ from rq_jax.data import TASKS, Addition, Mixture, Retrieval, StdlibText
 from rq_jax.models import init_model
 from rq_jax.train import evaluate
 from rq_jax.train.config import TrainConfig, diff
-from rq_jax.train.run_dir import RunDir
+from rq_jax.train.run_dir import RunDir, run_steps
 
 
 @dataclasses.dataclass
@@ -255,53 +253,28 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> dict | None:
         """Train from the current step until stop_step / total_steps / max_minutes or SIGTERM/SIGINT,
-        checkpointing every ckpt_every_s and on exit. Returns the last step's metrics."""
-        from tqdm import tqdm
-
+        checkpointing every ckpt_every_s and on exit (`run_dir.run_steps`). Returns the last step's metrics."""
         cfg, o = self.cfg, self.opts
         stop = min(o.stop_step if o.stop_step is not None else cfg.total_steps, cfg.total_steps)
         # a resumed run drops the records it writes again: training steps ≥ the current step, evals after it
         self.run_dir.truncate_log(lambda r: r["step"] <= self.step if "eval" in r else r["step"] < self.step)
-        stopping = []
-        handlers = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGTERM, signal.SIGINT)}
-        start_wall = last_ckpt = time.time()
-        last = None
-        bar = tqdm(total=stop, initial=self.step, disable=not (o.progress and self.is_main), dynamic_ncols=True,
-                   mininterval=1.0 if sys.stderr.isatty() else 60.0, desc=f"{cfg.model.family}")
-        try:
-            while self.step < stop and not stopping:
-                if o.max_minutes is not None and time.time() - start_wall > 60 * o.max_minutes:
-                    break
-                t0 = time.time()
-                tokens, weights, task = self.batch(self.step)
-                self.params, self.opt_state, m = self._train_step(self.params, self.opt_state, tokens, weights, task,
-                                                                  self.step)
-                loss, per_task = float(m["loss"]), np.asarray(m["per_task"])
-                dt = time.time() - t0
-                self.train_seconds += dt
-                last = {"step": self.step, "loss": loss,
-                        **{f"loss_{t}": float(v) for t, v in zip(TASKS, per_task)},
-                        "lr": float(self.schedule(self.step)), "grad_norm": float(m["grad_norm"]),
-                        "tokens_per_s": weights.size / dt, "s_per_step": dt,
-                        "retrieval_max_pairs": cfg.data.retrieval_max_pairs(self.step), "loops": cfg.loops_at(self.step),
-                        "train_seconds": self.train_seconds}
-                self.run_dir.log(last)
-                self.step += 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", add=f"{per_task[0]:.2f}", ret=f"{per_task[1]:.2f}",
-                                txt=f"{per_task[2]:.2f}", refresh=False)
-                if o.eval_every and self.step % o.eval_every == 0:
-                    t1 = time.time()
-                    ev = self.evaluate()
-                    self.run_dir.log({"step": self.step, "eval": ev, "eval_seconds": time.time() - t1})
-                    if self.is_main:
-                        bar.write(f"step {self.step} eval " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
-                if time.time() - last_ckpt > o.ckpt_every_s:
-                    self.save()
-                    last_ckpt = time.time()
-        finally:
-            bar.close()
-            self.save()
-            for s, h in handlers.items():
-                signal.signal(s, h)
-        return last
+        return run_steps(self.run_dir, self.step, stop, o, train=self._train_one, evaluate=self.evaluate,
+                         save=self.save, desc=cfg.model.family)
+
+    def _train_one(self, step: int) -> tuple[dict, dict]:
+        """Train step `step` (the current one) and advance: (its log record, the bar's postfix)."""
+        cfg = self.cfg
+        t0 = time.time()
+        tokens, weights, task = self.batch(step)
+        self.params, self.opt_state, m = self._train_step(self.params, self.opt_state, tokens, weights, task, step)
+        loss, per_task = float(m["loss"]), np.asarray(m["per_task"])
+        dt = time.time() - t0
+        self.train_seconds += dt
+        self.step = step + 1
+        record = {"step": step, "loss": loss, **{f"loss_{t}": float(v) for t, v in zip(TASKS, per_task)},
+                  "lr": float(self.schedule(step)), "grad_norm": float(m["grad_norm"]),
+                  "tokens_per_s": weights.size / dt, "s_per_step": dt,
+                  "retrieval_max_pairs": cfg.data.retrieval_max_pairs(step), "loops": cfg.loops_at(step),
+                  "train_seconds": self.train_seconds}
+        return record, dict(loss=f"{loss:.3f}", add=f"{per_task[0]:.2f}", ret=f"{per_task[1]:.2f}",
+                            txt=f"{per_task[2]:.2f}")
