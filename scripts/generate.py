@@ -4,7 +4,7 @@
     python scripts/generate.py --model huginn --checkpoint ~/weights/huginn-0125 --prompt "The capital of France is"
 
 Without --checkpoint it runs the small model shipped in checkpoints/ (trained on addition, key-value
-retrieval and Python source; the default prompt is a retrieval query it answers). Prints the text,
+retrieval and Python source; the default prompt is a held-out sum it answers). Prints the text,
 prefill and decode tokens/s (a warm-up call compiles first), and the KV cache's bytes against dense bf16.
 
     python scripts/generate.py --model ouro --mesh data=4,model=2      # sharded over 8 devices
@@ -38,16 +38,27 @@ FORMAT_OPTIONS = {"dense": {"cache_dtype"}, "uniform": _LOOP, "rotated": _LOOP, 
                   "kivi": {"bits", "group_size", "residual_length"}, "residual_vq": {"calibration"}}
 
 
-#: Seven key-value pairs, then the query "d": the shipped models were trained on this task (rq_jax.data.retrieval).
-SAMPLE_PROMPT = "k3;P8;d5;Z1;w7;A0;f4;\nd"
+#: 71226 + 98 with every number written least significant digit first (rq_jax.data.addition), the first
+#: held-out addition example: the shipped models answer "423170" (071324) and stop at the newline.
+SAMPLE_PROMPT = "62217+89000="
+
+
+def eos_ids(folder: str) -> tuple[int, ...]:
+    """The checkpoint's end-of-sequence ids: generation_config.json's `eos_token_id` (an id or a list)."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("huginn", "ouro"), required=True)
     p.add_argument("--checkpoint", help="checkpoint folder or cached hub id (default: the shipped small model)")
-    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue (default: a key-value retrieval "
-                   "query the shipped models answer with 5, then they go on asking and answering their own)")
+    p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue (default: a held-out sum the "
+                   "shipped models were trained to answer, see SAMPLE_PROMPT)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--loops", "--num-steps", dest="loops", type=positive_int,
                    help="loops (Ouro) or recurrence steps (Huginn); default the config's")
@@ -127,7 +138,7 @@ def main(argv=None):
         tokenizer = load_tokenizer(folder)
     except FileNotFoundError as err:
         sys.exit(f"generate.py: {err} (the checkpoint needs its tokenizer.json)")
-    stops = tuple(i for i in map(tokenizer.token_to_id, STOP_STRINGS) if i is not None)
+    stops = tuple(i for i in map(tokenizer.token_to_id, STOP_STRINGS) if i is not None) + eos_ids(folder)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, stop_tokens=stops)
     if args.model == "ouro":

@@ -316,7 +316,9 @@ def test_calibrate_script(tmp_path, capsys):
     assert "L_K before" in stdout and "saved:" in stdout
     meta, arrays = read_artifact(out)
     assert meta["method"] == "oscar" and meta["data"]["fit"]["part"] == "fit"
-    assert arrays["looped/0/key_rot"].shape == (1, 2, 4, 32, 32)
+    c = json.loads((REPO / "checkpoints" / "ouro-small" / "config.json").read_text())
+    assert arrays["looped/0/key_rot"].shape == (1, c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"],
+                                                c["head_dim"])
     code, _, stderr = run_script([*args, "--out", str(out)], capsys)
     assert code != 0 and "exists and is not empty" in stderr
     code, _, stderr = run_script([*args, "--cache", "residual_vq"], capsys)

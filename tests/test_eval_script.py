@@ -30,14 +30,15 @@ def test_eval_writes_the_table_json_and_figures(tmp_path):
     length = 256  # the text windows are the longest rows
     cache = init_cache(model.config, 1, length, get_format("residual", group_size=32))
     assert rows["[2,2,2,4] g32 oscar"]["bytes_per_token"] == cache_nbytes(cache) / length
-    assert rows["[2,2,2,4] g32 oscar"]["bits_per_element"] == pytest.approx(3.375)
+    bits = float(get_format("residual", group_size=32).bits_per_element(4, model.config.head_dim))
+    assert rows["[2,2,2,4] g32 oscar"]["bits_per_element"] == pytest.approx(bits)
     mixed = rows["[2,2,2,4] g32 oscar"]
     assert mixed["retrieval"]["kl"] > 0 and 0 <= mixed["addition"]["agreement"] <= 1
     assert len(result["kv_error"]["k_layer"]) == 4 and len(result["kv_error"]["k_layer"][0]) == model.config.num_layers
     cal = mixed["calibration"]  # OSCAR fitted on the calib split: per-head holdout losses before/after
     assert set(cal) == {"key_before", "key_after", "value_before", "value_after"} and cal["key_before"] > 0
     text = out.with_suffix(".md").read_text()
-    assert "| [2,2,2,4] g32 oscar | 3.375 |" in text and "Calibrated rotations" in text
+    assert f"| [2,2,2,4] g32 oscar | {bits:.3f} |" in text and "Calibrated rotations" in text
     for fig in ("_accuracy.png", "_kv_error.png"):
         assert (tmp_path / f"ouro{fig}").stat().st_size > 1000
 

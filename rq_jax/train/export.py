@@ -27,7 +27,10 @@ def export_hf(trainer, folder: str, accuracies: dict[str, float], command: str, 
     }
     model = trainer.model()
     save_hf(model, folder, dtype=dtype, extra_config={"rq_jax": info})
-    byte_level_tokenizer().save(os.path.join(folder, "tokenizer.json"))
+    tokenizer = byte_level_tokenizer()
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:  # answers end at "\n" or ";"
+        json.dump({"eos_token_id": [tokenizer.token_to_id(t) for t in ("<|endoftext|>", "Ċ", ";")]}, f, indent=2)
     size = os.path.getsize(os.path.join(folder, "model.safetensors"))
     if size > MAX_BYTES:
         raise ValueError(f"model.safetensors is {size} bytes, over the {MAX_BYTES}-byte budget")
