@@ -184,10 +184,13 @@ class CacheFormat(Protocol):
 
 
 def reference_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int,
-                     q: Float[Array, "b t h d"], lengths: Int[Array, "b"], calib: Any) -> Partial:
-    """"Decode the stored slot, then dense attention": the reference every format's `attend` must equal."""
+                     q: Float[Array, "b t h d"], lengths: Int[Array, "b"], calib: Any,
+                     visible: Bool[Array, "b s"] | None = None) -> Partial:
+    """"Decode the stored slot, then dense attention": the reference every format's `attend` must equal.
+    `visible` further hides stored positions (e.g. steps a token skipped, `KVCache.steps`)."""
     k, v = fmt.reconstruct(state, index, loop, lengths, calib)
-    return dense_partial(q, k, v, past_mask(lengths, q.shape[1], k.shape[2]))
+    mask = past_mask(lengths, q.shape[1], k.shape[2])
+    return dense_partial(q, k, v, mask if visible is None else mask & visible[:, None, :])
 
 
 FormatFactory = Callable[..., CacheFormat]

@@ -271,9 +271,8 @@ class CallContext(NamedTuple):
             calib = None if calib is None else calib[seg]
             if hide:
                 number = segs[seg].start + index[0] * segs[seg].size + loop  # the loop this slot holds
-                pk, pv = fmt.reconstruct(state, index, loop, self.cache.lengths, calib)
-                seen = base.valid_tokens(self.cache.lengths, pk.shape[2]) & (self.cache.steps > number)
-                past = base.dense_partial(q, pk, pv, jnp.broadcast_to(seen[:, None], (*q.shape[:2], pk.shape[2])))
+                past = base.reference_attend(fmt, state, index, loop, q, self.cache.lengths, calib,
+                                             visible=self.cache.steps > number)
             else:
                 past = fmt.attend(state, index, loop, q, self.cache.lengths, calib)
             out = base.merge(past, out)
