@@ -56,6 +56,8 @@ def make_parser():
     g.add_argument("--curriculum-steps", type=int, default=3000)
     g.add_argument("--prompt-weight", type=float, default=0.0)
     g.add_argument("--zero-state", action="store_true", help="huginn: train from a zero initial state, not noise")
+    g.add_argument("--init-weights", metavar="DIR", help="a second stage: start from the weights of a model that "
+                   "an earlier run exported (--export), with a fresh optimizer and schedule")
     r = p.add_argument_group("run control")
     r.add_argument("--stop-step", type=int, default=None, help="stop before this step (default: total steps)")
     r.add_argument("--max-minutes", type=float, default=None)
@@ -93,7 +95,7 @@ def build_config(a) -> TrainConfig:
                        warmup_steps=a.warmup, total_steps=a.total_steps, final_lr_frac=a.final_lr_frac,
                        weight_decay=a.weight_decay, b2=a.b2, clip_norm=a.clip, seed=a.seed,
                        task_weights=tuple(float(x) for x in a.task_weights.split(",")), random_state=not a.zero_state,
-                       embed_std=a.embed_std, one_loop_steps=a.one_loop_steps)
+                       embed_std=a.embed_std, one_loop_steps=a.one_loop_steps, init_weights=a.init_weights)
 
 
 def main(argv=None):

@@ -168,6 +168,35 @@ def test_cli_trains_resumes_and_exports(tmp_path):
     assert "--hidden 64" in card and "--lr 0.001" in card and "trained 2 steps" in card
     with pytest.raises(ValueError, match="lr"):
         cli.main(flags + ["--lr", "3e-3", "--stop-step", "3"])
+    stage2 = flags[:3] + [str(tmp_path / "run2")] + flags[4:] + ["--init-weights", str(tmp_path / "hf")]
+    cli.main(stage2 + ["--stop-step", "1", "--export", str(tmp_path / "hf2"), "--export-n", "8"])
+    card = open(tmp_path / "hf2" / "README.md").read()
+    assert "trained 2 + 1 steps in 2 stages" in card
+    first, second = card.split("## Reproduce")[1].strip().strip("`").strip().splitlines()
+    assert "--init-weights" not in first and first.endswith(f"--export {tmp_path / 'hf'}")
+    assert second.endswith(f"--init-weights {tmp_path / 'hf'}") and str(tmp_path / "run2") in second
+
+
+def test_second_stage_starts_from_exported_weights(tmp_path, text):
+    from rq_jax.train.export import export_hf
+
+    cfg = small_config("ouro")
+    first = Trainer(cfg, RunOptions(run_dir=str(tmp_path / "a"), stop_step=2, eval_every=0, progress=False), text)
+    first.run()
+    export_hf(first, str(tmp_path / "hf"), {}, "first", dtype=np.float32)
+    second = Trainer(TrainConfig(**{**cfg.__dict__, "init_weights": str(tmp_path / "hf"), "seed": 1}),
+                     RunOptions(run_dir=str(tmp_path / "b"), eval_every=0, progress=False), text)
+    assert second.step == 0
+    for a, b in zip(params_of(first), params_of(second), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="embed_std"):
+        Trainer(TrainConfig(**{**cfg.__dict__, "init_weights": str(tmp_path / "hf"), "embed_std": 1.0}),
+                RunOptions(run_dir=str(tmp_path / "c"), progress=False), text)
+    other = TrainConfig(**{**cfg.__dict__, "model": tiny_model_config("ouro", hidden_size=64, num_heads=1, num_kv_heads=1,
+                                                                         intermediate_size=128, num_layers=1, num_loops=2),
+                           "init_weights": str(tmp_path / "hf")})
+    with pytest.raises(ValueError, match="another model config"):
+        Trainer(other, RunOptions(run_dir=str(tmp_path / "d"), progress=False), text)
 
 
 def test_embedding_reinit(tmp_path, text):

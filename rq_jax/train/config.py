@@ -69,6 +69,9 @@ class TrainConfig:
     #: retrieval circuit (an induction head) forms within a few hundred steps through one loop but
     #: stays at chance for a thousand through four, and survives the switch after a brief dip.
     one_loop_steps: int = 0
+    #: Start from the weights of this exported model folder (`--export` of an earlier run) instead of
+    #: the seeded init: a second training stage, with a fresh optimizer and schedule from step 0.
+    init_weights: str | None = None
 
     @property
     def num_loops(self) -> int:

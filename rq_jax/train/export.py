@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 
 import ml_dtypes
 import numpy as np
@@ -25,6 +26,11 @@ def export_hf(trainer, folder: str, accuracies: dict[str, float], command: str, 
         "dense_accuracy": accuracies, "data": trainer.text.describe(), "train_config": cfg.to_json(),
         "command": command, "python_version": platform.python_version(), "storage_dtype": np.dtype(dtype).name,
     }
+    if cfg.init_weights is not None:  # a second stage: keep the first stage's facts for the card
+        with open(os.path.join(cfg.init_weights, "config.json")) as f:
+            info["previous"] = json.load(f).get("rq_jax")
+        if info["previous"] is None:
+            raise ValueError(f"{cfg.init_weights} was not exported by train_tiny.py (its config.json has no 'rq_jax')")
     model = trainer.model()
     save_hf(model, folder, dtype=dtype, extra_config={"rq_jax": info})
     tokenizer = byte_level_tokenizer()
@@ -47,14 +53,21 @@ def model_card(info: dict, cfg) -> str:
             f"Huginn: prelude {m.num_prelude} + core {m.num_layers} × {info['loops']} recurrence steps + coda {m.num_coda}")
     acc = "\n".join(f"| {k} | {v:.4f} |" for k, v in info["dense_accuracy"].items())
     data = info["data"]
+    chain = stages(info)
+    steps = " + ".join(str(s["step"]) for s in chain)
+    trained = (f"trained {steps} steps" if len(chain) == 1 else
+               f"trained {steps} steps in {len(chain)} stages, each starting from the weights the one before exported")
+    tokens, seconds = sum(s["tokens_seen"] for s in chain), sum(s["train_seconds"] for s in chain)
+    commands = "\n".join(s["command"] + (f" --export {shlex.quote(nxt['train_config']['init_weights'])}" if nxt else "")
+                         for s, nxt in zip(chain, chain[1:] + [None]))
     return f"""# tiny {m.family} (rq_jax)
 
 A small looped transformer trained from scratch by `scripts/train_tiny.py` on offline, generated data,
 for testing compressed KV caches. Byte-level tokenizer (259 ids: 3 specials, then the 256 bytes).
 
 - Architecture: {arch}; hidden {m.hidden_size}, {m.num_heads} heads × head_dim {m.head_dim}, MLP {m.intermediate_size}, vocab {m.vocab_size}
-- Weights: {info['bytes']} bytes ({info['storage_dtype']}), trained {info['step']} steps
-  ({info['tokens_seen']:,} tokens, {info['train_seconds'] / 3600:.2f} h of training wall time)
+- Weights: {info['bytes']} bytes ({info['storage_dtype']}), {trained}
+  ({tokens:,} tokens, {seconds / 3600:.2f} h of training wall time)
 - Data: a mixture per batch of {d.rows[0]} addition rows (up to {d.addition.max_digits}-digit operands, zero-padded,
   operands and answer least significant digit first), {d.rows[1]} key–value retrieval rows (one-letter keys,
   one-digit values; pair count growing from {d.curriculum_start} to {d.retrieval.max_pairs} over {d.curriculum_steps} steps,
@@ -63,7 +76,7 @@ for testing compressed KV caches. Byte-level tokenizer (259 ids: 3 specials, the
   calibration: {', '.join(data['calib_modules'])}). Sequence length {d.seq_len}. Splits never overlap.
 - Optimizer: AdamW (lr {cfg.lr}, warm-up {cfg.warmup_steps}, cosine to {cfg.lr * cfg.final_lr_frac:g} at step
   {cfg.total_steps}, weight decay {cfg.weight_decay}, clip {cfg.clip_norm}), seed {cfg.seed}; the first {cfg.one_loop_steps}
-  steps ran one loop, the rest {info['loops']}
+  steps ran one loop, the rest {info['loops']}{'' if len(chain) == 1 else ' (the last stage; the commands below give every stage)'}
 
 ## Dense-cache held-out results
 
@@ -79,6 +92,14 @@ split, dense cache, {info['loops']} loops.
 ## Reproduce
 
 ```
-{info['command']}
+{commands}
 ```
 """
+
+
+def stages(info: dict) -> list[dict]:
+    """The card facts of every training stage behind `info`, first stage first (see TrainConfig.init_weights)."""
+    chain = [info]
+    while chain[0].get("previous"):
+        chain.insert(0, chain[0]["previous"])
+    return chain

@@ -127,6 +127,24 @@ def reinit_embedding(params, cfg: TrainConfig):
                         params)
 
 
+def load_weights(folder: str, cfg: TrainConfig, like):
+    """The float32 params of the exported model in `folder`, in the tree of `like` (the run's params).
+
+    Raises ValueError if `folder`'s model config differs from `cfg.model` or `cfg.embed_std` is set
+    (a re-initialised embedding would discard the loaded one)."""
+    from rq_jax.convert.hf import load_model
+
+    if cfg.embed_std is not None:
+        raise ValueError("init_weights and embed_std exclude each other: embed_std would redraw the loaded embedding")
+    model, saved = load_model(folder)
+    if saved != cfg.model:
+        raise ValueError(f"{folder} holds another model config than the run's:\n  saved:     {saved}\n  requested: {cfg.model}")
+    params = nnx.state(model, nnx.Param)
+    if jax.tree.structure(params) != jax.tree.structure(like):
+        raise ValueError(f"{folder} does not match the model's parameter tree")
+    return params
+
+
 class Trainer:
     """Builds (or restores from `opts.run_dir`) a run of `cfg` and trains it; see `run`."""
 
@@ -136,7 +154,9 @@ class Trainer:
         self.mixture = Mixture(cfg.data, self.text)
         model = init_model(cfg.model, cfg.seed)
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        if cfg.embed_std is not None:
+        if cfg.init_weights is not None:
+            self.params = load_weights(cfg.init_weights, cfg, self.params)
+        elif cfg.embed_std is not None:
             self.params = reinit_embedding(self.params, cfg)
         self.tx, self.schedule = make_optimizer(cfg)
         self.mesh = opts.mesh
