@@ -58,6 +58,10 @@ def model_card(info: dict, cfg) -> str:
     trained = (f"trained {steps} steps" if len(chain) == 1 else
                f"trained {steps} steps in {len(chain)} stages, each starting from the weights the one before exported")
     tokens, seconds = sum(s["tokens_seen"] for s in chain), sum(s["train_seconds"] for s in chain)
+    pairs = (f"pair count growing from {d.curriculum_start} to {d.retrieval.max_pairs} over {d.curriculum_steps} steps"
+             if d.curriculum_start < d.retrieval.max_pairs else f"{d.retrieval.min_pairs} to {d.retrieval.max_pairs} pairs")
+    loops = (f"the first {cfg.one_loop_steps} steps ran one loop, the rest {info['loops']}" if cfg.one_loop_steps
+             else f"{info['loops']} loops throughout")
     commands = "\n".join(s["command"] + (f" --export {shlex.quote(nxt['train_config']['init_weights'])}" if nxt else "")
                          for s, nxt in zip(chain, chain[1:] + [None]))
     return f"""# tiny {m.family} (rq_jax)
@@ -70,13 +74,13 @@ for testing compressed KV caches. Byte-level tokenizer (259 ids: 3 specials, the
   ({tokens:,} tokens, {seconds / 3600:.2f} h of training wall time)
 - Data: a mixture per batch of {d.rows[0]} addition rows (up to {d.addition.max_digits}-digit operands, zero-padded,
   operands and answer least significant digit first), {d.rows[1]} key–value retrieval rows (one-letter keys,
-  one-digit values; pair count growing from {d.curriculum_start} to {d.retrieval.max_pairs} over {d.curriculum_steps} steps,
+  one-digit values; {pairs},
   up to {d.retrieval.num_queries} queries each) and {d.rows[2]} rows of Python {data['python_version']} standard-library source
   ({data['train_modules']} training modules; held out for evaluation: {', '.join(data['eval_modules'])}; for
   calibration: {', '.join(data['calib_modules'])}). Sequence length {d.seq_len}. Splits never overlap.
 - Optimizer: AdamW (lr {cfg.lr}, warm-up {cfg.warmup_steps}, cosine to {cfg.lr * cfg.final_lr_frac:g} at step
-  {cfg.total_steps}, weight decay {cfg.weight_decay}, clip {cfg.clip_norm}), seed {cfg.seed}; the first {cfg.one_loop_steps}
-  steps ran one loop, the rest {info['loops']}{'' if len(chain) == 1 else ' (the last stage; the commands below give every stage)'}
+  {cfg.total_steps}, weight decay {cfg.weight_decay}, clip {cfg.clip_norm}), seed {cfg.seed};
+  {loops}{'' if len(chain) == 1 else ' (the last stage; the commands below give every stage)'}
 
 ## Dense-cache held-out results
 
