@@ -37,6 +37,17 @@ def save_portable(trainer, folder: str) -> None:
         json.dump({"step": trainer.step, "train_seconds": trainer.train_seconds, "config": trainer.cfg.to_json()}, f)
 
 
+def load_params(folder: str, config, like):
+    """The float32 params of the HF folder `folder` read as a `config` model, in the tree of `like`.
+
+    Raises ValueError if the trees differ."""
+    model, _ = load_model(folder, config=config)
+    params = nnx.state(model, nnx.Param)
+    if jax.tree.structure(params) != jax.tree.structure(like):
+        raise ValueError(f"{folder} does not match the model's parameter tree")
+    return params
+
+
 def load_portable(trainer, folder: str) -> None:
     """Set `trainer`'s params, Adam moments, counts and step from a `save_portable` folder.
 
@@ -47,13 +58,7 @@ def load_portable(trainer, folder: str) -> None:
     if saved != trainer.cfg:
         raise ValueError(f"{folder} was saved by a run with another config (saved != requested):\n  "
                          + "\n  ".join(diff(saved, trainer.cfg)))
-    loaded = {}
-    for name in PARTS:
-        model, _ = load_model(os.path.join(folder, name), config=trainer.cfg.model)
-        state = nnx.state(model, nnx.Param)
-        if jax.tree.structure(state) != jax.tree.structure(trainer.params):
-            raise ValueError(f"{folder}/{name} does not match the model's parameter tree")
-        loaded[name] = state
+    loaded = {name: load_params(os.path.join(folder, name), trainer.cfg.model, trainer.params) for name in PARTS}
     step = int(meta["step"])
     trainer.params = loaded["params"]
     trainer.opt_state = tree_utils.tree_set(trainer.opt_state, mu=loaded["adam_mu"], nu=loaded["adam_nu"],

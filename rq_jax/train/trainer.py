@@ -132,17 +132,15 @@ def load_weights(folder: str, cfg: TrainConfig, like):
 
     Raises ValueError if `folder`'s model config differs from `cfg.model` or `cfg.embed_std` is set
     (a re-initialised embedding would discard the loaded one)."""
-    from rq_jax.convert.hf import load_model
+    from rq_jax.config import from_hf_config
+    from rq_jax.train.portable import load_params
 
     if cfg.embed_std is not None:
         raise ValueError("init_weights and embed_std exclude each other: embed_std would redraw the loaded embedding")
-    model, saved = load_model(folder)
+    saved = from_hf_config(folder)
     if saved != cfg.model:
         raise ValueError(f"{folder} holds another model config than the run's:\n  saved:     {saved}\n  requested: {cfg.model}")
-    params = nnx.state(model, nnx.Param)
-    if jax.tree.structure(params) != jax.tree.structure(like):
-        raise ValueError(f"{folder} does not match the model's parameter tree")
-    return params
+    return load_params(folder, cfg.model, like)
 
 
 class Trainer:
