@@ -51,7 +51,9 @@ def parse_args(argv=None):
                    "schedule has one use it (label suffixed with its method)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     p.add_argument("--out", required=True, help="output prefix: PREFIX.md, PREFIX.json, PREFIX_*.png")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", action="store_true", help="keep the rows PREFIX.json already holds from a run with the "
+                   "same model and data settings (it is rewritten after every row) and score only the others")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar; one line per finished row instead")
     args = p.parse_args(argv)
     from rq_jax.calibrate import METHODS
 
@@ -71,6 +73,19 @@ def saved_calibration(folder: str, model, scheme, loops: int):
     except ValueError:
         return None
     return load_calibration(path, model, scheme.fmt, num_loops=loops), read_artifact(path)[0]["method"]
+
+
+def finished_rows(path: str, settings: dict) -> dict[str, dict]:
+    """Rows of an earlier run's JSON at `path`, by scheme label; {} when there is none. Exits when
+    that run scored other data or another model (its `settings` differ)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        earlier = json.load(f)
+    theirs = {k: earlier["meta"].get(k) for k in settings}
+    if theirs != settings:
+        sys.exit(f"eval.py: --resume: {path} was written with {theirs}, not {settings}")
+    return {r["scheme"]: r for r in earlier["rows"]}
 
 
 def fmt_ci(m: dict) -> str:
@@ -155,20 +170,37 @@ def main(argv=None):
         if not rows_to_run:
             sys.exit(f"--only {args.only} matches no scheme of {[s.label for s in schemes(args.group_sizes)]}")
     bar = tqdm(total=3 * len(rows_to_run), disable=args.no_progress, desc="eval")
+    settings = dict(checkpoint=os.path.abspath(folder), family=model.config.family, loops=loops, n=args.n,
+                    retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows,
+                    python=platform.python_version())
+    done = finished_rows(f"{args.out}.json", settings) if args.resume else {}
+    command = "python scripts/eval.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    writer = not jax.process_index()  # several processes: the first writes the results
     rows = []
-    start = time.perf_counter()
     for scheme in rows_to_run:
         calib, extra = None, {}
-        if scheme.method:
-            bar.set_postfix_str(f"{scheme.label}: calibrating")
-            calib, extra["calibration"] = fit_calibration(model, scheme, loops, rows=args.calibration_rows)
-        elif args.calibration and scheme.fmt.needs_calib and (found := saved_calibration(args.calibration, model,
-                                                                                          scheme, loops)):
+        if args.calibration and not scheme.method and scheme.fmt.needs_calib and (
+                found := saved_calibration(args.calibration, model, scheme, loops)):
             calib, method = found
             scheme = dataclasses.replace(scheme, label=f"{scheme.label} {method}", method=method)
+        if scheme.label in done:
+            rows.append(done[scheme.label])
+            bar.update(3)
+            continue
+        start = time.perf_counter()
+        if calib is None and scheme.method:
+            bar.set_postfix_str(f"{scheme.label}: calibrating")
+            calib, extra["calibration"] = fit_calibration(model, scheme, loops, rows=args.calibration_rows)
         row = evaluate(model, scheme, tasks, batch=args.batch, calib=calib, mesh=mesh, num_loops=loops,
                        progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
-        rows.append({**row, **extra})
+        rows.append({**row, **extra, "seconds": time.perf_counter() - start})
+        if args.no_progress:
+            print(f"eval: {scheme.label}: addition {100 * row['addition']['accuracy']:.1f}%, retrieval "
+                  f"{100 * row['retrieval']['accuracy']:.1f}%, {row['text']['bpb']:.3f} bpb, "
+                  f"{rows[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
+        if writer:  # what a --resume run keeps
+            with open(f"{args.out}.json", "w") as f:
+                json.dump(dict(meta=dict(settings, command=command), rows=rows), f, indent=2)
     bar.close()
     mixed = next((s for s in schemes(args.group_sizes) if s.label.startswith("[2,2,2,4]")))
     examples = tasks.retrieval.examples("eval", 8, tasks.seed, num_pairs=tasks.retrieval_pairs)
@@ -176,15 +208,12 @@ def main(argv=None):
     k, v = dense_kv(model, jnp.asarray(prompts), loops)
     err = reconstruction_error(mixed.fmt, k, v)
     kv_err = {"scheme": mixed.label, **{name: np.asarray(x).tolist() for name, x in err.items()}}
-    meta = dict(checkpoint=os.path.abspath(folder), family=model.config.family, loops=loops, n=args.n,
-                retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows,
-                python=platform.python_version(), seconds=time.perf_counter() - start,
-                command="python scripts/eval.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    meta = dict(settings, seconds=sum(r.get("seconds", 0.0) for r in rows), command=command)  # older files: no timings
     header = (f"# {model.config.family} ({meta['checkpoint']}), {loops} loops; {args.n} held-out examples per task, "
               f"{args.retrieval_pairs}-pair retrieval, {args.text_windows} stdlib windows (Python {meta['python']})\n\n"
               "Accuracy: exact match through the cache, with the 95% paired-bootstrap CI of its difference to the "
               "float32 dense cache.")
-    if jax.process_index():  # several processes: the first writes the results
+    if not writer:
         return rows
     text = markdown(rows, header)
     print(text)

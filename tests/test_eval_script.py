@@ -42,3 +42,22 @@ def test_eval_writes_the_table_json_and_figures(tmp_path):
     for fig in ("_accuracy.png", "_kv_error.png"):
         assert (tmp_path / f"ouro{fig}").stat().st_size > 1000
 
+
+
+def test_resume_keeps_finished_rows_and_rejects_other_settings(tmp_path, capsys):
+    script = load_script()
+    out = str(tmp_path / "t")
+    small = ["--model", "ouro", "--n", "2", "--retrieval-pairs", "2", "--text-windows", "1", "--batch", "2",
+             "--out", out, "--no-progress"]
+    script.main(small + ["--only", "dense bf16"])
+    first = json.loads(pathlib.Path(out + ".json").read_text())["rows"]
+    assert "eval: dense bf16: addition" in capsys.readouterr().err  # the per-row line of --no-progress
+    scored = []
+    real = script.evaluate
+    script.evaluate = lambda model, scheme, *a, **k: scored.append(scheme.label) or real(model, scheme, *a, **k)
+    rows = script.main(small + ["--only", "dense bf16", "--only", "kivi", "--resume"])
+    assert scored == ["kivi INT2"] and [r["scheme"] for r in rows] == ["dense bf16", "kivi INT2"]
+    assert rows[0] == first[0]
+    other_n = small[:3] + ["3"] + small[4:]
+    with pytest.raises(SystemExit, match="--resume: .*'n': 2"):
+        script.main(other_n + ["--only", "dense bf16", "--resume"])
