@@ -3,8 +3,10 @@
     python scripts/generate.py --model huginn
     python scripts/generate.py --model huginn --checkpoint ~/weights/huginn-0125 --prompt "The capital of France is"
 
-Without --checkpoint it runs the small model shipped in checkpoints/ (trained on addition, key-value
-retrieval and Python source; the default prompt is a held-out sum it answers). Prints the text,
+Without --checkpoint it runs a small model shipped in checkpoints/ (trained on addition, key-value
+retrieval and Python source; the default prompt is a held-out sum it answers): `huginn-small`, and for
+Ouro `ouro-small-qat`, `ouro-small` fine-tuned for the residual cache (quantization-aware training),
+because the base model's sums do not survive a 2-bit cache (docs/results.md). Prints the text,
 prefill and decode tokens/s (a warm-up call compiles first), and the KV cache's bytes against dense bf16.
 
     python scripts/generate.py --model ouro --mesh data=4,model=2      # sharded over 8 devices
@@ -29,6 +31,8 @@ from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer
 
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints")
+#: The shipped checkpoint each --model runs without --checkpoint (see the module docstring).
+DEFAULT_CHECKPOINT = {"huginn": "huginn-small", "ouro": "ouro-small-qat"}
 STOP_STRINGS = ("<|endoftext|>", "<|end_text|>", "<|end_turn|>", "<|im_end|>")
 
 
@@ -56,7 +60,8 @@ def eos_ids(folder: str) -> tuple[int, ...]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("huginn", "ouro"), required=True)
-    p.add_argument("--checkpoint", help="checkpoint folder or cached hub id (default: the shipped small model)")
+    p.add_argument("--checkpoint", help="checkpoint folder or cached hub id (default: checkpoints/huginn-small or "
+                   "checkpoints/ouro-small-qat, Ouro fine-tuned for the residual cache)")
     p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue (default: a held-out sum the "
                    "shipped models were trained to answer, see SAMPLE_PROMPT)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
@@ -126,7 +131,7 @@ def main(argv=None):
         mesh = sharding.parse_mesh(args.mesh)
     except ValueError as err:
         sys.exit(f"generate.py: bad --mesh: {err}")
-    source = args.checkpoint or os.path.relpath(os.path.join(SHIPPED, f"{args.model}-small"))
+    source = args.checkpoint or os.path.relpath(os.path.join(SHIPPED, DEFAULT_CHECKPOINT[args.model]))
     model, folder = checkpoint.load(source, dtype=jnp.dtype(args.dtype))
     if model.config.family != args.model:
         sys.exit(f"--model {args.model} but {source} holds a {model.config.family} model")

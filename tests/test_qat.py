@@ -224,7 +224,8 @@ def test_lora_export_is_the_overlay_model(lora_runs, tmp_path):
     cfg, _, full, _, _ = lora_runs
     full.export(str(tmp_path / "hf"), metrics={"addition_acc": 0.5}, command="python scripts/train_qat.py ...")
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(os.listdir(tmp_path / "hf"))
-    assert "LoRA adapters (rank 8" in open(tmp_path / "hf" / "README.md").read()
+    card = open(tmp_path / "hf" / "README.md").read()
+    assert "LoRA adapters (rank 8" in card and "| metric | value |\n|---|---|\n| addition_acc | 0.5000 |" in card
     exported, _ = model_io.load(str(tmp_path / "hf"))
     overlay = lora.apply(full.frozen, full.trainable, cfg.lora.scale)
     for a, b in zip(leaves(overlay), leaves(nnx.state(exported, nnx.Param)), strict=True):

@@ -359,7 +359,8 @@ class QATTrainer:
                 "trained_values": self.trainable_count(), "step": self.step,
                 "train_seconds": round(self.train_seconds, 1), "qat_config": cfg.to_json(),
                 "metrics": metrics or {}, "metrics_before": before or {}, "command": command,
-                "storage_dtype": np.dtype(dtype).name}
+                "storage_dtype": np.dtype(dtype).name,
+                "eval_sets": {k: getattr(self.tasks, k) for k in ("n", "retrieval_pairs", "text_windows")}}
         save_hf(self.model(), folder, dtype=dtype, extra_config={"rq_jax": info})
         copied = False
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
@@ -388,9 +389,13 @@ def model_card(info: dict, cfg: QATConfig) -> str:
     trained = {"all": "all parameters", "attn_norms": "attention projections and norms",
                "lora": f"LoRA adapters (rank {cfg.lora.rank}, alpha {cfg.lora.alpha}) on the attention projections, "
                        "merged into the weights"}[cfg.trainable]
-    before = info["metrics_before"]
-    rows = "\n".join(f"| {k} | {before[k]:.4f} | {v:.4f} |" if k in before else f"| {k} | | {v:.4f} |"
-                     for k, v in info["metrics"].items()) or "| (not evaluated) | | |"
+    before, sets = info["metrics_before"], info["eval_sets"]
+    if before:
+        head = "| metric | before QAT | after |\n|---|---|---|"
+        rows = "\n".join(f"| {k} | {before[k]:.4f} | {v:.4f} |" for k, v in info["metrics"].items())
+    else:
+        head = "| metric | value |\n|---|---|"
+        rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in info["metrics"].items()) or "| (not evaluated) | |"
     return f"""# {tc.model.family} fine-tuned for a `{info['cache']}` KV cache (rq_jax QAT)
 
 Quantization-aware fine-tuning of `{cfg.checkpoint}`: every attention read of past K/V went through
@@ -398,20 +403,22 @@ the `{cfg.cache}` cache format's fake quantization (bits {list(cfg.bits)}, group
 straight-through gradients), teacher-forced in every loop, the in-flight token exact
 (`rq_jax.train.qat`, {cfg.passes} refinement pass(es)). Use it with that cache format.
 
-- Trained: {trained} ({info['trained_values']:,} values), {info['step']} steps
+- Trained: {trained} ({info['trained_values']:,} values), {info['step']} steps, {info['train_seconds'] / 60:.0f} min
+  of training; weights stored in {info['storage_dtype']}
 - Loss: task NLL{f" + {cfg.distill} · KL to the frozen starting model (dense cache)" if cfg.distill else ""}
 - Optimizer: AdamW (lr {tc.lr}, warm-up {tc.warmup_steps}, cosine to {tc.lr * tc.final_lr_frac:g} at step
   {tc.total_steps}, weight decay {tc.weight_decay}, clip {tc.clip_norm}), seed {tc.seed}
-- Calibration: {cfg.calibration or "the format's default rotation"} (fitted for the starting weights; refit it
-  for these)
+- Calibration: {f"{cfg.calibration} (fitted for the starting weights; refit it for these)" if cfg.calibration
+                 else "none, the format's default rotation"}
 
 ## Held-out metrics (through the packed cache)
 
 `*_acc`: greedy exact match through the `{cfg.cache}` cache; `*_dense_acc`: through a dense cache;
-`*_kl`: KL from the dense cache's next-token distribution; `text_bpb`: stdlib bits per byte.
+`*_kl`: KL from the dense cache's next-token distribution; `text_bpb`: stdlib bits per byte. On the
+eval split: {sets['n']} addition examples, {sets['n']} queries of {sets['retrieval_pairs'] or "2 to max"}-pair retrieval,
+{sets['text_windows']} stdlib windows.
 
-| metric | before QAT | after |
-|---|---|---|
+{head}
 {rows}
 
 ## Reproduce
