@@ -188,7 +188,7 @@ def main(argv=None):
             bar.update(3)
             continue
         start = time.perf_counter()
-        if calib is None and scheme.method:
+        if calib is None and scheme.method:  # a --rotations row (a saved artifact's row has its calib)
             bar.set_postfix_str(f"{scheme.label}: calibrating")
             calib, extra["calibration"] = fit_calibration(model, scheme, loops, rows=args.calibration_rows)
         row = evaluate(model, scheme, tasks, batch=args.batch, calib=calib, mesh=mesh, num_loops=loops,

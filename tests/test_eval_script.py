@@ -43,7 +43,6 @@ def test_eval_writes_the_table_json_and_figures(tmp_path):
         assert (tmp_path / f"ouro{fig}").stat().st_size > 1000
 
 
-
 def test_resume_keeps_finished_rows_and_rejects_other_settings(tmp_path, capsys):
     script = load_script()
     out = str(tmp_path / "t")
