@@ -88,6 +88,12 @@ def finished_rows(path: str, settings: dict) -> dict[str, dict]:
     return {r["scheme"]: r for r in earlier["rows"]}
 
 
+def write_json(path: str, meta: dict, rows: list[dict], **extra) -> None:
+    """The run's JSON: its settings, its rows so far, and `extra` (the final write adds kv_error)."""
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows, **extra), f, indent=2)
+
+
 def fmt_ci(m: dict) -> str:
     return f"{100 * m['accuracy']:.1f} ({100 * m['accuracy_diff_lo']:+.1f}, {100 * m['accuracy_diff_hi']:+.1f})"
 
@@ -199,8 +205,7 @@ def main(argv=None):
                   f"{100 * row['retrieval']['accuracy']:.1f}%, {row['text']['bpb']:.3f} bpb, "
                   f"{rows[-1]['seconds']:.0f} s", file=sys.stderr, flush=True)
         if writer:  # what a --resume run keeps
-            with open(f"{args.out}.json", "w") as f:
-                json.dump(dict(meta=dict(settings, command=command), rows=rows), f, indent=2)
+            write_json(f"{args.out}.json", dict(settings, command=command), rows)
     bar.close()
     mixed = next((s for s in schemes(args.group_sizes) if s.label.startswith("[2,2,2,4]")))
     examples = tasks.retrieval.examples("eval", 8, tasks.seed, num_pairs=tasks.retrieval_pairs)
@@ -219,8 +224,7 @@ def main(argv=None):
     print(text)
     with open(f"{args.out}.md", "w") as f:
         f.write(text)
-    with open(f"{args.out}.json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows, kv_error=kv_err), f, indent=2)
+    write_json(f"{args.out}.json", meta, rows, kv_error=kv_err)
     figures(rows, kv_err, loops, args.out)
     return rows
 

@@ -252,6 +252,9 @@ def test_cli_trains_evaluates_and_exports(tmp_path, cli, tiny_checkpoint, text):
     assert {"addition_acc", "addition_dense_acc", "addition_kl", "retrieval_acc"} <= set(records[0]["eval"])
     card = open(tmp_path / "hf" / "README.md").read()
     assert "--train lora" in card and "--bits 2,2" in card and "--distill 1" in card and "2 steps" in card
+    assert "--lora-rank 8" in card and f"--eval-n 2 --eval-text-windows 0 --export {tmp_path / 'hf'}" in card
+    parser = cli.make_parser()
+    assert "--lora" not in cli.training_command(parser, parser.parse_args(flags(tiny_checkpoint, "run", "all")))
     before, after = records[0]["eval"]["addition_kl"], records[-1]["eval"]["addition_kl"]
     assert f"| addition_kl | {before:.4f} | {after:.4f} |" in card  # the starting model's eval, then the last
     exported, _ = model_io.load(str(tmp_path / "hf"))
