@@ -55,6 +55,14 @@ def make_parser():
     g.add_argument("--curriculum-start", type=int, default=4)
     g.add_argument("--curriculum-steps", type=int, default=3000)
     g.add_argument("--prompt-weight", type=float, default=0.0)
+    g.add_argument("--objective", choices=["last-loop", "ouro"], default="last-loop",
+                   help="last-loop: NLL of the last loop; ouro: Ouro's loss, every loop's NLL weighted by the exit "
+                   "distribution minus --entropy-beta × its entropy (rq_jax/train/objectives.py)")
+    g.add_argument("--entropy-beta", type=float, default=0.1, help="β of the ouro objective before --entropy-beta-switch "
+                   "(Ouro's Stage 1a: 0.1)")
+    g.add_argument("--entropy-beta-late", type=float, default=0.05, help="β from --entropy-beta-switch on (Ouro's later "
+                   "stages: 0.05)")
+    g.add_argument("--entropy-beta-switch", type=int, default=None, help="step where β drops (default: total steps / 2)")
     g.add_argument("--zero-state", action="store_true", help="huginn: train from a zero initial state, not noise")
     g.add_argument("--init-weights", metavar="DIR", help="a second stage: start from the weights of a model that "
                    "an earlier run exported (--export), with a fresh optimizer and schedule")
@@ -95,7 +103,9 @@ def build_config(a) -> TrainConfig:
                        warmup_steps=a.warmup, total_steps=a.total_steps, final_lr_frac=a.final_lr_frac,
                        weight_decay=a.weight_decay, b2=a.b2, clip_norm=a.clip, seed=a.seed,
                        task_weights=tuple(float(x) for x in a.task_weights.split(",")), random_state=not a.zero_state,
-                       embed_std=a.embed_std, one_loop_steps=a.one_loop_steps, init_weights=a.init_weights)
+                       embed_std=a.embed_std, one_loop_steps=a.one_loop_steps, init_weights=a.init_weights,
+                       objective=a.objective, entropy_beta=a.entropy_beta,
+                       entropy_beta_late=a.entropy_beta_late, entropy_beta_switch=a.entropy_beta_switch)
 
 
 def main(argv=None):

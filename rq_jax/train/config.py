@@ -7,8 +7,11 @@ import dataclasses
 import json
 from typing import Any
 
+import jax.numpy as jnp
+
 from rq_jax.config import ModelConfig
 from rq_jax.data import Addition, MixtureConfig, Retrieval
+from rq_jax.train.objectives import OBJECTIVES
 
 VOCAB = 259  # byte_level_tokenizer(): 3 specials + 256 bytes
 
@@ -41,8 +44,8 @@ class TrainConfig:
 
     The learning rate warms up linearly from 0 to `lr` over `warmup_steps`, then follows a cosine to
     `lr * final_lr_frac` at `total_steps`. AdamW (b1, b2, weight decay on ≥ 2-D params only) after
-    global-norm clipping at `clip_norm`. The loss is Σ_task task_weights[t] · (mean NLL of task t's
-    weighted tokens) / Σ task_weights.
+    global-norm clipping at `clip_norm`. The loss is Σ_task task_weights[t] · (mean per-token loss of
+    task t's weighted tokens) / Σ task_weights, the per-token loss given by `objective`.
     """
 
     model: ModelConfig
@@ -72,6 +75,28 @@ class TrainConfig:
     #: Start from the weights of this exported model folder (`--export` of an earlier run) instead of
     #: the seeded init: a second training stage, with a fresh optimizer and schedule from step 0.
     init_weights: str | None = None
+    #: "last-loop": next-token NLL of the last loop's logits. "ouro" (Ouro only): Ouro's pre-training
+    #: loss, every loop's NLL weighted by the exit distribution minus β × its entropy
+    #: (`rq_jax.train.objectives.ouro_loss`), β = `entropy_beta` before step `entropy_beta_switch` and
+    #: `entropy_beta_late` from it on — the Ouro paper's 0.1 in its Stage 1a and 0.05 in every later
+    #: stage, Stages 1a and 1b being equally long (None: total_steps // 2).
+    objective: str = "last-loop"
+    entropy_beta: float = 0.1
+    entropy_beta_late: float = 0.05
+    entropy_beta_switch: int | None = None
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}: expected one of {', '.join(OBJECTIVES)}")
+        if self.objective == "ouro" and self.model.family != "ouro":
+            raise ValueError(f"the 'ouro' objective needs an Ouro model (its exit gate), got {self.model.family!r}")
+        if min(self.entropy_beta, self.entropy_beta_late) < 0:
+            raise ValueError(f"the entropy weights must be ≥ 0, got {self.entropy_beta} and {self.entropy_beta_late}")
+
+    def beta_at(self, step):
+        """β of the ouro objective at `step` (a Python or traced integer)."""
+        switch = self.total_steps // 2 if self.entropy_beta_switch is None else self.entropy_beta_switch
+        return jnp.where(step < switch, self.entropy_beta, self.entropy_beta_late)
 
     @property
     def num_loops(self) -> int:

@@ -78,6 +78,7 @@ for testing compressed KV caches. Byte-level tokenizer (259 ids: 3 specials, the
   up to {d.retrieval.num_queries} queries each) and {d.rows[2]} rows of Python {data['python_version']} standard-library source
   ({data['train_modules']} training modules; held out for evaluation: {', '.join(data['eval_modules'])}; for
   calibration: {', '.join(data['calib_modules'])}). Sequence length {d.seq_len}. Splits never overlap.
+- Objective: {objective(cfg)}
 - Optimizer: AdamW (lr {cfg.lr}, warm-up {cfg.warmup_steps}, cosine to {cfg.lr * cfg.final_lr_frac:g} at step
   {cfg.total_steps}, weight decay {cfg.weight_decay}, clip {cfg.clip_norm}), seed {cfg.seed};
   {loops}{'' if len(chain) == 1 else ' (the last stage; the commands below give every stage)'}
@@ -99,6 +100,15 @@ split, dense cache, {info['loops']} loops.
 {commands}
 ```
 """
+
+
+def objective(cfg) -> str:
+    """One line naming the training loss (TrainConfig.objective)."""
+    if cfg.objective == "ouro":
+        return (f"Ouro's pre-training loss (`rq_jax/train/objectives.py`): every loop's next-token NLL weighted by "
+                f"the exit gate's distribution, minus β × that distribution's entropy (β = {cfg.entropy_beta:g}, then "
+                f"{cfg.entropy_beta_late:g} from step {cfg.entropy_beta_switch or cfg.total_steps // 2})")
+    return "next-token NLL of the last loop's logits"
 
 
 def stages(info: dict) -> list[dict]:

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, PartitionSpec
 from rq_jax import sharding
 from rq_jax.data import TASKS, Addition, Mixture, Retrieval, StdlibText
 from rq_jax.models import init_model
-from rq_jax.train import evaluate
+from rq_jax.train import evaluate, objectives
 from rq_jax.train.config import TrainConfig, diff
 from rq_jax.train.run_dir import RunDir, run_steps
 
@@ -92,21 +92,31 @@ def _jitted_train_step(graphdef, cfg: TrainConfig, mesh: Mesh | None, loops: int
     def loss_fn(params, rest, tokens, weights, task, step):
         model = nnx.merge(graphdef, params, rest)
         extra = {"rng": jax.random.fold_in(jax.random.key(cfg.seed), step)} if random_state else {}
-        logits = model(tokens[:, :-1], **kw, **extra).logits
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # [B, L]
+        out = model(tokens[:, :-1], **kw, **extra)
+        aux = {}
+        if cfg.objective == "ouro":
+            loops = objectives.ouro_loss(model.head(out.extras["hidden_steps"]), out.extras["exit_pdf"],
+                                         tokens[:, 1:], cfg.beta_at(step))
+            per_token = loops.loss
+            mask = weights / jnp.maximum(jnp.sum(weights), 1.0)
+            aux = dict(loop_nll=jnp.sum(loops.nll * mask, axis=(1, 2)), exit_pdf=jnp.sum(loops.pdf * mask, axis=(1, 2)),
+                       exit_entropy=jnp.sum(loops.entropy * mask))
+        else:
+            per_token = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:])  # [B, L]
         per_task = []
         for t in range(len(TASKS)):
             w = weights * (task == t)[:, None]
-            per_task.append(jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0))
+            per_task.append(jnp.sum(per_token * w) / jnp.maximum(jnp.sum(w), 1.0))
         per_task = jnp.stack(per_task)
-        return jnp.sum(per_task * task_w) / task_w.sum(), per_task
+        return jnp.sum(per_task * task_w) / task_w.sum(), (per_task, aux)
 
     @jax.jit
     def step(params, rest, opt_state, tokens, weights, task, step):
-        (loss, per_task), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens, weights, task, step)
+        (loss, (per_task, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, tokens, weights,
+                                                                                 task, step)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = dict(loss=loss, per_task=per_task, grad_norm=optax.tree.norm(grads))
+        metrics = dict(loss=loss, per_task=per_task, grad_norm=optax.tree.norm(grads), **aux)
         if mesh is not None:  # the Adam moments' paths end in the param names, so one rule set fits both
             params = sharding.constrain(params, sharding.param_specs(params, cfg.model, mesh), mesh)
             opt_state = sharding.constrain(opt_state, sharding.param_specs(opt_state, cfg.model, mesh), mesh)
@@ -293,6 +303,7 @@ class Trainer:
                   "lr": float(self.schedule(step)), "grad_norm": float(m["grad_norm"]),
                   "tokens_per_s": weights.size / dt, "s_per_step": dt,
                   "retrieval_max_pairs": cfg.data.retrieval_max_pairs(step), "loops": cfg.loops_at(step),
-                  "train_seconds": self.train_seconds}
+                  "train_seconds": self.train_seconds,
+                  **{k: np.asarray(m[k]).tolist() for k in ("loop_nll", "exit_pdf", "exit_entropy") if k in m}}
         return record, dict(loss=f"{loss:.3f}", add=f"{per_task[0]:.2f}", ret=f"{per_task[1]:.2f}",
                             txt=f"{per_task[2]:.2f}")
