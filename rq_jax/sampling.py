@@ -23,7 +23,8 @@ from jaxtyping import Array, Bool, Float, Int
 from rq_jax import sharding
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.dense import Dense
-from rq_jax.cache.kv import CacheCalib, KVCache, calibrate, default_calib, init_cache
+from rq_jax.cache.calib import CacheCalib, default_calib, fit_calib
+from rq_jax.cache.kv import KVCache, init_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,16 @@ def choose_tokens(logits: Float[Array, "b v"], rng: jax.Array, cfg: SamplingConf
         keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
         logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def decode_step(model, tokens: Int[Array, "b"], cache: KVCache, *, calib: CacheCalib | None = None,
+                rng: jax.Array | None = None, active: Bool[Array, "b"] | None = None, **model_kwargs):
+    """One decode step: row b feeds tokens[b] at position cache.lengths[b] (rows not `active` feed
+    nothing and keep their cache), reading its past through the cache. Returns the model's output:
+    logits [B, V] of the fed tokens and the updated cache. The one step the Sampler, the eval loops,
+    the serving engine and the benchmarks share."""
+    num_new = jnp.ones(tokens.shape, jnp.int32) if active is None else active.astype(jnp.int32)
+    return model(tokens[:, None], cache, num_new=num_new, rng=rng, last_only=True, calib=calib, **model_kwargs)
 
 
 @struct.dataclass
@@ -143,7 +154,7 @@ class Sampler:
         self.needs_data = self.fmt.needs_data or self.plain_fmt.needs_data
         if calib is None and not self.needs_data:  # built once, here, and passed to the compiled steps
             calib = default_calib(jax.eval_shape(lambda: self._empty_cache(1, 1)))
-        self.calib = sharding.shard_calib(calib, mesh)
+        self.calib = sharding.shard_calib(calib, mesh, self.fmt, self.plain_fmt)
         self._calibrate = jax.jit(self._calibrate_fn)
         self._prefill = jax.jit(self._prefill_fn)
         self._decode = jax.jit(self._decode_fn)
@@ -156,10 +167,6 @@ class Sampler:
         """How many prefill and decode programs have been compiled (one each per batch shape)."""
         return self._prefill._cache_size() + self._decode._cache_size()
 
-    def _apply(self, params, calib, tokens, cache, num_new, rng, decode: bool = False):
-        model = nnx.merge(self.graphdef, params)
-        kwargs = self.decode_kwargs if decode else self.prefill_kwargs
-        return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, calib=calib, **kwargs)
 
     def _calibrate_fn(self, params, tokens, lengths, rng):
         dense = init_cache(self.model_config, tokens.shape[0], tokens.shape[1], Dense("float32"),
@@ -167,12 +174,13 @@ class Sampler:
         model = nnx.merge(self.graphdef, params)  # a dense prefill of every step: the K/V to fit on
         kwargs = {k: v for k, v in self.model_kwargs.items() if k != "adaptive"}
         out = model(tokens, dense, num_new=lengths, rng=rng, last_only=True, **kwargs)
-        calib = calibrate(out.cache, self.fmt, self.plain_fmt)
-        return sharding.constrain(calib, sharding.calib_specs(calib, self.mesh), self.mesh)
+        calib = fit_calib(out.cache, self.fmt, self.plain_fmt)
+        return sharding.constrain(calib, sharding.calib_specs(calib, self.mesh, self.fmt, self.plain_fmt), self.mesh)
 
     def _prefill_fn(self, params, calib, tokens, lengths, cache, rng):
         rng, model_rng, pick_rng = jax.random.split(rng, 3)
-        out = self._apply(params, calib, tokens, cache, lengths, model_rng)
+        model = nnx.merge(self.graphdef, params)
+        out = model(tokens, cache, num_new=lengths, rng=model_rng, last_only=True, calib=calib, **self.prefill_kwargs)
         first = choose_tokens(out.logits, pick_rng, self.cfg)
         n, b = self.cfg.max_new_tokens, tokens.shape[0]
         logits = None
@@ -205,8 +213,8 @@ class Sampler:
         def body(s: DecodeState):
             rng, model_rng, pick_rng = jax.random.split(s.rng, 3)
             active = ~s.done
-            last = s.tokens[:, s.step - 1][:, None]
-            out = self._apply(params, calib, last, s.cache, active.astype(jnp.int32), model_rng, decode=True)
+            out = decode_step(nnx.merge(self.graphdef, params), s.tokens[:, s.step - 1], s.cache, calib=calib,
+                              rng=model_rng, active=active, **self.decode_kwargs)
             steps = s.steps
             if self.reports_steps:
                 steps = steps.at[:, s.step].set(jnp.where(active, out.extras["steps_used"][:, 0], 0))

@@ -17,21 +17,20 @@ import numpy as np
 
 from rq_jax import checkpoint
 from rq_jax.cli import int_list, positive_int
-from rq_jax.cache import get_format
-from rq_jax.cache.base import segments
+from rq_jax.cache import available_formats, get_format
+from rq_jax.cache.base import policy_fields, segments
 from rq_jax.calibrate import (METHODS, OptRHConfig, artifact_name, calibrate_model, calibration_set,
                               save_calibration)
 from rq_jax.data import TASKS, encode
 
-#: Formats that read a calibration, and the policy options each takes here.
-FORMATS = {"residual": ("bits", "group_size"), "rotated": ("bits", "group_size"),
-           "uniform": ("bits", "group_size"), "residual_vq": ()}
+#: Formats that read a calibration (the others have nothing to fit).
+FORMATS = sorted(name for name in available_formats() if get_format(name).needs_calib)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, help="model folder (HF or saved) or cached hub id")
-    p.add_argument("--cache", choices=sorted(FORMATS), default="residual", help="cache format to calibrate")
+    p.add_argument("--cache", choices=FORMATS, default="residual", help="cache format to calibrate")
     p.add_argument("--bits", type=int_list, help="bits per loop of a group, e.g. 2,2,2,4")
     p.add_argument("--group-size", type=int_list, help="channel group size, or one per loop")
     p.add_argument("--method", choices=METHODS, default="optr-h", help="rotation method (LoopQuant formats)")
@@ -71,8 +70,8 @@ def check_tokenizer(folder: str, vocab_size: int) -> None:
 
 def print_table(report: dict) -> None:
     """Per-head holdout losses before → after, per stack, segment, group and layer."""
-    for group, segments in report.items():
-        for seg in segments or ():
+    for group, entries in report.items():
+        for seg in entries or ():
             start, groups, size = seg["segment"]
             if "key_before" not in seg:
                 print(f"{group} loops {start}..{start + groups * size - 1}: holdout NMSE per loop  K "
@@ -92,10 +91,11 @@ def print_table(report: dict) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    policy = {k: getattr(args, k) for k in FORMATS[args.cache] if getattr(args, k) is not None}
+    fields = policy_fields(args.cache)
+    policy = {k: getattr(args, k) for k in ("bits", "group_size") if getattr(args, k) is not None and k in fields}
     if len(policy.get("group_size", (0, 0))) == 1:
         policy["group_size"] = policy["group_size"][0]  # one size for every loop
-    given = [k for k in ("bits", "group_size") if getattr(args, k) is not None and k not in FORMATS[args.cache]]
+    given = [k for k in ("bits", "group_size") if getattr(args, k) is not None and k not in fields]
     if given:
         flags = ", ".join("--" + g.replace("_", "-") for g in given)
         sys.exit(f"calibrate.py: --cache {args.cache} does not take {flags}")

@@ -25,10 +25,11 @@ from tqdm import tqdm
 
 from rq_jax import checkpoint, memory, sharding
 from rq_jax.cache import get_format
+from rq_jax.cache.kv_error import dense_kv, reconstruction_error
+from rq_jax.cache.schemes import calibrated_schemes, table_schemes
 from rq_jax.cli import int_list, positive_int
 from rq_jax.data import collate
-from rq_jax.eval.kv_error import dense_kv, reconstruction_error
-from rq_jax.eval.table import Tasks, calibrated_schemes, evaluate, fit_calibration, schemes
+from rq_jax.eval.table import Tasks, evaluate
 
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints")
 
@@ -38,10 +39,13 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("huginn", "ouro"), required=True)
     p.add_argument("--checkpoint", help="checkpoint folder (default: the shipped small model)")
     p.add_argument("--loops", type=positive_int, help="loops / recurrence steps (default: the config's)")
-    p.add_argument("--n", type=positive_int, default=1000, help="held-out answers per task (addition examples, retrieval queries)")
-    p.add_argument("--retrieval-pairs", type=positive_int, default=43, help="key-value pairs of every retrieval example")
+    p.add_argument("--n", type=positive_int, default=1000,
+                   help="held-out answers per task (addition examples, retrieval queries)")
+    p.add_argument("--retrieval-pairs", type=positive_int, default=43,
+                   help="key-value pairs of every retrieval example")
     p.add_argument("--text-windows", type=positive_int, default=64, help="stdlib windows for bits per byte")
-    p.add_argument("--batch", type=positive_int, default=64, help="rows per compiled call (a multiple of the mesh's data size)")
+    p.add_argument("--batch", type=positive_int, default=64,
+                   help="rows per compiled call (a multiple of the mesh's data size)")
     p.add_argument("--group-sizes", type=int_list, default=(32, 16), help="group sizes of the ablation ladder")
     p.add_argument("--only", action="append", help="keep the schemes whose label contains this (repeatable)")
     p.add_argument("--rotations", default="", help="comma-separated calibration methods (oscar, optr-h) to add as "
@@ -122,7 +126,8 @@ def markdown(rows: list[dict], header: str) -> str:
     dense = rows[0] if rows else None
     if dense:
         lines += ["", f"Dense float32 reference: addition {100 * dense['addition']['dense_accuracy']:.1f}%, retrieval "
-                      f"{100 * dense['retrieval']['dense_accuracy']:.1f}%, {dense['text']['dense_bpb']:.3f} bits per byte."]
+                      f"{100 * dense['retrieval']['dense_accuracy']:.1f}%, "
+                      f"{dense['text']['dense_bpb']:.3f} bits per byte."]
     return "\n".join(lines) + "\n"
 
 
@@ -163,18 +168,19 @@ def main(argv=None):
     folder = args.checkpoint or os.path.join(SHIPPED, f"{args.model}-small")
     model, _ = checkpoint.load(folder)
     loops = args.loops or model.config.num_loops
-    length = max(Tasks().text_len, Tasks(retrieval_pairs=args.retrieval_pairs).retrieval.max_length(args.retrieval_pairs))
+    length = max(Tasks().text_len,
+                 Tasks(retrieval_pairs=args.retrieval_pairs).retrieval.max_length(args.retrieval_pairs))
     try:  # the format's cache and the float32 dense reference, a batch of the longest rows
         memory.check_fits(model, get_format("dense", dtype="float32"), batch=args.batch, prompt_len=length,
                           max_len=length, num_loops=loops, caches=2, what="this eval", advice="use a smaller --batch")
     except MemoryError as err:
         sys.exit(f"eval.py: {err}")
     tasks = Tasks(n=args.n, retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows)
-    rows_to_run = schemes(args.group_sizes) + calibrated_schemes(args.group_sizes, args.rotations)
+    rows_to_run = table_schemes(args.group_sizes) + calibrated_schemes(args.group_sizes, args.rotations)
     if args.only:
         rows_to_run = [s for s in rows_to_run if any(k in s.label for k in args.only)]
         if not rows_to_run:
-            sys.exit(f"--only {args.only} matches no scheme of {[s.label for s in schemes(args.group_sizes)]}")
+            sys.exit(f"--only {args.only} matches no scheme of {[s.label for s in table_schemes(args.group_sizes)]}")
     bar = tqdm(total=3 * len(rows_to_run), disable=args.no_progress, desc="eval")
     settings = dict(checkpoint=os.path.abspath(folder), family=model.config.family, loops=loops, n=args.n,
                     retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows,
@@ -196,7 +202,10 @@ def main(argv=None):
         start = time.perf_counter()
         if calib is None and scheme.method:  # a --rotations row (a saved artifact's row has its calib)
             bar.set_postfix_str(f"{scheme.label}: calibrating")
-            calib, extra["calibration"] = fit_calibration(model, scheme, loops, rows=args.calibration_rows)
+            from rq_jax.calibrate import fit_rotations
+
+            calib, extra["calibration"] = fit_rotations(model, scheme.fmt, scheme.method, loops,
+                                                        rows=args.calibration_rows)
         row = evaluate(model, scheme, tasks, batch=args.batch, calib=calib, mesh=mesh, num_loops=loops,
                        progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
         rows.append({**row, **extra, "seconds": time.perf_counter() - start})
@@ -207,7 +216,7 @@ def main(argv=None):
         if writer:  # what a --resume run keeps
             write_json(f"{args.out}.json", dict(settings, command=command), rows)
     bar.close()
-    mixed = next((s for s in schemes(args.group_sizes) if s.label.startswith("[2,2,2,4]")))
+    mixed = next((s for s in table_schemes(args.group_sizes) if s.label.startswith("[2,2,2,4]")))
     examples = tasks.retrieval.examples("eval", 8, tasks.seed, num_pairs=tasks.retrieval_pairs)
     prompts = collate(examples, tasks.retrieval.max_length(tasks.retrieval_pairs))[0]
     k, v = dense_kv(model, jnp.asarray(prompts), loops)

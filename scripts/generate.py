@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from rq_jax import checkpoint, memory, sharding
 from rq_jax.cli import finite_float, int_list, nonnegative_int, positive_int
 from rq_jax.cache import available_formats, cache_nbytes, dense_equivalent_nbytes, get_format
+from rq_jax.cache.base import policy_fields
 from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, LOOKUPS, AdaptiveExit
 from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer
@@ -36,10 +37,10 @@ DEFAULT_CHECKPOINT = {"huginn": "huginn-small", "ouro": "ouro-small-qat"}
 STOP_STRINGS = ("<|endoftext|>", "<|end_text|>", "<|end_turn|>", "<|im_end|>")
 
 
-#: Options each cache format takes (anything else given on the command line is an error).
-_LOOP = {"bits", "group_size", "rotation", "super_scale", "calibration"}
-FORMAT_OPTIONS = {"dense": {"cache_dtype"}, "uniform": _LOOP, "rotated": _LOOP, "residual": _LOOP,
-                  "kivi": {"bits", "group_size", "residual_length"}, "residual_vq": {"calibration"}}
+#: Cache options of the command line (argparse dest) -> the policy field they set; a format takes the
+#: options whose field it has (`rq_jax.cache.base.policy_fields`).
+POLICY_OPTIONS = {"bits": "bits", "group_size": "group_size", "rotation": "rotation", "cache_dtype": "dtype",
+                  "super_scale": "super_scale", "residual_length": "residual_length"}
 
 
 #: 71226 + 98 with every number written least significant digit first (rq_jax.data.addition), the first
@@ -72,8 +73,10 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_argument("--cache", choices=available_formats(), default="residual", help="KV cache format (default: residual, [2,2,2,4])")
-    p.add_argument("--bits", type=int_list, help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi)")
+    p.add_argument("--cache", choices=available_formats(), default="residual",
+                   help="KV cache format (default: residual, [2,2,2,4])")
+    p.add_argument("--bits", type=int_list,
+                   help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi)")
     p.add_argument("--group-size", type=positive_int, help="channel group size of the quantizers")
     p.add_argument("--rotation", choices=("identity", "hadamard", "random"), help="uniform/rotated/residual")
     p.add_argument("--cache-dtype", choices=("bfloat16", "float32"), help="storage dtype of the dense cache (bfloat16)")
@@ -92,9 +95,10 @@ def parse_args(argv=None):
                         "or the token's last computed step (latest-m4, keeps the fused attention)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     args = p.parse_args(argv)
-    given = {name for name in ("bits", "group_size", "rotation", "cache_dtype", "super_scale", "residual_length",
-                               "calibration") if getattr(args, name) is not None}
-    extra = sorted(given - FORMAT_OPTIONS[args.cache])
+    fields = policy_fields(args.cache)
+    extra = [name for name, field in POLICY_OPTIONS.items() if getattr(args, name) is not None and field not in fields]
+    if args.calibration is not None and not get_format(args.cache).needs_calib:
+        extra.append("calibration")
     if extra:
         p.error(f"--cache {args.cache} does not take {', '.join('--' + e.replace('_', '-') for e in extra)}")
     if args.model == "ouro" and (args.exit_criterion or args.init_state):
@@ -110,17 +114,7 @@ def parse_args(argv=None):
 
 def cache_policy(args) -> dict:
     """Keyword arguments of the chosen cache format from the command line (only those given)."""
-    if args.cache == "dense":
-        return dict(dtype=args.cache_dtype or "bfloat16")
-    policy = {}
-    if args.bits is not None:
-        policy["bits"] = args.bits[0] if args.cache == "kivi" and len(args.bits) == 1 else args.bits
-    if args.group_size is not None:
-        policy["group_size"] = args.group_size
-    for name in ("rotation", "super_scale", "residual_length"):
-        if getattr(args, name) is not None:
-            policy[name] = getattr(args, name)
-    return policy
+    return {field: getattr(args, name) for name, field in POLICY_OPTIONS.items() if getattr(args, name) is not None}
 
 
 def main(argv=None):
@@ -197,15 +191,15 @@ def main(argv=None):
     if out.mean_steps is not None:
         print(f"adaptive exit ({args.exit_criterion}): {out.mean_steps:.2f} of {out.cache.num_loops} steps "
               f"per decoded token on average")
-    at = dict(context_len=out.cache.max_len) if args.cache == "kivi" else {}  # kivi: its exact window at this length
-    bits = float(fmt.bits_per_element(out.cache.num_loops, model.config.head_dim, **at))
+    bits = float(fmt.bits_per_element(out.cache.num_loops, model.config.head_dim, out.cache.max_len))
     nbytes = cache_nbytes(out.cache)
     print(f"KV cache ({args.cache}, looped layers at {bits:.4g} bits/element): {nbytes:,} bytes for "
           f"{out.cache.max_len} positions (dense bf16 would take {dense_bytes:,}: {nbytes / dense_bytes:.1%})")
-    if hasattr(fmt, "out_of_range"):
+    if fmt.reports_out_of_range:
         lost = int(sharding.to_host(out.cache.out_of_range).sum())
-        print(f"values the cache could not store (metadata outside {fmt.meta_dtype}'s range, non-finite K/V): {lost:,}"
-              + ("" if not lost or fmt.super_scale else "  (try --super-scale)"))
+        hint = lost and "super_scale" in policy_fields(args.cache) and not args.super_scale
+        print(f"values the cache could not store (metadata outside its dtype's range, non-finite K/V): {lost:,}"
+              + ("  (try --super-scale)" if hint else ""))
     return out
 
 

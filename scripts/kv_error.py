@@ -1,6 +1,9 @@
 """K/V reconstruction error of cache formats on a model's real K/V; prints a table, writes JSON.
 
     python scripts/kv_error.py --checkpoint tests/fixtures/ouro-tiny --group-size 8
+
+Rows are the scheme catalog's (`rq_jax.cache.schemes.kv_error_labels`) at the given group size; errors
+are `rq_jax.cache.kv_error.reconstruction_error` of one write of the dense K/V.
 """
 
 import argparse
@@ -10,20 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rq_jax import checkpoint
-from rq_jax.cache import get_format
-from rq_jax.eval.kv_error import dense_kv, reconstruction_error
-
-SCHEMES = {  # label: format for a channel group size g
-    "uniform INT2": lambda g: get_format("uniform", group_size=g),
-    "rotated INT2": lambda g: get_format("rotated", group_size=g),
-    "direct [2,2,2,4]": lambda g: get_format("uniform", bits=(2, 2, 2, 4), group_size=g),
-    "rotated [2,2,2,4]": lambda g: get_format("rotated", bits=(2, 2, 2, 4), group_size=g),
-    "residual INT2 (α=1, no rot)": lambda g: get_format("residual", bits=(2, 2, 2, 2), least_squares=False,
-                                                        rotation="identity", group_size=g),
-    "residual INT2": lambda g: get_format("residual", bits=(2, 2, 2, 2), group_size=g),
-    "residual [2,2,2,4]": lambda g: get_format("residual", group_size=g),
-    "residual_vq (2x16x4)": lambda g: get_format("residual_vq"),
-}
+from rq_jax.cache.kv_error import dense_kv, reconstruction_error
+from rq_jax.cache.schemes import kv_error_labels, pick
 
 
 def main(argv=None):
@@ -42,14 +33,13 @@ def main(argv=None):
     k, v = dense_kv(model, tokens, loops)
     rows = []
     print(f"{'scheme':30s} {'bits/elem':>9s} {'K NMSE':>9s} {'V NMSE':>9s}")
-    for label, make in SCHEMES.items():
-        fmt = make(args.group_size)
-        err = reconstruction_error(fmt, k, v)
-        row = dict(scheme=label, bits=float(fmt.bits_per_element(loops, k.shape[-1])),
+    for scheme in pick(kv_error_labels(args.group_size), (args.group_size,)):
+        err = reconstruction_error(scheme.fmt, k, v)
+        row = dict(scheme=scheme.label, bits=float(scheme.fmt.bits_per_element(loops, k.shape[-1])),
                    k_nmse=float(err["k"].mean()), v_nmse=float(err["v"].mean()),
                    k_nmse_per_loop=err["k"].tolist(), v_nmse_per_loop=err["v"].tolist())
         rows.append(row)
-        print(f"{label:30s} {row['bits']:9.4f} {row['k_nmse']:9.4f} {row['v_nmse']:9.4f}")
+        print(f"{scheme.label:30s} {row['bits']:9.4f} {row['k_nmse']:9.4f} {row['v_nmse']:9.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(checkpoint=args.checkpoint, loops=loops, group_size=args.group_size, rows=rows), f, indent=2)

@@ -123,7 +123,7 @@ def build_config(a, config, folder: str) -> QATConfig:
 def training_command(parser, a) -> str:
     """The command that trains and exports this run, every trajectory flag given spelled out (the LoRA
     ones only when LoRA trains) and the flags that write the card (for model cards)."""
-    words = ["python", "scripts/train_qat.py", "--checkpoint", a.checkpoint, "--run-dir", a.run_dir,
+    words = ["python", "scripts/train_qat.py", "--checkpoint", a.checkpoint, "--run-dir", "RUN",
              "--eval-n", str(a.eval_n), "--eval-text-windows", str(a.eval_text_windows)]
     words += ["--export", a.export, "--export-dtype", a.export_dtype] if a.export else []
     lora = {} if a.train == "lora" else dict(lora_rank=None, lora_alpha=None)

@@ -32,7 +32,8 @@ def make_parser():
     p.add_argument("--run-dir", required=True, help="checkpoints and metrics.jsonl (outside the git tree)")
     g = p.add_argument_group("trajectory (must match when resuming)")
     g.add_argument("--loops", type=int, default=None, help="training loops / recurrence steps (default: model's)")
-    g.add_argument("--one-loop-steps", type=int, default=0, help="run the first N steps with one loop (see TrainConfig)")
+    g.add_argument("--one-loop-steps", type=int, default=0,
+                   help="run the first N steps with one loop (see TrainConfig)")
     g.add_argument("--hidden", type=int, default=None, help="override hidden size (heads = hidden / 64)")
     g.add_argument("--intermediate", type=int, default=None)
     g.add_argument("--layers", type=int, default=None, help="looped layers / core blocks")
@@ -58,11 +59,12 @@ def make_parser():
     g.add_argument("--objective", choices=["last-loop", "ouro"], default="last-loop",
                    help="last-loop: NLL of the last loop; ouro: Ouro's loss, every loop's NLL weighted by the exit "
                    "distribution minus --entropy-beta × its entropy (rq_jax/train/objectives.py)")
-    g.add_argument("--entropy-beta", type=float, default=0.1, help="β of the ouro objective before --entropy-beta-switch "
-                   "(Ouro's Stage 1a: 0.1)")
-    g.add_argument("--entropy-beta-late", type=float, default=0.05, help="β from --entropy-beta-switch on (Ouro's later "
-                   "stages: 0.05)")
-    g.add_argument("--entropy-beta-switch", type=int, default=None, help="step where β drops (default: total steps / 2)")
+    g.add_argument("--entropy-beta", type=float, default=0.1,
+                   help="β of the ouro objective before --entropy-beta-switch (Ouro's Stage 1a: 0.1)")
+    g.add_argument("--entropy-beta-late", type=float, default=0.05,
+                   help="β from --entropy-beta-switch on (Ouro's later stages: 0.05)")
+    g.add_argument("--entropy-beta-switch", type=int, default=None,
+                   help="step where β drops (default: total steps / 2)")
     g.add_argument("--zero-state", action="store_true", help="huginn: train from a zero initial state, not noise")
     g.add_argument("--init-weights", metavar="DIR", help="a second stage: start from the weights of a model that "
                    "an earlier run exported (--export), with a fresh optimizer and schedule")
@@ -83,8 +85,12 @@ def make_parser():
 
 
 def training_command(parser, a) -> str:
-    """The command that trains this run, every trajectory flag given spelled out (for model cards)."""
-    return spelled_command(["python", "scripts/train_tiny.py", "--model", a.model, "--run-dir", a.run_dir], parser.trajectory, a)
+    """The command that trains this run, every trajectory flag given spelled out (for model cards), with
+    no machine paths: the run folder is RUN and an --init-weights folder STAGE (`export.model_card` numbers
+    the stages)."""
+    a = argparse.Namespace(**{**vars(a), "init_weights": a.init_weights and "STAGE"})
+    return spelled_command(["python", "scripts/train_tiny.py", "--model", a.model, "--run-dir", "RUN"],
+                           parser.trajectory, a)
 
 
 def build_config(a) -> TrainConfig:

@@ -75,7 +75,8 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 def test_top_k_and_top_p_restrict_the_support():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.1, 0.06, 0.04]]))
     keys = jax.random.split(jax.random.key(0), 400)
-    draw = lambda cfg: np.array([int(choose_tokens(logits, k, cfg)[0]) for k in keys[:200]])  # noqa: E731
+    def draw(cfg):
+        return np.array([int(choose_tokens(logits, k, cfg)[0]) for k in keys[:200]])
     assert set(draw(SamplingConfig(temperature=1.0, top_k=2))) == {0, 1}
     assert set(draw(SamplingConfig(temperature=1.0, top_p=0.85))) == {0, 1, 2}  # 0.5 + 0.3 < 0.85
 

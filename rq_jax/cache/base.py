@@ -1,6 +1,6 @@
 """The cache-format protocol, its one state layout, the format registry, and exact softmax partials.
 
-Every format follows one dataflow (see DESIGN.md): while a call's tokens run their loops, their K/V
+Every format follows one dataflow: while a call's tokens run their loops, their K/V
 stay full precision ("in flight"); each attention reads the stored past through `attend` and its own
 tokens densely, and the two softmax partials are merged exactly. After the last loop, `write` encodes
 the K/V of all loops at once. Prefill (T = prompt length), decode (T = 1) and a second prompt turn are
@@ -23,8 +23,11 @@ A format's calibration for a segment is a pytree with the same leading [G, N] ax
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from fractions import Fraction
-from typing import Any, Callable, NamedTuple, Protocol
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -136,51 +139,124 @@ def past_mask(lengths: Int[Array, "b"], num_queries: int, max_len: int) -> Bool[
     return jnp.broadcast_to(valid[:, None, :], (lengths.shape[0], num_queries, max_len))
 
 
-class CacheFormat(Protocol):
-    """A KV storage format: a frozen, hashable policy object whose methods are pure functions.
+class Written(NamedTuple):
+    """What `CacheFormat.write` returns: the new segment state, and per row the values it could not store
+    faithfully (metadata outside its dtype's range, non-finite K/V), Int[b]."""
 
-    Its state follows the module's layout (a tuple over group positions of slot pytrees with leading
-    [G, N]); `group_len` is its loops per group. `calib` is the format's static calibration
-    (rotations, key means, codebooks) for one segment, passed alongside the cache and never stored in
-    it: built once, outside jit, by `default_calib` (no data; raises ValueError when the format
-    cannot run without data, `needs_data`) or fitted by `calibrate`. `needs_calib` says whether
-    `attend`/`write`/`reconstruct` read one (None is accepted otherwise).
+    state: tuple[Any, ...]
+    out_of_range: Int[Array, "b"]
 
-    Optional: `out_of_range(k, v, num_new, calib) -> Int[Array, "b"]`, the values a `write` of the
-    same arguments cannot store faithfully (metadata outside its dtype's range, non-finite inputs),
-    per row; the cache accumulates it (`KVCache.out_of_range`).
+
+def nothing_lost(lengths: Int[Array, "b"]) -> Int[Array, "b"]:
+    """`Written.out_of_range` of a format that stores every value it is given: zeros [B]."""
+    return jnp.zeros_like(lengths)
+
+
+class CacheFormat:
+    """A KV storage format: a frozen, hashable policy object (a dataclass) whose methods are pure functions.
+
+    This base class is the whole protocol: everything the rest of rq_jax asks a format, so that nothing
+    outside `rq_jax.cache` tests a format's type, name or attributes. A format implements `init`,
+    `write`, `reconstruct` and `bits_per_element`; the rest have defaults (attention through
+    `reconstruct`, no calibration, no fake quantization, reads = stores). Its state follows this module's
+    layout (a tuple over group positions of slot pytrees with leading [G, N]); `group_len` is its loops
+    per group. `calib` is the format's static calibration (rotations, key means, codebooks) for one
+    segment, passed alongside the cache and never stored in it: built once, outside jit, by
+    `default_calib` (no data; raises ValueError when the format cannot run without data, `needs_data`)
+    or fitted by `calibrate`. `needs_calib` says whether `attend`/`write`/`reconstruct` read one (None
+    is accepted otherwise).
+
+    A new format is one module subclassing this (as a frozen dataclass with `name`, `group_len`,
+    `needs_calib`, `needs_data` fields) plus its registry line (`register`).
     """
 
     name: str
     group_len: int
     needs_calib: bool
     needs_data: bool
+    #: The policy fields a calibration depends on, which an artifact records and checks (None: every
+    #: dataclass field of the policy).
+    schedule_fields: ClassVar[tuple[str, ...] | None] = None
+    #: The kv-head axis of each calibration leaf, by leaf name (for sharding over kv heads); leaves not
+    #: named are replicated.
+    calib_head_axes: ClassVar[Mapping[str, int]] = MappingProxyType({})
+    #: Whether the format stores K/V in a rotated basis whose rotations (and key means) `rq_jax.calibrate`
+    #: can learn (OptR-H, OSCAR): its calibration is a `loop_quant.RotationCalib` (the `LoopQuant` family).
+    learns_rotations: ClassVar[bool] = False
+    #: Whether `write` counts values it could not store (`Written.out_of_range`); formats that store
+    #: every value as given report zeros.
+    reports_out_of_range: ClassVar[bool] = False
+
+    # ---- storage ---------------------------------------------------------------------------------
 
     def init(self, seg: Segment, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
              head_dim: int) -> tuple[Any, ...]:
         """An empty segment state: `seg.size` slot pytrees, leaves [G, N, B, K, S, ...]."""
-
-    def default_calib(self, seg: Segment, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
-        """The data-free calibration of a segment (leading [G, N]), or None when none is needed."""
-
-    def calibrate(self, seg: Segment, k: Float[Array, "g p n b k s d"], v: Float[Array, "g p n b k s d"],
-                  lengths: Int[Array, "b"]) -> Any:
-        """The calibration of a segment fitted on dense K/V (tokens s < lengths[b])."""
+        raise NotImplementedError
 
     def write(self, state: tuple[Any, ...], k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: Any) -> tuple[Any, ...]:
-        """Encode a segment's new tokens t < num_new[b] at positions lengths[b] + t."""
-
-    def attend(self, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
-               lengths: Int[Array, "b"], calib: Any) -> Partial:
-        """Partial attention to the stored tokens s < lengths[b] of slot `index`, group position `loop`."""
+              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: Any) -> Written:
+        """Encode a segment's new tokens t < num_new[b] at positions lengths[b] + t: the new state and
+        the values of those tokens it could not store faithfully, per row."""
+        raise NotImplementedError
 
     def reconstruct(self, state: tuple[Any, ...], index: Index, loop: int, lengths: Int[Array, "b"],
                     calib: Any) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
         """The stored K and V of a slot decoded to float32 (0 at s ≥ lengths[b]): the semantic reference."""
+        raise NotImplementedError
 
-    def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
-        """Stored bits per cached K or V element (codes + metadata + α), by the toolbox's accounting."""
+    def attend(self, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
+               lengths: Int[Array, "b"], calib: Any) -> Partial:
+        """Partial attention to the stored tokens s < lengths[b] of slot `index`, group position `loop`.
+        Default: `reference_attend` (decode the slot, then dense attention)."""
+        return reference_attend(self, state, index, loop, q, lengths, calib)
+
+    # ---- calibration -----------------------------------------------------------------------------
+
+    def default_calib(self, seg: Segment, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
+        """The data-free calibration of a segment (leading [G, N]), or None when none is needed."""
+        return None
+
+    def calibrate(self, seg: Segment, k: Float[Array, "g p n b k s d"], v: Float[Array, "g p n b k s d"],
+                  lengths: Int[Array, "b"]) -> Any:
+        """The calibration of a segment fitted on dense K/V (tokens s < lengths[b]); default: `default_calib`."""
+        return self.default_calib(seg, k.shape[2], k.shape[4], k.shape[6])
+
+    def calib_shapes(self, seg: Segment, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
+        """Shapes (`jax.ShapeDtypeStruct`) of every leaf a calibration of this format may hold, optional
+        ones included (a saved artifact is checked against them); None when the format reads none."""
+        k = jax.ShapeDtypeStruct((seg.groups, seg.size, num_layers, 1, num_kv_heads, 1, head_dim), jnp.float32)
+        return jax.eval_shape(lambda k: self.calibrate(seg, k, k, jnp.ones((1,), jnp.int32)), k)
+
+    def schedule_name(self, num_loops: int) -> str:
+        """The schedule a calibration is fitted for, as a folder name, e.g. "residual-b2.2.2.4-g32-L4"."""
+        return f"{self.name}-L{num_loops}"
+
+    # ---- training --------------------------------------------------------------------------------
+
+    def fake_quant(self, k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
+                   calib: Any) -> tuple[Array, Array]:
+        """What `write` then `reconstruct` give for a segment's K/V, float32, with straight-through
+        gradients to k and v — for quantization-aware training. Raises NotImplementedError for a format
+        without one."""
+        raise NotImplementedError(f"the {self.name!r} cache format has no fake quantization for training")
+
+    # ---- accounting ------------------------------------------------------------------------------
+
+    def bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
+        """Stored bits per cached K or V element (codes + metadata + α), by the toolbox's accounting; a
+        format whose cost depends on the row's length (kivi) counts it at `context_len` tokens (None:
+        the long-context limit)."""
+        raise NotImplementedError
+
+    def read_bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
+        """Bits a decode step reads per cached element, averaged over loops (references re-read
+        included); default: what is stored."""
+        return self.bits_per_element(num_loops, head_dim, context_len)
+
+    def describe(self) -> str:
+        """What the format stores, in a few words (tables)."""
+        return self.name
 
 
 def reference_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int,
@@ -225,6 +301,12 @@ def available_formats() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def policy_fields(name: str) -> frozenset[str]:
+    """The policy keywords the format registered as `name` takes (its dataclass's init fields)."""
+    fmt = get_format(name)
+    return frozenset(f.name for f in dataclasses.fields(fmt) if f.init and f.name != "name")
+
+
 def scatter_tokens(store: Any, new: Any, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Any:
     """Write every leaf of `new` into the same leaf of `store` along the token axis.
 
@@ -246,5 +328,17 @@ def scatter_tokens(store: Any, new: Any, lengths: Int[Array, "b"], num_new: Int[
 
 
 def tree_nbytes(tree: Any) -> int:
-    """Total bytes of every array leaf in `tree`."""
-    return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(tree)))
+    """Total bytes of every leaf of `tree`: arrays or `jax.ShapeDtypeStruct`s (nothing is allocated)."""
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def fake_quant_loops(fmt: CacheFormat, k: Float[Array, "l n b k t d"], v: Float[Array, "l n b k t d"],
+                     calib: tuple[Any, ...] | None) -> tuple[Array, Array]:
+    """K/V of a loop stack [L, N, B, K, T, D] as `fmt` stores and reconstructs them (float32, straight-
+    through gradients), segment by segment (`calib`: one entry per segment of `fmt`'s grouping of L)."""
+    segs = segments(k.shape[0], fmt.group_len)
+    calib = (None,) * len(segs) if calib is None and not fmt.needs_calib else calib
+    if calib is None or len(calib) != len(segs):
+        raise ValueError(f"the {fmt.name!r} format needs a calibration entry per loop segment ({len(segs)})")
+    parts = [fmt.fake_quant(split_loops(k, seg), split_loops(v, seg), c) for seg, c in zip(segs, calib)]
+    return tuple(jnp.concatenate([p[i].reshape(-1, *p[i].shape[2:]) for p in parts]) for i in (0, 1))

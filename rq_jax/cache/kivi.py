@@ -91,8 +91,9 @@ def _ring_positions(lengths: Int[Array, "b"], slots: int, period: int) -> Int[Ar
 
 @base.register("kivi")
 @dataclasses.dataclass(frozen=True)
-class Kivi:
-    """KIVI policy. `bits` ∈ {1, 2, 3, 4, 8} for keys and values; `key_group` G tokens per key group
+class Kivi(base.CacheFormat):
+    """KIVI policy. `bits` ∈ {1, 2, 3, 4, 8} for keys and values (or a one-element sequence of it);
+    `key_group` G tokens per key group
     (per channel); `value_group` channels per value group (per token, must divide head_dim);
     `residual_length` R ≥ 1 recent tokens kept in full precision (a multiple of G); `meta_dtype` of
     scales/offsets ("float16", "bfloat16", "float32", "float8_e4m3fn"); `residual_dtype` of the
@@ -120,6 +121,8 @@ class Kivi:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
                 raise ValueError(f"kivi {field} must be an integer >= {minimum}, got {value!r}")
 
+        if np.ndim(self.bits) == 1 and len(self.bits) == 1:  # one width for every loop, as the others take it
+            object.__setattr__(self, "bits", self.bits[0])
         if self.group_size is not None:
             positive_int("group_size", self.group_size)
             for field in ("key_group", "value_group", "group_size"):
@@ -189,16 +192,8 @@ class Kivi:
             v_offset=jnp.zeros((*lead, sv, head_dim // self.value_group), meta),
             v_full=jnp.zeros((*lead, wv, head_dim), res)),)
 
-    def default_calib(self, seg, num_layers, num_kv_heads, head_dim) -> None:
-        """KIVI needs no calibration."""
-        return None
-
-    def calibrate(self, seg, k, v, lengths) -> None:
-        """KIVI needs no calibration."""
-        return None
-
     def write(self, state: tuple[KiviState], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib) -> tuple[KiviState]:
+              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib) -> base.Written:
         """Store new K/V [G, 1, N, B, K, T, D], tokens t < num_new[b] at positions lengths[b] + t.
 
         Keys join the row's full-precision buffer; every R-block this fills — up to ⌈T / R⌉ of them — is
@@ -207,7 +202,7 @@ class Kivi:
         the codes do not depend on how the tokens were split into calls. Tokens past max_len are
         dropped. Fixed shapes, no per-row or per-token Python loop.
         """
-        return (_write(self, state[0], k[:, 0], v[:, 0], lengths, num_new),)
+        return base.Written((_write(self, state[0], k[:, 0], v[:, 0], lengths, num_new),), base.nothing_lost(lengths))
 
     def _write(self, st: KiviState, k, v, lengths, num_new) -> KiviState:
         """`write`'s body, compiled by `_write` below with the policy static."""
@@ -320,7 +315,8 @@ class Kivi:
         vq = affine.dequantize(affine.Quantized(packing.unpack(st.v_codes, self.bits, d), st.v_scale, st.v_offset),
                                self.value_config)
         vq = jnp.pad(vq, ((0, 0), (0, 0), (0, s_len - sv), (0, 0)))
-        where = lambda mask: mask[:, None, :, None]  # noqa: E731  [B, S] -> [B, 1, S, 1]
+        def where(mask):  # [B, S] -> [B, 1, S, 1]
+            return mask[:, None, :, None]
         k = kq
         if wk:
             kf = st.k_full.astype(f32)[:, :, jnp.minimum(pos % r, wk - 1)]
@@ -347,6 +343,12 @@ class Kivi:
         keys = n // r * r * kb + n % r * full
         values = max(n - r, 0) * vb + min(n, r) * full
         return (keys + values) / Fraction(2 * n)
+
+    def describe(self) -> str:
+        """E.g. "INT2 codes + fp16 meta, last 128 tokens fp16"."""
+        short = {"float16": "fp16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "fp8"}
+        return (f"INT{self.bits} codes + {short[self.meta_dtype]} meta, last {self.residual_length} tokens "
+                f"{short[self.residual_dtype]}")
 
 
 # Compiled once per format and shape, also when the model runs eagerly (under an outer jit they inline).

@@ -24,8 +24,9 @@ indices only, like every format's accounting in `rq_jax.quant.bits`.
 
 Calibration policy. There is no data-free default: `default_calib` raises a ValueError saying how
 to fit one, and a model call with this format and no calibration raises before tracing. Pass a fitted
-`RVQCalib` (e.g. from `rq_jax.cache.calibrate` on a dense cache of representative prompts), or let
-`rq_jax.sampling.Sampler` fit one on each batch's own prompts (a dense prefill first, then `calibrate`). `calibrate` uses only
+`RVQCalib` (e.g. from `rq_jax.cache.fit_calib` on a dense cache of representative prompts), or let
+`rq_jax.sampling.Sampler` fit one on each batch's own prompts (a dense prefill first, then `calibrate`).
+`calibrate` uses only
 tokens s < lengths[b]: it picks `calib_tokens` (at most B·S) positions evenly spaced over the valid
 tokens of the batch — a strided subsample when there are more, an even repetition when there are
 fewer — so padding never reaches the fit and shapes stay fixed (it jits). Each slot is fitted with
@@ -46,7 +47,8 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +109,7 @@ def calib_token_index(lengths: Int[Array, "b"], max_len: int, count: int) -> Int
 
 @base.register("residual_vq")
 @dataclasses.dataclass(frozen=True)
-class ResidualVQ:
+class ResidualVQ(base.CacheFormat):
     """Two-stage RVQ storage (2 bits/element by default) with codebooks fitted by `calibrate`.
 
     Policy: `n_codes` (≤ 16) codewords of `group` channels per stage; k-means with `restarts` k-means++
@@ -126,6 +128,8 @@ class ResidualVQ:
     group_len: int = dataclasses.field(default=1, init=False)
     needs_calib: bool = dataclasses.field(default=True, init=False)
     needs_data: bool = dataclasses.field(default=True, init=False)
+    schedule_fields: ClassVar[tuple[str, ...]] = ("name", "n_codes", "group")
+    calib_head_axes: ClassVar[Mapping[str, int]] = MappingProxyType({"scale": 2})
 
     def __post_init__(self):
         if not 1 <= self.n_codes <= _NIBBLE:
@@ -151,7 +155,7 @@ class ResidualVQ:
         """Always raises ValueError: residual_vq has no data-free calibration."""
         raise ValueError(
             "the residual_vq cache format needs calibration (codebooks and per-channel scales fitted on "
-            "data) and has no data-free default: fit one with rq_jax.cache.calibrate on a dense cache of "
+            "data) and has no data-free default: fit one with rq_jax.cache.fit_calib on a dense cache of "
             "representative prompts and pass it as calib=..., or generate with rq_jax.sampling.Sampler "
             "without calib, which fits the codebooks on each batch's prompt")
 
@@ -218,12 +222,19 @@ class ResidualVQ:
         return base.Partial(acc.reshape(b, t, h, d), m, l)
 
     def write(self, state: tuple[RVQSlot], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: RVQCalib) -> tuple[RVQSlot]:
+              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: RVQCalib) -> base.Written:
         """Encode the new K/V [G, 1, N, B, K, T, D] of every slot at once; store t < num_new[b] at lengths[b] + t."""
         new = RVQSlot(_encode_slots(k[:, 0], calib.k), _encode_slots(v[:, 0], calib.v))
-        return (base.scatter_tokens(state[0], new, lengths, num_new),)
+        return base.Written((base.scatter_tokens(state[0], new, lengths, num_new),), base.nothing_lost(lengths))
 
-    def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
+    def bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
         """Two 4-bit indices per group: 8 / group bits (2 for groups of 4); codebooks/scales excluded."""
         self._check_dim(head_dim)
         return bits.rvq_bits(self.n_codes, self.group, 2)
+
+    def schedule_name(self, num_loops: int) -> str:
+        """E.g. "residual_vq-n16-g4-L4"."""
+        return f"{self.name}-n{self.n_codes}-g{self.group}-L{num_loops}"
+
+    def describe(self) -> str:
+        return f"2×{self.n_codes} codewords of {self.group} dims (4-bit indices), fitted codebooks"

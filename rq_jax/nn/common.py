@@ -20,18 +20,21 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rq_jax.cache import base
-from rq_jax.cache.kv import KV, CacheCalib, CallContext, Group, KVCache, check_calib, check_overflow, init_cache
+from rq_jax.cache.calib import CacheCalib, check_calib
+from rq_jax.cache.context import CacheContext, CallContext, ContextSource
+from rq_jax.cache.kv import KV, Group, KVCache, check_overflow, init_cache
 from rq_jax.config import ModelConfig
 from rq_jax.nn.layers import linear
 
 #: attend(q [B, T, H, D], k [B, K, T, D], v [B, K, T, D]) -> (o [B, T, H, D], the (k, v) to store);
-#: the slot attention also takes `skipped` [B, T] (see `CallContext.attend`).
+#: the slot attention also takes `skipped` [B, T] (see `CacheContext.attend`).
 Attend = Callable[..., tuple[Array, KV]]
 
 
 class ModelOutput(NamedTuple):
-    """Logits [B, T, V] (or [B, V] with `last_only`), the updated cache (for a teacher-forced QAT pass,
-    the pass's K/V: `rq_jax.train.qat`), and family-specific extras."""
+    """Logits [B, T, V] (or [B, V] with `last_only`), the updated cache (None without one), and extras:
+    family-specific ones, plus whatever a `context` leaves (a teacher-forced QAT pass: its K/V,
+    `rq_jax.train.qat`)."""
 
     logits: Float[Array, "b t v"] | Float[Array, "b v"]
     cache: KVCache | None
@@ -142,13 +145,16 @@ def slot_attend(ctx: CallContext, group: Group, seg: int, index: base.Index, loo
 
 
 def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Array, "b"] | None,
-               num_loops: int, calib: CacheCalib | None) -> CallContext:
-    """Check a forward call's shapes, loop count and calibration (at trace time), and build its context.
+               num_loops: int, calib: CacheCalib | None, context: ContextSource | None = None) -> CallContext:
+    """Check a forward call's shapes, loop count and calibration (at trace time), and build its context:
+    a `CacheContext` over `cache` (or none), or the one `context` builds (a past that is not a cache).
 
     `num_new[b]` (default T) is how many of row b's T tokens are real; the rest are padding. Raises
-    ValueError for a bad shape or loop count, a loop count that differs from the cache's, or a missing
-    or mismatched calibration. Value checks are `check_values`'s, made on the host before compiling.
+    TypeError for a cache that is not a `KVCache`, ValueError for a bad shape or loop count, a loop
+    count that differs from the cache's, both a cache and a context, or a missing or mismatched
+    calibration. Value checks are `check_values`'s, made on the host before compiling.
     """
+    check_cache_type(cache)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
     if isinstance(num_loops, bool) or not isinstance(num_loops, int) or num_loops < 1:
@@ -157,10 +163,10 @@ def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Ar
     num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
     if num_new.shape != (b,):
         raise ValueError(f"num_new must have shape ({b},), got {num_new.shape}")
-    if cache is not None and not isinstance(cache, KVCache):
-        # Stored K/V from elsewhere (e.g. `rq_jax.train.qat.TeacherForced`) build their own context,
-        # an object with CallContext's `positions`, `num_new`, `segments`, `attend` and `finish`.
-        return cache.call_context(num_new, t, num_loops)
+    if context is not None:
+        if cache is not None:
+            raise ValueError("a call reads its past from a cache or from a context, not both")
+        return context.call_context(num_new, t, num_loops)
     if cache is not None:
         if cache.lengths.shape != (b,):
             raise ValueError(f"cache was built for batch {cache.lengths.shape[0]}, tokens have batch {b}")
@@ -169,7 +175,14 @@ def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Ar
         if t > cache.max_len:
             raise ValueError(f"{t} tokens do not fit in a cache of max_len {cache.max_len}")
         check_calib(cache, calib or CacheCalib())
-    return CallContext.build(cache, num_new, t, calib)
+    return CacheContext.build(cache, num_new, t, calib)
+
+
+def check_cache_type(cache: Any) -> None:
+    """Raise TypeError unless `cache` is a `KVCache` or None."""
+    if cache is not None and not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__} (a past that is not a cache, "
+                        "e.g. rq_jax.train.qat.TeacherForced, goes in context=...)")
 
 
 def check_values(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Array, "b"] | None,
@@ -195,6 +208,7 @@ def run(model: "LoopedModule", tokens, cache: KVCache | None, dynamic: dict[str,
     """A model call: traced inputs (inside the caller's jit, grad, scan ...) run `model._forward`
     directly; concrete ones are checked on the host (`check_values`) and run compiled, once per shape
     and static configuration. `dynamic` holds array arguments, `static` hashable ones."""
+    check_cache_type(cache)
     concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((tokens, cache, dynamic)))
     if not concrete:
         return model._forward(tokens, cache, **dynamic, **static)

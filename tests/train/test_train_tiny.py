@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rq_jax.data import Addition, MixtureConfig, Retrieval, StdlibText, collate
+from rq_jax.data import EOS, Addition, MixtureConfig, Retrieval, StdlibText, collate
 from rq_jax.train import RunOptions, TrainConfig, Trainer, tiny_model_config
-from rq_jax.train import evaluate
+from rq_jax.train import heldout
+from tests.conftest import REPO
 from rq_jax.train import trainer as trainer_module
 
 
@@ -22,7 +23,8 @@ def text():
 
 def small_config(family: str, **kw) -> TrainConfig:
     model = tiny_model_config(family, hidden_size=64, num_heads=1, num_kv_heads=1, intermediate_size=64,
-                              num_layers=1, num_loops=2, **({"num_prelude": 1, "num_coda": 1} if family == "huginn" else {}))
+                              num_layers=1, num_loops=2,
+                              **({"num_prelude": 1, "num_coda": 1} if family == "huginn" else {}))
     data = MixtureConfig(seq_len=48, rows=(1, 1, 1), addition=Addition(2), curriculum_start=2, curriculum_steps=3,
                          retrieval=Retrieval(max_pairs=4, num_queries=2))
     return TrainConfig(model=model, data=data, lr=3e-3, warmup_steps=2, total_steps=20, **kw)
@@ -39,7 +41,8 @@ def losses(run_dir):
 
 def test_interrupted_run_resumes_exactly(tmp_path, text):
     cfg = small_config("ouro", one_loop_steps=3)  # the resumed part crosses the switch to two loops
-    opts = lambda d, stop: RunOptions(run_dir=str(tmp_path / d), stop_step=stop, eval_every=0, progress=False)  # noqa: E731
+    def opts(d, stop):
+        return RunOptions(run_dir=str(tmp_path / d), stop_step=stop, eval_every=0, progress=False)
     full = Trainer(cfg, opts("full", 5), text)
     full.run()
     first = Trainer(cfg, opts("resumed", 2), text)
@@ -69,30 +72,40 @@ def test_training_lowers_the_loss(tmp_path, text):
     assert loss[11] < loss[0] - 0.5
 
 
+def greedy_decode(model, prompt: np.ndarray, num_tokens: int, loops: int, length: int) -> np.ndarray:
+    """Plain greedy decoding without a cache: append argmax num_tokens times to prompt [P] → [num_tokens],
+    each step running the whole sequence right-padded to `length` (one shape)."""
+    buf = np.full((1, length), EOS, np.int32)
+    buf[0, : len(prompt)] = prompt
+    fwd = nnx.jit(lambda m, t: m(t, num_loops=loops).logits)
+    for pos in range(len(prompt), len(prompt) + num_tokens):
+        buf[0, pos] = int(jnp.argmax(fwd(model, jnp.asarray(buf))[0, pos - 1]))
+    return buf[0, len(prompt) : len(prompt) + num_tokens]
+
+
 def test_teacher_forced_exact_match_equals_greedy_decoding(text):
     cfg = small_config("huginn")
     from rq_jax.models import init_model
 
     model = init_model(cfg.model, 1)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    score = evaluate.make_score_fn(graphdef, rest, "huginn", 2)
-    kw = evaluate.forward_kwargs("huginn", 2)
+    score = heldout.make_score_fn(graphdef, rest, 2)
     add = Addition(2)
     examples = add.examples("eval", 4)
     # make each example's answer the model's own greedy output, then corrupt half of them
     fixed = []
     for i, ex in enumerate(examples):
         prompt = ex.prompt()
-        out = evaluate.greedy_decode(model, prompt, len(ex.answer()), kw, length=add.length)
+        out = greedy_decode(model, prompt, len(ex.answer()), 2, add.length)
         if i % 2:
             out = out.copy()
             out[-1] = out[-1] + 1 if out[-1] < 258 else 3
         tokens = np.concatenate([prompt, out])
         fixed.append(type(ex)(ex.task, tokens, ex.answer_id, ex.key))
     tokens, answer_id = collate(fixed, add.length)
-    preds, _ = evaluate.score_batches(score, params, tokens, batch=3)
-    np.testing.assert_array_equal(evaluate.answer_exact_match(preds, tokens, answer_id), [True, False, True, False])
-    assert evaluate.exact_match(score, params, fixed, add.length, batch=3) == 0.5
+    preds, _ = heldout.score_batches(score, params, tokens, batch=3)
+    np.testing.assert_array_equal(heldout.answer_exact_match(preds, tokens, answer_id), [True, False, True, False])
+    assert heldout.answer_scores(score, params, fixed, add.length, batch=3)["em"] == 0.5
 
 
 def test_evaluate_and_export(tmp_path, text):
@@ -128,8 +141,9 @@ def test_shipped_sizes_fit_the_budget(family):
 
 def test_portable_snapshot_continues_bit_identically(tmp_path, text):
     cfg = small_config("huginn")
-    opts = lambda d, stop, **kw: RunOptions(run_dir=str(tmp_path / d), stop_step=stop, eval_every=0,  # noqa: E731
-                                            progress=False, **kw)
+    def opts(d, stop, **kw):
+        return RunOptions(run_dir=str(tmp_path / d), stop_step=stop, eval_every=0, progress=False, **kw)
+
     full = Trainer(cfg, opts("full", 4, portable=False), text)
     full.run()
     Trainer(cfg, opts("first", 2), text).run()
@@ -154,8 +168,7 @@ def test_huginn_trains_from_a_seeded_random_state(tmp_path, text):
 def test_cli_trains_resumes_and_exports(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("train_tiny", os.path.join(os.path.dirname(__file__), "..", "scripts",
-                                                                             "train_tiny.py"))
+    spec = importlib.util.spec_from_file_location("train_tiny", str(REPO / "scripts" / "train_tiny.py"))
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     flags = ["--model", "ouro", "--run-dir", str(tmp_path / "run"), "--hidden", "64", "--intermediate", "64",
@@ -173,8 +186,10 @@ def test_cli_trains_resumes_and_exports(tmp_path):
     card = open(tmp_path / "hf2" / "README.md").read()
     assert "trained 2 + 1 steps in 2 stages" in card
     first, second = card.split("## Reproduce")[1].strip().strip("`").strip().splitlines()
-    assert "--init-weights" not in first and first.endswith(f"--export {tmp_path / 'hf'}")
-    assert second.endswith(f"--init-weights {tmp_path / 'hf'}") and str(tmp_path / "run2") in second
+    assert "--init-weights" not in first and first.endswith("--export STAGE1")
+    assert second.endswith("--init-weights STAGE1") and "--run-dir RUN" in second
+    config = open(tmp_path / "hf2" / "config.json").read()
+    assert str(tmp_path) not in card and str(tmp_path) not in config  # cards and configs name no machine paths
 
 
 def test_second_stage_starts_from_exported_weights(tmp_path, text):
@@ -192,8 +207,9 @@ def test_second_stage_starts_from_exported_weights(tmp_path, text):
     with pytest.raises(ValueError, match="embed_std"):
         Trainer(TrainConfig(**{**cfg.__dict__, "init_weights": str(tmp_path / "hf"), "embed_std": 1.0}),
                 RunOptions(run_dir=str(tmp_path / "c"), progress=False), text)
-    other = TrainConfig(**{**cfg.__dict__, "model": tiny_model_config("ouro", hidden_size=64, num_heads=1, num_kv_heads=1,
-                                                                         intermediate_size=128, num_layers=1, num_loops=2),
+    wider = tiny_model_config("ouro", hidden_size=64, num_heads=1, num_kv_heads=1, intermediate_size=128, num_layers=1,
+                              num_loops=2)
+    other = TrainConfig(**{**cfg.__dict__, "model": wider,
                            "init_weights": str(tmp_path / "hf")})
     with pytest.raises(ValueError, match="another model config"):
         Trainer(other, RunOptions(run_dir=str(tmp_path / "d"), progress=False), text)

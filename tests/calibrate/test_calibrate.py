@@ -25,12 +25,12 @@ from rq_jax.calibrate import (OptRHConfig, artifact_name, calibrate_model, calib
                               optr, oscar, read_artifact, save_calibration)
 from rq_jax.calibrate.losses import SlotData
 from rq_jax.data import CALIB_MODULES, EVAL_MODULES, split_of
-from rq_jax.eval.kv_error import reconstruction_error
+from rq_jax.cache.kv_error import reconstruction_error
 
 LOOPS, ROWS, SEQ = 2, 4, 16
 FMT = get_format("residual", bits=(2, 4), group_size=8)
 CONFIG = OptRHConfig(steps=6, candidate_every=3, query_len=8)
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def tokens(seed: int, vocab: int = 128) -> np.ndarray:

@@ -22,6 +22,7 @@ from rq_jax.models import init_model
 from rq_jax.train import QATConfig, QATTrainer, RunOptions, fake_quant_forward, format_calib
 from rq_jax.train import lora, tiny_model_config
 from rq_jax.train.qat_trainer import student_model, trainable_filter
+from tests.conftest import REPO
 
 
 # ---- the forward against packed-cache decoding ------------------------------------------------------
@@ -114,8 +115,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cli():
-    spec = importlib.util.spec_from_file_location("train_qat", os.path.join(os.path.dirname(__file__), "..", "scripts",
-                                                                            "train_qat.py"))
+    spec = importlib.util.spec_from_file_location("train_qat", str(REPO / "scripts" / "train_qat.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -151,7 +151,8 @@ def test_trainable_sets(tiny_checkpoint):
     """"all" trains every parameter; "attn_norms" the attention projections and every RMSNorm; LoRA adapts
     exactly the attention projections (A [N, in, r], B [N, r, out] = 0)."""
     model = model_io.load(tiny_checkpoint[0])[0]
-    names = lambda state: {".".join(map(str, p)) for p, _ in nnx.to_flat_state(state)}  # noqa: E731
+    def names(state):
+        return {".".join(map(str, p)) for p, _ in nnx.to_flat_state(state)}
     _, everything, rest = nnx.split(model, trainable_filter(model, "all"), ...)
     assert names(everything) == names(nnx.state(model, nnx.Param))
     _, chosen, frozen, _ = nnx.split(model, trainable_filter(model, "attn_norms"), nnx.Param, ...)
@@ -233,7 +234,8 @@ def test_lora_export_is_the_overlay_model(lora_runs, tmp_path):
     fmt = cfg.format()
     calib = format_calib(exported.config, fmt, 2)
     tokens = jnp.asarray(full.mixture.batch(0).tokens[:, :16])
-    overlay_model = lambda trainable: student_model(full.graphdef, trainable, full.frozen, full.rest, cfg)  # noqa: E731
+    def overlay_model(trainable):
+        return student_model(full.graphdef, trainable, full.frozen, full.rest, cfg)
     fwd = jax.jit(lambda trainable, params: (
         fake_quant_forward(overlay_model(trainable), tokens, fmt, calib).logits,
         fake_quant_forward(nnx.merge(full.graphdef, params, full.rest), tokens, fmt, calib).logits))

@@ -34,7 +34,7 @@ FMT = ResidualVQ(**FAST)
 # One compilation per function and shape, shared by the tests (the format is a static argument).
 SEG = Segment(0, L, 1)  # L one-loop groups
 calibrate = jax.jit(lambda fmt, k, v, lengths: fmt.calibrate(SEG, k[:, None], v[:, None], lengths), static_argnums=0)
-write = jax.jit(lambda fmt, state, k, v, *args: fmt.write(state, k[:, None], v[:, None], *args), static_argnums=0)
+write = jax.jit(lambda fmt, state, k, v, *args: fmt.write(state, k[:, None], v[:, None], *args).state, static_argnums=0)
 
 
 @functools.lru_cache(maxsize=None)

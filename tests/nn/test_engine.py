@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from rq_jax.cache import Dense, default_calib, get_format, init_cache
-from rq_jax.cache.kv import fake_quantized
+from rq_jax.cache.base import fake_quant_loops
 from rq_jax.config import preset
 from rq_jax.models import init_model
 from rq_jax.sampling import Sampler, SamplingConfig
@@ -26,7 +26,8 @@ def decode_jaxpr_size(config, fmt) -> int:
 
     def count(jaxpr) -> int:
         subs = [sub for e in jaxpr.eqns for p in e.params.values()
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)) if hasattr(sub, "eqns") or hasattr(sub, "jaxpr")]
+                for sub in (p if isinstance(p, (tuple, list)) else (p,))
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr")]
         return len(jaxpr.eqns) + sum(count(getattr(sub, "jaxpr", sub)) for sub in subs)
 
     return count(jax.make_jaxpr(step)(params, cache).jaxpr)
@@ -56,7 +57,9 @@ def test_gradient_through_a_fake_quantized_residual_cache(ouro):
         m = nnx.merge(graphdef, params)
         prefix = m(ids[:, :6], init_cache(m.config, 2, 10, Dense("float32"))).cache
         if quantize:
-            prefix = fake_quantized(prefix, fmt, default_calib(init_cache(m.config, 1, 1, fmt)).looped)
+            k, v = fake_quant_loops(fmt, *prefix.dense_kv(), default_calib(init_cache(m.config, 1, 1, fmt)).looped)
+            ((slot,),) = prefix.looped
+            prefix = prefix.replace(looped=((slot._replace(k=k, v=v),),))
         logits = m(ids[:, 6:-1], prefix).logits
         return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 7:]).mean()
 
@@ -101,7 +104,7 @@ def test_calibration_is_checked_before_tracing(ouro):
     with pytest.raises(ValueError, match="needs calib=CacheCalib.*default_calib"):
         model(ids, residual)
     vq = model.init_cache(2, 8, get_format("residual_vq"))
-    with pytest.raises(ValueError, match="residual_vq.*calibrate"):
+    with pytest.raises(ValueError, match="residual_vq.*fit_calib"):
         model(ids, vq)
     with pytest.raises(ValueError, match="no data-free default"):
         default_calib(vq)
@@ -109,7 +112,7 @@ def test_calibration_is_checked_before_tracing(ouro):
 
 def test_attend_impl_falls_back_to_xla_with_a_logged_reason(monkeypatch, caplog):
     """An implementation that does not cover a slot raises NotImplementedError; XLA answers instead."""
-    from rq_jax.cache import residual
+    from rq_jax.cache import loop_quant as residual
     from rq_jax.cache.base import Segment
 
     def declines(q_rot, ops, lengths):
@@ -124,7 +127,7 @@ def test_attend_impl_falls_back_to_xla_with_a_logged_reason(monkeypatch, caplog)
     kv = [jnp.asarray(rng.normal(size=(1, 4, 1, 2, 2, 5, 16)), jnp.float32) for _ in range(2)]
     calib = xla.default_calib(seg, 1, 2, 16)
     lengths = jnp.array([5, 3])
-    state = xla.write(xla.init(seg, 1, 2, 8, 2, 16), *kv, jnp.zeros(2, jnp.int32), lengths, calib)
+    state = xla.write(xla.init(seg, 1, 2, 8, 2, 16), *kv, jnp.zeros(2, jnp.int32), lengths, calib).state
     q = jnp.asarray(rng.normal(size=(2, 1, 2, 16)), jnp.float32)
     with caplog.at_level("WARNING"):
         got = fmt.attend(state, (0, 0), 1, q, lengths, calib)

@@ -37,7 +37,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from fractions import Fraction
-from typing import Callable, NamedTuple
+from types import MappingProxyType
+from typing import Callable, ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,8 @@ def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths:
     q_rot: [B, T, K, H/K, D] float32. Returns acc [B, T, H, D] in the rotated value basis, m, l [B, T, H].
     """
     b, t, heads, per_kv, d = q_rot.shape
-    at = lambda x: None if x is None else x[ops.index]  # noqa: E731
+    def at(x):
+        return None if x is None else x[ops.index]
     scores = None
     for i in reversed(range(len(ops.k))):  # from the anchor up: s_i = q̃·D(c_i) + q̃·μ_i + α_i·s_{i+1}
         s = jnp.einsum("btkqd,bksd->btkqs", q_rot, ops.k[i].map(at).dequantize())
@@ -123,15 +125,19 @@ def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: 
     q = q_rot.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
     num_layers = ops.k[0].codes.shape[1]
     slot = ops.index[0] * num_layers + ops.index[1]
-    flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])  # noqa: E731  [G, N, ...] → [G·N, ...]
-    streams = lambda codes: tuple(QuantStream(flat(c.codes), flat(c.scale), flat(c.offset)) for c in codes)  # noqa: E731
+    def flat(x):  # [G, N, ...] → [G·N, ...]
+        return None if x is None else x.reshape(-1, *x.shape[2:])
+    def streams(codes):
+        return tuple(QuantStream(flat(c.codes), flat(c.scale), flat(c.offset)) for c in codes)
     means = tuple(None if mu is None else jnp.einsum("bkrd,kd->bkr", q, mu) for mu in ops.k_mean)
     acc, m, l = residual_decode_attention(
         q, streams(ops.k), streams(ops.v), tuple(map(flat, ops.k_alpha)), tuple(map(flat, ops.v_alpha)),
         means, lengths, jnp.asarray(slot, jnp.int32), k_bits=tuple(c.bits for c in ops.k),
         v_bits=tuple(c.bits for c in ops.v), k_group_sizes=tuple(c.group_size for c in ops.k),
         v_group_sizes=tuple(c.group_size for c in ops.v), interpret=jax.default_backend() != "gpu")
-    rows = lambda x: jnp.moveaxis(x.reshape(b, heads, t, per_kv, *x.shape[3:]), 2, 1).reshape(b, t, heads * per_kv, *x.shape[3:])  # noqa: E731
+    def rows(x):
+        rest = x.shape[3:]
+        return jnp.moveaxis(x.reshape(b, heads, t, per_kv, *rest), 2, 1).reshape(b, t, heads * per_kv, *rest)
     return base.Partial(rows(acc), rows(m), rows(l))
 
 
@@ -143,7 +149,7 @@ ATTEND_IMPLS: dict[str, Callable[[Array, LoopOperands, Array], base.Partial]] = 
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopQuant:
+class LoopQuant(base.CacheFormat):
     """Loop-group quantization policy (see the module docstring); `name` is its registry name.
 
     `key_means`: `calibrate` fits per-(loop, layer, head) key means in the rotated basis.
@@ -170,6 +176,11 @@ class LoopQuant:
     name: str = "residual"
     needs_calib: bool = dataclasses.field(default=True, init=False)
     needs_data: bool = dataclasses.field(default=False, init=False)
+    schedule_fields: ClassVar[tuple[str, ...]] = ("name", "bits", "group_size", "meta_dtype", "residual",
+                                                   "least_squares", "reference")
+    calib_head_axes: ClassVar[Mapping[str, int]] = MappingProxyType({"key_rot": 2, "value_rot": 2, "key_mean": 3})
+    learns_rotations: ClassVar[bool] = True
+    reports_out_of_range: ClassVar[bool] = True
 
     def __post_init__(self):
         object.__setattr__(self, "bits", tuple(int(b) for b in np.atleast_1d(self.bits)))
@@ -221,7 +232,8 @@ class LoopQuant:
         slots = []
         for r in range(seg.size):
             qc = cfg.quant_config(r)
-            proto = jax.eval_shape(lambda qc=qc: PackedCodes.from_quantized(affine.quantize(jnp.zeros(head_dim), qc), qc))
+            proto = jax.eval_shape(
+                lambda qc=qc: PackedCodes.from_quantized(affine.quantize(jnp.zeros(head_dim), qc), qc))
             codes = jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, p.dtype), proto)
             alpha = jnp.zeros(lead, cfg.alpha_dtype) if self._has_alpha(cfg, r) else None
             slots.append(LoopSlot(codes, codes, alpha, alpha))
@@ -245,6 +257,17 @@ class LoopQuant:
         if not self.key_means:
             return calib
         return calib._replace(key_mean=self.fit_key_means(k, lengths, calib.key_rot))
+
+    def calib_shapes(self, seg, num_layers, num_kv_heads, head_dim) -> RotationCalib:
+        """Rotations [G, N, K, D, D] for keys and values and the optional key means [G, N, p, K, D]
+        (learned rotations, e.g. OptR-H's, come with means whatever `key_means` says)."""
+        full = dataclasses.replace(self, key_means=True)
+        return base.CacheFormat.calib_shapes(full, seg, num_layers, num_kv_heads, head_dim)
+
+    def schedule_name(self, num_loops: int) -> str:
+        """E.g. "residual-b2.2.2.4-g32-L4" (group sizes once when they are all equal)."""
+        sizes = self.group_size if len(set(self.group_size)) > 1 else self.group_size[:1]
+        return f"{self.name}-b{'.'.join(map(str, self.bits))}-g{'.'.join(map(str, sizes))}-L{num_loops}"
 
     def fit_key_means(self, k: Float[Array, "g p n b k s d"], lengths: Int[Array, "b"],
                       key_rot: Float[Array, "g n k d d"]) -> Float[Array, "g n p k d"]:
@@ -281,23 +304,19 @@ class LoopQuant:
             enc[kind] = e._replace(out_of_range=e.out_of_range + jnp.sum(~finite, axis=(1, -1)))  # [G, N, B, K, T]
         return enc
 
-    def out_of_range(self, k, v, num_new, calib: RotationCalib) -> Int[Array, "b"]:
-        """Per row: metadata values of the new tokens' K/V [G, p, N, B, K, T, D] (t < num_new[b]) that
-        the metadata dtype could not hold (saturated or flushed to zero), plus their non-finite entries,
-        summed over slots. The same encoding as `write` (one computation under jit)."""
-        enc = self._encode_kv(k, v, calib)
-        new = jnp.arange(k.shape[5])[None, :] < num_new[:, None]  # [B, T]
-        return sum(jnp.sum(jnp.where(new[:, None], e.out_of_range, 0), axis=(0, 1, 3, 4)) for e in enc.values())
-
-    def write(self, state, k, v, lengths, num_new, calib: RotationCalib) -> tuple[LoopSlot, ...]:
-        """Rotate and encode every group of K/V [G, p, N, B, K, T, D]; store at lengths[b] + t."""
+    def write(self, state, k, v, lengths, num_new, calib: RotationCalib) -> base.Written:
+        """Rotate and encode every group of K/V [G, p, N, B, K, T, D]; store at lengths[b] + t. Per row,
+        the new tokens' (t < num_new[b]) metadata values the metadata dtype could not hold (saturated or
+        flushed to zero) plus their non-finite entries, summed over slots, are the out-of-range count."""
         cfg = self.group_config(k.shape[1])
         enc = self._encode_kv(k, v, calib)
         new = tuple(
             LoopSlot(*(PackedCodes.from_quantized(enc[kind].loops[r], cfg.quant_config(r)) for kind in "kv"),
                      *(enc[kind].alpha[cfg.alpha_index(r)] if self._has_alpha(cfg, r) else None for kind in "kv"))
             for r in range(cfg.num_loops))
-        return base.scatter_tokens(state, new, lengths, num_new)
+        fresh = jnp.arange(k.shape[5])[None, :] < num_new[:, None]  # [B, T]
+        lost = sum(jnp.sum(jnp.where(fresh[:, None], e.out_of_range, 0), axis=(0, 1, 3, 4)) for e in enc.values())
+        return base.Written(base.scatter_tokens(state, new, lengths, num_new), lost.astype(lengths.dtype))
 
     def _encode(self, z: Float[Array, "p ... d"], cfg, mean) -> residual.EncodedGroup:
         """Residual group coding, or (direct) every position coded on its own."""
@@ -379,8 +398,9 @@ class LoopQuant:
             out.append(jnp.where(base.valid_tokens(lengths, x.shape[2])[:, None, :, None], x, 0.0))
         return tuple(out)
 
-    def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
-        """Average stored bits per K or V element over the loops, by the toolbox's accounting."""
+    def bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
+        """Average stored bits per K or V element over the loops, by the toolbox's accounting (the same
+        at every context length)."""
         total = Fraction(0)
         for seg in base.segments(num_loops, self.group_len):
             cfg = self.group_config(seg.size)
@@ -388,6 +408,36 @@ class LoopQuant:
                      qbits.direct_bits([cfg.quant_config(r) for r in range(seg.size)], head_dim))
             total += group * seg.num_loops
         return total / num_loops
+
+    def read_bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
+        """Bits attention reads per cached element, averaged over the loops: a residual loop reads its
+        reference chain (its own codes, metadata and α, then each reference's down to the anchor);
+        without residuals a loop reads what it stores. Ouro's [2,2,2,4] g32: 3.09 stored, 6.47 read."""
+        if not self.residual:
+            return self.bits_per_element(num_loops, head_dim)
+        total = Fraction(0)
+        for seg in base.segments(num_loops, self.group_len):
+            cfg = self.group_config(seg.size)
+            for r in range(seg.size):
+                links = self.chain(cfg, r)
+                bits = sum(qbits.affine_bits(cfg.quant_config(i), head_dim) for i in links)
+                if cfg.least_squares:
+                    bits += Fraction(8 * cfg.alpha_dtype.itemsize * (len(links) - 1), head_dim)
+                total += bits * seg.groups
+        return total / num_loops
+
+    def describe(self) -> str:
+        """E.g. "INT2/INT4 g32 codes + fp8 meta + bf16 α, Hadamard-rotated residuals"."""
+        widths = "/".join(f"INT{b}" for b in sorted(set(self.bits)))
+        sizes = "/".join(f"g{g}" for g in sorted(set(self.group_size)))
+        meta = {"float8_e4m3fn": "fp8", "bfloat16": "bf16", "float16": "fp16", "float32": "f32"}.get(
+            self.meta_dtype, self.meta_dtype)
+        out = f"{widths} {sizes} codes + {meta} meta" + (" + bf16 super-scale" if self.super_scale else "")
+        if self.residual and self.least_squares:
+            out += " + bf16 α"
+        how = [{"identity": "", "hadamard": "Hadamard-rotated", "random": "randomly rotated"}[self.rotation]]
+        how += ["residuals"] if self.residual else []
+        return out + (f", {' '.join(filter(None, how))}" if any(how) else "")
 
 
 def _per_token(alpha: Float[Array, "b k s"]) -> Float[Array, "b 1 k 1 s"]:

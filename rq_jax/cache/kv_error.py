@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from rq_jax.cache import Dense, init_cache
 from rq_jax.cache import base
+from rq_jax.cache.dense import Dense
+from rq_jax.cache.kv import init_cache
 
 
 def dense_kv(model, tokens: Int[Array, "b t"], num_loops: int, **model_kwargs):
@@ -54,7 +55,7 @@ def _segment_errors(fmt: base.CacheFormat, seg: base.Segment, ks, vs, lengths, c
     one compiled program per format and segment, slots visited with `lax.map`."""
     groups, size, num_layers, batch, heads, seq, dim = ks.shape
     state = fmt.write(fmt.init(seg, num_layers, batch, seq, heads, dim), ks, vs, jnp.zeros_like(lengths), lengths,
-                      calib)
+                      calib).state
     slots = jnp.stack(jnp.meshgrid(jnp.arange(groups), jnp.arange(num_layers), indexing="ij"), -1).reshape(-1, 2)
     out = []
     for r in range(size):

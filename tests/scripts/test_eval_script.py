@@ -9,7 +9,7 @@ import pytest
 from rq_jax import checkpoint
 from rq_jax.cache import cache_nbytes, get_format, init_cache
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "eval.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "eval.py"
 
 
 def load_script():
@@ -22,7 +22,8 @@ def load_script():
 def test_eval_writes_the_table_json_and_figures(tmp_path):
     out = tmp_path / "ouro"
     load_script().main(["--model", "ouro", "--n", "3", "--retrieval-pairs", "2", "--text-windows", "1", "--batch", "4",
-                        "--only", "[2,2,2,4] g32 oscar", "--rotations", "oscar", "--calibration-rows", "2", "--out", str(out), "--no-progress"])
+                        "--only", "[2,2,2,4] g32 oscar", "--rotations", "oscar", "--calibration-rows", "2",
+                        "--out", str(out), "--no-progress"])
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {r["scheme"]: r for r in result["rows"]}
     assert list(rows) == ["[2,2,2,4] g32 oscar"]

@@ -4,9 +4,9 @@
   a strided sample of its values — so a calibration of other weights with the same shapes (e.g. an
   untrained copy) is caught too. The fingerprint is compared with a tolerance, so a model loaded
   with bfloat16 parameters still matches its float32 calibration.
-- Format: the format's type and the policy fields that decide what is quantized and how
-  (`SCHEDULE_FIELDS`: bits, group sizes, metadata dtype, residual coding ... ). Runtime choices that
-  the calibration overrides or does not depend on (the default rotation kind, attention
+- Format: the format's type and the policy fields that decide what is quantized and how (the
+  format's `schedule_fields`: bits, group sizes, metadata dtype, residual coding ... ). Runtime choices
+  that the calibration overrides or does not depend on (the default rotation kind, attention
   implementation, k-means effort) are recorded but not compared.
 """
 
@@ -23,11 +23,6 @@ from flax import nnx
 from rq_jax.cache import base
 from rq_jax.config import ModelConfig
 
-#: Per format type, the policy fields a calibration depends on (others: every dataclass field).
-SCHEDULE_FIELDS = {
-    "LoopQuant": ("name", "bits", "group_size", "meta_dtype", "residual", "least_squares", "reference"),
-    "ResidualVQ": ("name", "n_codes", "group"),
-}
 _SAMPLES = 16  # fingerprint values per parameter
 
 
@@ -77,22 +72,12 @@ def format_spec(fmt: base.CacheFormat) -> dict[str, Any]:
     return dict(type=type(fmt).__name__, policy=policy)
 
 
-def schedule_name(fmt: base.CacheFormat, num_loops: int) -> str:
-    """A format's schedule as a folder name, e.g. "residual-b2.2.2.4-g32-L4", "residual_vq-n16-g4-L4"."""
-    if type(fmt).__name__ == "LoopQuant":
-        sizes = fmt.group_size if len(set(fmt.group_size)) > 1 else fmt.group_size[:1]
-        return f"{fmt.name}-b{'.'.join(map(str, fmt.bits))}-g{'.'.join(map(str, sizes))}-L{num_loops}"
-    if type(fmt).__name__ == "ResidualVQ":
-        return f"{fmt.name}-n{fmt.n_codes}-g{fmt.group}-L{num_loops}"
-    return f"{fmt.name}-L{num_loops}"
-
-
 def format_mismatch(saved: dict[str, Any], fmt: base.CacheFormat) -> list[str]:
     """The schedule fields in which `fmt` differs from a saved `format_spec` ([] when it matches)."""
     now = format_spec(fmt)
     if saved["type"] != now["type"]:
         return [f"format type {saved['type']} vs {now['type']}"]
-    fields = SCHEDULE_FIELDS.get(now["type"], tuple(now["policy"]))
+    fields = fmt.schedule_fields or tuple(now["policy"])
     return [f"{f} {saved['policy'].get(f)!r} vs {now['policy'].get(f)!r}" for f in fields
             if saved["policy"].get(f) != now["policy"].get(f)]
 

@@ -11,7 +11,7 @@ from rq_jax.cache import CacheCalib, Dense, LoopQuant, RotationCalib, base, cach
 from rq_jax.cache.base import segments, split_loops
 from rq_jax.cache.kv import init_cache
 from rq_jax.config import preset
-from rq_jax.eval.kv_error import dense_kv, reconstruction_error
+from rq_jax.cache.kv_error import dense_kv, reconstruction_error
 from rq_jax.sampling import Sampler, SamplingConfig
 
 # Policies small enough for the fixtures' head dims (Ouro 16, Huginn 24): channel groups of 8.
@@ -47,7 +47,7 @@ def write_stack(fmt, num_loops, k, v, lengths, num_new, states=None, calibs=None
     _, layers, batch, heads, _, dim = k.shape
     states = states or [fmt.init(seg, layers, batch, 12, heads, dim) for seg in segs]
     calibs = calibs or [fmt.default_calib(seg, layers, heads, dim) for seg in segs]
-    states = [fmt.write(st, split_loops(k, seg), split_loops(v, seg), lengths, num_new, c)
+    states = [fmt.write(st, split_loops(k, seg), split_loops(v, seg), lengths, num_new, c).state
               for seg, st, c in zip(segs, states, calibs)]
     return segs, states, calibs
 

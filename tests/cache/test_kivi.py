@@ -34,7 +34,7 @@ def write_all(fmt, state, lengths, kvs, num_news):
     cap = state[0].v_codes.shape[4] + state[0].v_full.shape[4]  # max_len
     for (k, v), n in zip(kvs, num_news):
         n = jnp.asarray(n, jnp.int32)
-        state = fmt.write(state, k[:, None], v[:, None], lengths, n, None)  # jitted inside, once per shape
+        state = fmt.write(state, k[:, None], v[:, None], lengths, n, None).state  # jitted inside, once per shape
         lengths = lengths + jnp.minimum(n, cap - lengths)
     return state, lengths
 
@@ -91,7 +91,8 @@ class KiviRow:
 
     def stored_bits(self, meta_bits=32, full_bits=32):
         """Bits KIVI's tensors hold for this row (codes + scale + min per group; full-precision tokens)."""
-        quant = lambda n: n * D * (self.bits + 2 * meta_bits / self.g)  # noqa: E731
+        def quant(n):
+            return n * D * (self.bits + 2 * meta_bits / self.g)
         return quant(len(self.kq)) + quant(len(self.vq)) + (len(self.kf) + len(self.vf)) * D * full_bits
 
 
