@@ -360,6 +360,11 @@ class Engine:
                 return True
         return False
 
+    def held(self) -> list[str]:
+        """Ids of every request the engine holds (waiting, in prefill or running)."""
+        job = [self._job.request.id] if self._job is not None else []
+        return [r.id for r in self._waiting] + job + [r.id for r in self._running.values()]
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
