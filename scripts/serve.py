@@ -13,9 +13,11 @@ the rest and exits.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -152,6 +154,17 @@ def main(argv=None):
         def handle_exit(self, sig, frame):
             runner.drain()  # stop admitting; held requests run on for the graceful-shutdown timeout
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT/SIGTERM shut down gracefully; unlike uvicorn's own, the signal is not raised again
+            afterwards, so a drained server exits with status 0."""
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     app = create_app(Server(runner, tokenizer, name, chat_template, metrics))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
