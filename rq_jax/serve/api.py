@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP server over an `EngineThread` (FastAPI, Server-Sent Events for streams).
 
     POST /v1/completions        prompt text or token ids (one or a list), max_tokens, temperature, top_p,
-                                top_k, seed, stop, stop_token_ids, stream (+ stream_options.include_usage),
-                                logprobs (0-5), echo (the prompt, with its log-probabilities)
+                                top_k, seed, stop, stop_token_ids, ignore_eos, stream (+ stream_options.
+                                include_usage), logprobs (0-5), echo (the prompt, with its log-probabilities),
+                                return_tokens_as_token_ids (vLLM's: logprobs tokens as "token_id:N")
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template; logprobs, top_logprobs
     GET  /v1/models, /health (503 while warming up or draining), /metrics (Prometheus text)
 
@@ -127,7 +128,7 @@ def sampling_params(body: dict, max_tokens_field: str = "max_tokens", logprobs: 
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
                               seed=seed % 2**31, stop=tuple(s for s in stop if s), stop_token_ids=tuple(stop_ids),
-                              logprobs=logprobs, prompt_logprobs=echo)
+                              ignore_eos=_boolean(body, "ignore_eos"), logprobs=logprobs, prompt_logprobs=echo)
     except ParamError as err:
         raise APIError(400, str(err), err.param) from None
 
@@ -295,16 +296,18 @@ class Server:
 
     # ---- completions -------------------------------------------------------------------------------
 
-    def completion_logprobs(self, entries: list[TokenLogprob | None], tokens: list[int], offset: int) -> dict:
+    def completion_logprobs(self, entries: list[TokenLogprob | None], tokens: list[int], as_ids: bool) -> dict:
         """OpenAI's legacy logprobs object over `tokens` (entries None where there is no log-probability:
-        the prompt's first token)."""
-        texts = [self.token_text(t) for t in tokens]
-        offsets = list(itertools.accumulate([len(t) for t in texts[:-1]], initial=offset))
-        return dict(tokens=texts, token_logprobs=[None if e is None else e.logprob for e in entries],
-                    top_logprobs=[None if e is None else {self.token_text(i): lp for i, lp in e.top} for e in entries],
-                    text_offset=offsets)
+        the prompt's first token); tokens spelled "token_id:N" when `as_ids`."""
+        def name(t: int) -> str:
+            return f"token_id:{t}" if as_ids else self.token_text(t)
 
-    def completion_choice(self, c: _Choice, want_logprobs: bool, echo: bool) -> dict:
+        texts = [self.token_text(t) for t in tokens]
+        return dict(tokens=[name(t) for t in tokens], token_logprobs=[None if e is None else e.logprob for e in entries],
+                    top_logprobs=[None if e is None else {name(i): lp for i, lp in e.top} for e in entries],
+                    text_offset=list(itertools.accumulate([len(t) for t in texts[:-1]], initial=0)))
+
+    def completion_choice(self, c: _Choice, want_logprobs: bool, echo: bool, as_ids: bool) -> dict:
         text = "".join(c.text)
         logprobs = None
         generated = [e.token for e in c.logprobs]
@@ -316,7 +319,7 @@ class Server:
             if echo:
                 entries = list(c.prompt_logprobs or [None] * len(c.prompt)) + entries
                 tokens = c.prompt + tokens
-            logprobs = self.completion_logprobs(entries, tokens, 0)
+            logprobs = self.completion_logprobs(entries, tokens, as_ids)
         return dict(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
 
     async def completions(self, request: Request) -> Response:
@@ -324,6 +327,7 @@ class Server:
         self.check_model(body)
         stream = _boolean(body, "stream")
         echo = _boolean(body, "echo")
+        as_ids = _boolean(body, "return_tokens_as_token_ids")
         logprobs = _integer(body, "logprobs", None, lambda v: 0 <= v <= TOP_LOGPROBS, f"an integer in [0, {TOP_LOGPROBS}]")
         params = sampling_params(body, logprobs=logprobs or 0, echo=echo and logprobs is not None)
         prompts = prompts_of(body, self.tokenizer)
@@ -335,7 +339,7 @@ class Server:
             def chunk(c: _Choice, d: Delta) -> dict:
                 lp = None
                 if logprobs is not None:
-                    lp = self.completion_logprobs(list(d.logprobs), [e.token for e in d.logprobs], 0)
+                    lp = self.completion_logprobs(list(d.logprobs), [e.token for e in d.logprobs], as_ids)
                 return {**head, "choices": [dict(index=c.index, text=d.text, logprobs=lp,
                                                  finish_reason=d.finish_reason)]}
 
@@ -350,7 +354,7 @@ class Server:
 
             return sse(self.stream(choices, events, chunk, first, usage if include_usage else None))
         await self.results(request, choices, events)
-        return JSONResponse({**head, "choices": [self.completion_choice(c, logprobs is not None, echo)
+        return JSONResponse({**head, "choices": [self.completion_choice(c, logprobs is not None, echo, as_ids)
                                                  for c in choices], "usage": self.usage(choices)})
 
     # ---- chat --------------------------------------------------------------------------------------

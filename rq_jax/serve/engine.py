@@ -62,7 +62,7 @@ class SamplingParams:
     """How one request is generated. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
 
     `stop` strings end the text before them; `stop_token_ids` add to the engine's eos ids (the token
-    is counted, its text is not part of the output). `seed` seeds the request's PRNG chain (the
+    is counted, its text is not part of the output), which `ignore_eos` leaves out. `seed` seeds the request's PRNG chain (the
     Sampler's `seed`: sampling, and Huginn's random initial state). `logprobs` alternatives (0 to
     `TOP_LOGPROBS`) are reported per token beside the chosen token's own log-probability;
     `prompt_logprobs` adds the prompt's (the API's `echo`).
@@ -75,6 +75,7 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
     logprobs: int = 0
     prompt_logprobs: bool = False
 
@@ -335,7 +336,7 @@ class Engine:
         self.check(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, [int(t) for t in prompt], params, sink,
-                          self.eos_ids | {int(t) for t in params.stop_token_ids},
+                          (frozenset() if params.ignore_eos else self.eos_ids) | {int(t) for t in params.stop_token_ids},
                           TextStream(self.tokenizer, params.stop), time.perf_counter() if arrival is None else arrival)
         self._waiting.append(request)
         self._update_gauges()
