@@ -344,6 +344,11 @@ class Engine:
 
     def cancel(self, request_id: str) -> bool:
         """Finish a request as cancelled and free its slot now; False when the engine does not hold it."""
+        found = self._cancel(request_id)
+        self._update_gauges()
+        return found
+
+    def _cancel(self, request_id: str) -> bool:
         for request in self._waiting:
             if request.id == request_id:
                 self._waiting.remove(request)

@@ -44,6 +44,8 @@ class ServeMetrics:
                                     "values the cache could not store (metadata out of range, non-finite K/V)")
         self._finished = Counter(PREFIX + "requests_finished", "finished requests by reason",
                                  labelnames=("model", "cache", "reason"), registry=self.registry)
+        for reason in ("stop", "length", "cancelled"):  # exported at 0 from the start
+            self._finished.labels(**self._labels, reason=reason)
         self.ttft = histogram("time_to_first_token_seconds", "arrival to first token")
         self.itl = histogram("inter_token_latency_seconds", "time between a request's consecutive tokens")
         self.e2e = histogram("e2e_request_latency_seconds", "arrival to last token")
