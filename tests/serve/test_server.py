@@ -312,7 +312,7 @@ def test_sigterm_drains_and_exits_cleanly(server):
     lines = []
     script = ("import httpx\n"
               f"with httpx.stream('POST', '{server.url}/v1/completions', timeout=60, json=dict(prompt='1+1=', "
-              "max_tokens=100, temperature=0, ignore_eos=True, stream=True)) as r:\n"
+              "max_tokens=30, temperature=0, ignore_eos=True, stream=True)) as r:\n"
               "    for line in r.iter_lines():\n"
               "        print(line, flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
