@@ -24,69 +24,30 @@ import jax
 import jax.numpy as jnp
 
 from rq_jax import checkpoint, memory, sharding
-from rq_jax.cli import finite_float, int_list, nonnegative_int, positive_int
-from rq_jax.cache import available_formats, cache_nbytes, dense_equivalent_nbytes, get_format
+from rq_jax.cli import (add_cache_options, add_model_options, cache_policy, check_cache_options, checkpoint_source,
+                        finite_float, model_kwargs, nonnegative_int, positive_int, stop_token_ids)
+from rq_jax.cache import cache_nbytes, dense_equivalent_nbytes, get_format
 from rq_jax.cache.base import policy_fields
 from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, LOOKUPS, AdaptiveExit
 from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer
-
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints")
-#: The shipped checkpoint each --model runs without --checkpoint (see the module docstring).
-DEFAULT_CHECKPOINT = {"huginn": "huginn-small", "ouro": "ouro-small-qat"}
-STOP_STRINGS = ("<|endoftext|>", "<|end_text|>", "<|end_turn|>", "<|im_end|>")
-
-
-#: Cache options of the command line (argparse dest) -> the policy field they set; a format takes the
-#: options whose field it has (`rq_jax.cache.base.policy_fields`).
-POLICY_OPTIONS = {"bits": "bits", "group_size": "group_size", "rotation": "rotation", "cache_dtype": "dtype",
-                  "super_scale": "super_scale", "residual_length": "residual_length"}
-
 
 #: 71226 + 98 with every number written least significant digit first (rq_jax.data.addition), the first
 #: held-out addition example: the shipped models answer "423170" (071324) and stop at the newline.
 SAMPLE_PROMPT = "62217+89000="
 
 
-def eos_ids(folder: str) -> tuple[int, ...]:
-    """The checkpoint's end-of-sequence ids: generation_config.json's `eos_token_id` (an id or a list)."""
-    path = os.path.join(folder, "generation_config.json")
-    if not os.path.exists(path):
-        return ()
-    with open(path) as f:
-        eos = json.load(f).get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("huginn", "ouro"), required=True)
-    p.add_argument("--checkpoint", help="checkpoint folder or cached hub id (default: checkpoints/huginn-small or "
-                   "checkpoints/ouro-small-qat, Ouro fine-tuned for the residual cache)")
+    add_model_options(p)
     p.add_argument("--prompt", default=SAMPLE_PROMPT, help="text to continue (default: a held-out sum the "
                    "shipped models were trained to answer, see SAMPLE_PROMPT)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--loops", "--num-steps", dest="loops", type=positive_int,
-                   help="loops (Ouro) or recurrence steps (Huginn); default the config's")
     p.add_argument("--temperature", type=finite_float, default=0.0)
     p.add_argument("--top-k", type=nonnegative_int, default=0)
     p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_argument("--cache", choices=available_formats(), default="residual",
-                   help="KV cache format (default: residual, [2,2,2,4])")
-    p.add_argument("--bits", type=int_list,
-                   help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi)")
-    p.add_argument("--group-size", type=positive_int, help="channel group size of the quantizers")
-    p.add_argument("--rotation", choices=("identity", "hadamard", "random"), help="uniform/rotated/residual")
-    p.add_argument("--cache-dtype", choices=("bfloat16", "float32"), help="storage dtype of the dense cache (bfloat16)")
-    p.add_argument("--super-scale", action="store_const", const=True,
-                   help="uniform/rotated/residual: FP8 metadata relative to a per-vector bf16 super-scale")
-    p.add_argument("--residual-length", type=positive_int, help="kivi: recent tokens kept in full precision (128)")
-    p.add_argument("--calibration", help="calibration artifact (scripts/calibrate.py) or a folder holding one "
-                   "for this schedule (default: the format's own, Hadamard)")
-    p.add_argument("--init-state", choices=("zeros", "random"),
-                   help="Huginn's initial latent state (default random, seeded by --seed)")
+    add_cache_options(p)
     p.add_argument("--exit-criterion", choices=sorted(DEFAULT_THRESHOLDS),
                    help="Huginn: per-token adaptive exit while decoding")
     p.add_argument("--exit-threshold", type=finite_float, help="threshold of --exit-criterion (default: its own)")
@@ -95,12 +56,7 @@ def parse_args(argv=None):
                         "or the token's last computed step (latest-m4, keeps the fused attention)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     args = p.parse_args(argv)
-    fields = policy_fields(args.cache)
-    extra = [name for name, field in POLICY_OPTIONS.items() if getattr(args, name) is not None and field not in fields]
-    if args.calibration is not None and not get_format(args.cache).needs_calib:
-        extra.append("calibration")
-    if extra:
-        p.error(f"--cache {args.cache} does not take {', '.join('--' + e.replace('_', '-') for e in extra)}")
+    check_cache_options(p, args)
     if args.model == "ouro" and (args.exit_criterion or args.init_state):
         p.error("--exit-criterion and --init-state are for Huginn")
     if args.exit_threshold is not None and not args.exit_criterion:
@@ -112,11 +68,6 @@ def parse_args(argv=None):
     return args
 
 
-def cache_policy(args) -> dict:
-    """Keyword arguments of the chosen cache format from the command line (only those given)."""
-    return {field: getattr(args, name) for name, field in POLICY_OPTIONS.items() if getattr(args, name) is not None}
-
-
 def main(argv=None):
     """Run the command line; returns the `Generation` it printed."""
     args = parse_args(argv)
@@ -125,7 +76,7 @@ def main(argv=None):
         mesh = sharding.parse_mesh(args.mesh)
     except ValueError as err:
         sys.exit(f"generate.py: bad --mesh: {err}")
-    source = args.checkpoint or os.path.relpath(os.path.join(SHIPPED, DEFAULT_CHECKPOINT[args.model]))
+    source = checkpoint_source(args)
     model, folder = checkpoint.load(source, dtype=jnp.dtype(args.dtype))
     if model.config.family != args.model:
         sys.exit(f"--model {args.model} but {source} holds a {model.config.family} model")
@@ -137,18 +88,15 @@ def main(argv=None):
         tokenizer = load_tokenizer(folder)
     except FileNotFoundError as err:
         sys.exit(f"generate.py: {err} (the checkpoint needs its tokenizer.json)")
-    stops = tuple(i for i in map(tokenizer.token_to_id, STOP_STRINGS) if i is not None) + eos_ids(folder)
+    stops = stop_token_ids(tokenizer, folder)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, stop_tokens=stops)
-    if args.model == "ouro":
-        if args.exit_criterion:
-            sys.exit("generate.py: --exit-criterion is for Huginn")
-        kwargs = dict(num_loops=args.loops)
-    else:
-        kwargs = dict(num_loops=args.loops, init_scale=0.0 if args.init_state == "zeros" else 1.0)
-        if args.exit_criterion:
-            kwargs["decode_kwargs"] = dict(adaptive=AdaptiveExit(args.exit_criterion, args.exit_threshold,
-                                                                    lookup=args.exit_lookup))
+    if args.model == "ouro" and args.exit_criterion:
+        sys.exit("generate.py: --exit-criterion is for Huginn")
+    kwargs = model_kwargs(args)
+    if args.exit_criterion:
+        kwargs["decode_kwargs"] = dict(adaptive=AdaptiveExit(args.exit_criterion, args.exit_threshold,
+                                                                lookup=args.exit_lookup))
     try:
         fmt = get_format(args.cache, **cache_policy(args))
         fmt.bits_per_element(model.config.num_loops, model.config.head_dim)

@@ -242,16 +242,21 @@ class Huginn(common.LoopedModule):
         """Zeros when `rng` is None or `init_scale` is 0, else a ±3σ truncated normal of σ = std·scale,
         times the embedding scale (the reference's `initialize_state`). Token t of row b draws from
         `fold_in(fold_in(rng, b), t)`: the same batch position gets the same noise whatever its
-        batch-mates and the batch's padded length."""
+        batch-mates and the batch's padded length. `rng` may also hold one key per row [B] (a serving
+        engine's slots): row b then draws as row 0 of its own batch, `fold_in(fold_in(rng[b], 0), t)`."""
         if rng is None or init_scale == 0:
             return jnp.zeros_like(embeds)
         b, t, e = embeds.shape
+        if jnp.ndim(rng):
+            rows = jax.vmap(lambda key: jax.random.fold_in(key, 0))(rng)
+        else:
+            rows = jax.vmap(lambda row: jax.random.fold_in(rng, row))(jnp.arange(b))
 
-        def token(row, pos):
-            key = jax.random.fold_in(jax.random.fold_in(rng, row), pos)
+        def token(row_key, pos):
+            key = jax.random.fold_in(row_key, pos)
             return jax.random.truncated_normal(key, -3.0, 3.0, (e,), jnp.float32)
 
-        noise = jax.vmap(jax.vmap(token, (None, 0)), (0, None))(jnp.arange(b), jnp.arange(t))
+        noise = jax.vmap(jax.vmap(token, (None, 0)), (0, None))(rows, jnp.arange(t))
         std = self.config.init_std * init_scale
         return (noise * std * self.config.embed_scale).astype(embeds.dtype)
 
@@ -263,9 +268,9 @@ class Huginn(common.LoopedModule):
         """Run `num_loops` core steps (default the config's mean recurrence) over tokens [B, T].
 
         `num_steps` is the reference's name for `num_loops` (give one). The initial latent state is
-        zeros unless `rng` is given (then per row and token, see `initial_state`). With a cache, token t
-        of row b sits at position cache.lengths[b] + t and the first num_new[b] tokens are written. Returns
-        logits [B, T, V] ([B, V] with
+        zeros unless `rng` is given (one key, or one per row [B]; then per row and token, see
+        `initial_state`). With a cache, token t of row b sits at position cache.lengths[b] + t and the
+        first num_new[b] tokens are written. Returns logits [B, T, V] ([B, V] with
         `last_only`), the new cache, and extras `latents` [B, T, E] (ln_f of the final state, the
         coda's input).
 

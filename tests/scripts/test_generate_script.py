@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rq_jax import checkpoint
+from rq_jax import checkpoint, cli
 from rq_jax.cache import cache_nbytes, get_format
 from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer
@@ -44,13 +44,13 @@ def test_generate_prints_the_library_tokens_and_exact_bytes(model, extra, capsys
     script = load_script()
     gen = script.main(["--model", model, "--cache", "dense", "--max-new-tokens", "4", "--prompt", "Hello", *extra])
     out = capsys.readouterr().out
-    folder = SHIPPED / script.DEFAULT_CHECKPOINT[model]
+    folder = SHIPPED / cli.DEFAULT_CHECKPOINT[model]
     assert f"checkpoints/{folder.name}  [{weights_note(folder)}]" in out
     lm, _ = checkpoint.load(folder, dtype=jnp.dtype(extra[1]) if extra[0] == "--dtype" else jnp.float32)
     tokenizer = load_tokenizer(folder)
     kw = dict(num_loops=4, init_scale=1.0) if model == "huginn" else {}
     prompt = tokenizer.encode("Hello").ids
-    stops = tuple(i for i in map(tokenizer.token_to_id, script.STOP_STRINGS) if i is not None) + script.eos_ids(folder)
+    stops = cli.stop_token_ids(tokenizer, folder)
     library = Sampler(lm, SamplingConfig(max_new_tokens=4, stop_tokens=stops), **kw)([prompt])
     np.testing.assert_array_equal(gen.tokens, library.tokens)
     (text,) = printed(out, r"generated: (.*)\n")
@@ -145,15 +145,14 @@ def test_generate_reads_a_calibration_artifact(tmp_path, capsys):
     from rq_jax.cache import get_format
     from rq_jax.calibrate import calibrate_model, calibration_set, load_calibration, save_calibration
 
-    folder = SHIPPED / load_script().DEFAULT_CHECKPOINT["ouro"]
+    folder = SHIPPED / cli.DEFAULT_CHECKPOINT["ouro"]
     model, _ = checkpoint.load(folder)
     rows = [calibration_set(part, 2, 64, tasks=("addition",)).tokens for part in ("fit", "holdout")]
     fmt = get_format("residual", group_size=16)
     path = save_calibration(tmp_path / "cal", calibrate_model(model, fmt, *rows, method="oscar"))
     gen = load_script().main(["--model", "ouro", "--max-new-tokens", "3", "--group-size", "16", "--calibration", path])
     tokenizer = load_tokenizer(folder)
-    stops = tuple(i for i in map(tokenizer.token_to_id, load_script().STOP_STRINGS) if i is not None) + \
-        load_script().eos_ids(folder)
+    stops = cli.stop_token_ids(tokenizer, folder)
     calib = load_calibration(path, model, fmt)
     library = Sampler(model, SamplingConfig(max_new_tokens=3, stop_tokens=stops), fmt, calib=calib)(
         [tokenizer.encode(load_script().SAMPLE_PROMPT).ids])
@@ -170,5 +169,5 @@ def test_shipped_models_answer_the_sample_prompt(model, capsys):
     script = load_script()
     script.main(["--model", model])
     out = capsys.readouterr().out
-    assert f"[{weights_note(SHIPPED / script.DEFAULT_CHECKPOINT[model])}]" in out and "KV cache (residual" in out
+    assert f"[{weights_note(SHIPPED / cli.DEFAULT_CHECKPOINT[model])}]" in out and "KV cache (residual" in out
     assert printed(out, r"generated: '(.*)'")[0] == "423170\\n"
