@@ -67,3 +67,32 @@ def _segment_errors(fmt: base.CacheFormat, seg: base.Segment, ks, vs, lengths, c
         ek, ev = jax.lax.map(one, slots)
         out.append((ek.reshape(groups, num_layers), ev.reshape(groups, num_layers)))
     return tuple(jnp.stack([o[i] for o in out], axis=1) for i in (0, 1))
+
+
+def loop_similarity(k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"], group_len: int
+                    ) -> dict[str, np.ndarray]:
+    """How close each loop's K/V [L, N, B, K, S, D] are to their group's last loop (the anchor a
+    ResidualQuant cache with groups of `group_len` loops codes the others against), per (loop, layer):
+
+        cos  mean over vectors (rows, heads, tokens) of cos(x_r, x_anchor)
+        rel  ‖x_r − α·x_anchor‖ / ‖x_r‖ over all vectors, α the least-squares scale of each vector
+
+    Returns numpy {"k_cos", "k_rel", "v_cos", "v_rel"}, each [L, N]; the anchor loops give 1 and 0."""
+    num_loops = k.shape[0]
+    anchor = np.zeros(num_loops, np.int32)
+    for seg in base.segments(num_loops, group_len):
+        for g in range(seg.groups):
+            first = seg.start + g * seg.size
+            anchor[first : first + seg.size] = first + seg.size - 1
+    out = {}
+    for name, x in (("k", k), ("v", v)):
+        x = jnp.asarray(x, jnp.float32)
+        a = x[anchor]
+        dot, xx, aa = (jnp.sum(p * q, axis=-1) for p, q in ((x, a), (x, x), (a, a)))
+        cos = dot / jnp.sqrt(jnp.maximum(xx * aa, 1e-30))
+        alpha = dot / jnp.maximum(aa, 1e-30)
+        resid = jnp.sum((x - alpha[..., None] * a) ** 2, axis=-1)
+        out[f"{name}_cos"] = np.asarray(jnp.mean(cos, axis=(2, 3, 4)))
+        norm = jnp.maximum(jnp.sum(xx, axis=(2, 3, 4)), 1e-30)
+        out[f"{name}_rel"] = np.sqrt(np.asarray(jnp.sum(resid, axis=(2, 3, 4)) / norm))
+    return out
