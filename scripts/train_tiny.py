@@ -56,6 +56,8 @@ def make_parser():
     g.add_argument("--curriculum-start", type=int, default=4)
     g.add_argument("--curriculum-steps", type=int, default=3000)
     g.add_argument("--prompt-weight", type=float, default=0.0)
+    g.add_argument("--branch-norm-init", type=float, default=None,
+                   help="ouro: initial weight of the norms on each branch's output (default 1)")
     g.add_argument("--objective", choices=["last-loop", "ouro"], default="last-loop",
                    help="last-loop: NLL of the last loop; ouro: Ouro's loss, every loop's NLL weighted by the exit "
                    "distribution minus --entropy-beta × its entropy (rq_jax/train/objectives.py)")
@@ -109,7 +111,8 @@ def build_config(a) -> TrainConfig:
                        warmup_steps=a.warmup, total_steps=a.total_steps, final_lr_frac=a.final_lr_frac,
                        weight_decay=a.weight_decay, b2=a.b2, clip_norm=a.clip, seed=a.seed,
                        task_weights=tuple(float(x) for x in a.task_weights.split(",")), random_state=not a.zero_state,
-                       embed_std=a.embed_std, one_loop_steps=a.one_loop_steps, init_weights=a.init_weights,
+                       embed_std=a.embed_std, branch_norm_init=a.branch_norm_init,
+                       one_loop_steps=a.one_loop_steps, init_weights=a.init_weights,
                        objective=a.objective, entropy_beta=a.entropy_beta,
                        entropy_beta_late=a.entropy_beta_late, entropy_beta_switch=a.entropy_beta_switch)
 

@@ -68,6 +68,11 @@ class TrainConfig:
     #: Re-initialise the token embedding [vocab, hidden] as N(0, embed_std²) (None: the model's init_std).
     #: Ouro adds unit-RMS normed branch outputs to the embedding, so a 0.02 embedding is drowned at init.
     embed_std: float | None = None
+    #: Ouro: initialise the norms on each branch's output (`input_layernorm_2`, `post_attention_layernorm_2`)
+    #: to this weight instead of 1 (None: 1), so every layer starts as a small update of a state the
+    #: loops share (layer-scale style); the loops' K/V then start alike and the training decides how far
+    #: they drift apart.
+    branch_norm_init: float | None = None
     #: The first `one_loop_steps` steps run one loop (one recurrence step), the rest `num_loops`: the
     #: retrieval circuit (an induction head) forms within a few hundred steps through one loop but
     #: stays at chance for a thousand through four, and survives the switch after a brief dip.
@@ -90,6 +95,9 @@ class TrainConfig:
             raise ValueError(f"unknown objective {self.objective!r}: expected one of {', '.join(OBJECTIVES)}")
         if self.objective == "ouro" and self.model.family != "ouro":
             raise ValueError(f"the 'ouro' objective needs an Ouro model (its exit gate), got {self.model.family!r}")
+        if self.branch_norm_init is not None and (self.model.family != "ouro" or not self.branch_norm_init > 0):
+            raise ValueError(f"branch_norm_init needs an Ouro model and a value > 0, got {self.branch_norm_init!r} "
+                             f"for {self.model.family!r}")
         if min(self.entropy_beta, self.entropy_beta_late) < 0:
             raise ValueError(f"the entropy weights must be ≥ 0, got {self.entropy_beta} and {self.entropy_beta_late}")
 

@@ -137,6 +137,19 @@ def reinit_embedding(params, cfg: TrainConfig):
                         params)
 
 
+#: Ouro's norms on a branch's output, before the residual add (`branch_norm_init`).
+BRANCH_NORMS = ("input_layernorm_2", "post_attention_layernorm_2")
+
+
+def scale_branch_norms(params, value: float):
+    """params with every Ouro branch-output norm weight (`BRANCH_NORMS`) set to `value`."""
+    def one(path, p):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        return jnp.full_like(p, value) if any(n in BRANCH_NORMS for n in names) else p
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def load_weights(folder: str, cfg: TrainConfig, like):
     """The float32 params of the exported model in `folder`, in the tree of `like` (the run's params).
 
@@ -145,8 +158,8 @@ def load_weights(folder: str, cfg: TrainConfig, like):
     from rq_jax.config import from_hf_config
     from rq_jax.train.portable import load_params
 
-    if cfg.embed_std is not None:
-        raise ValueError("init_weights and embed_std exclude each other: embed_std would redraw the loaded embedding")
+    if cfg.embed_std is not None or cfg.branch_norm_init is not None:
+        raise ValueError("init_weights excludes embed_std and branch_norm_init: they would overwrite loaded weights")
     saved = from_hf_config(folder)
     if saved != cfg.model:
         raise ValueError(f"{folder} holds another model config than the run's:\n  saved:     {saved}\n"
@@ -165,8 +178,11 @@ class Trainer:
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
         if cfg.init_weights is not None:
             self.params = load_weights(cfg.init_weights, cfg, self.params)
-        elif cfg.embed_std is not None:
-            self.params = reinit_embedding(self.params, cfg)
+        else:
+            if cfg.embed_std is not None:
+                self.params = reinit_embedding(self.params, cfg)
+            if cfg.branch_norm_init is not None:
+                self.params = scale_branch_norms(self.params, cfg.branch_norm_init)
         self.tx, self.schedule = make_optimizer(cfg)
         self.mesh = opts.mesh
         self.opt_state = self.tx.init(self.params)
