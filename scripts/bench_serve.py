@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -292,6 +293,7 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_serve.py: terminated"))  # servers stopped on the way out
     tokenizer = load_tokenizer(args.checkpoint)
     need = max(args.requests, 4096)
     prompts = [tokenizer.decode(list(e.prompt())) for e in Addition().examples("eval", min(need, 1024))]
