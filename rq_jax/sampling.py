@@ -47,21 +47,40 @@ class SamplingConfig:
             raise ValueError(f"need top_k ≥ 0 and 0 < top_p ≤ 1, got top_k={self.top_k}, top_p={self.top_p}")
 
 
+def restrict_logits(logits: Float[Array, "b v"], temperature, top_k, top_p) -> Float[Array, "b v"]:
+    """float32 logits / temperature, restricted by top-k then top-p (the rest -inf): what a sampled token
+    is drawn from. Each parameter is a Python number, the same for every row (a filter it turns off,
+    top_k 0 or top_p 1, is not traced), or an array of one value per row [B] (traced: temperature > 0,
+    top_k 0 and top_p 1 off)."""
+    def per_row(x):
+        return x if isinstance(x, (int, float)) else jnp.asarray(x)[:, None]
+
+    temperature, top_k, top_p = per_row(temperature), per_row(top_k), per_row(top_p)
+    logits = logits.astype(jnp.float32) / temperature
+    if not isinstance(top_k, int):
+        kth = jnp.take_along_axis(-jnp.sort(-logits, axis=-1), jnp.clip(top_k - 1, 0, logits.shape[-1] - 1), axis=-1)
+        logits = jnp.where((top_k > 0) & (logits < kth), -jnp.inf, logits)
+    elif top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    traced_p = not isinstance(top_p, (int, float))
+    if traced_p or top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        keep_sorted = jnp.cumsum(probs, axis=-1) - probs < top_p  # always keeps the top token
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        if traced_p:
+            keep = keep | (top_p >= 1)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return logits
+
+
 def choose_tokens(logits: Float[Array, "b v"], rng: jax.Array, cfg: SamplingConfig) -> Int[Array, "b"]:
     """Greedy argmax, or a sample from softmax(logits / T) restricted by top-k then top-p."""
     if cfg.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / cfg.temperature
-    if cfg.top_k:
-        kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if cfg.top_p < 1:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        keep_sorted = jnp.cumsum(probs, axis=-1) - probs < cfg.top_p  # always keeps the top token
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-        logits = jnp.where(keep, logits, -jnp.inf)
+    logits = restrict_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
