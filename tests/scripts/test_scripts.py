@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from rq_jax.cache import get_format
-from tests.conftest import fixture_dir, run_script
+from tests.conftest import SHIPPED, fixture_dir, run_script
 
 
 def run_ok(name, *argv):
@@ -104,9 +104,22 @@ def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("script,argv,message", [
     ("kv_error", ["--seq", "0"], "argument --seq: must be a positive integer, got 0"),
     ("kv_error", ["--group-size", "7"], "argument --group-size: 7 does not divide the model's head_dim 16"),
-    ("kv_error", ["--json", "/proc/nope/kv.json"], "argument --json: cannot create /proc/nope"),
+    ("kv_error", ["--group-size", "8", "--json", "/proc/nope/kv.json"], "argument --json: cannot create /proc/nope"),
     ("bench_compile", ["--width", "30", "--head-dim", "16"], "argument --head-dim: 16 does not divide --width 30"),
     ("bench_compile", ["--formats", "dense,nope"], "argument --formats: nope; the formats are"),
+    ("train_tiny", ["--model", "ouro", "--run-dir", "/proc/nope/run"], "argument --run-dir: cannot create /proc/nope"),
+    ("train_tiny", ["--model", "ouro", "--run-dir", "RUN", "--hidden", "100"],
+     "argument --hidden: 100 is not a multiple of 64"),
+    ("train_tiny", ["--model", "ouro", "--run-dir", "RUN", "--rows", "1,2"],
+     "argument --rows: expected 3 comma-separated numbers, got '1,2'"),
+    ("train_tiny", ["--model", "ouro", "--run-dir", "RUN", "--lr", "-1"], "argument --lr: must be > 0, got -1"),
+    ("train_qat", ["--checkpoint", SHIPPED / "nope", "--run-dir", "RUN", "--steps", "5"],
+     f"argument --checkpoint: no checkpoint folder {SHIPPED / 'nope'}"),
+    ("train_qat", ["--checkpoint", SHIPPED / "ouro-small", "--run-dir", "RUN", "--steps", "5", "--group-size", "24"],
+     "argument --group-size: 24 does not divide the model's head_dim 64"),
+    ("train_qat", ["--checkpoint", SHIPPED / "ouro-small", "--run-dir", "RUN", "--steps", "5", "--warmup", "5"],
+     "argument --warmup: 5 must be below --steps (5)"),
+    ("convert", [SHIPPED / "ouro-small", SHIPPED / "ouro-small" / "inner"], "argument dest: "),
 ])
 def test_scripts_reject_bad_options_in_one_line(script, argv, message):
     if script == "kv_error":
