@@ -25,6 +25,7 @@ from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.calib import CacheCalib, default_calib, fit_calib
 from rq_jax.cache.kv import KVCache, init_cache
+from rq_jax.compilation import CompileClock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +111,10 @@ class DecodeState:
 
 class Generation(NamedTuple):
     """Generated tokens [B, N] (pad after a row stops), how many per row, optional logits [B, N, V],
-    the final cache, and wall seconds of prefill and decode (compilation included on the first call
-    with a new shape; prefill includes fitting the calibration on the prompt when a format needs it).
+    the final cache, and wall seconds: `prefill_seconds` and `decode_seconds` of running the programs
+    (prefill includes fitting the calibration on the prompt when a format needs it), and
+    `compile_seconds` spent tracing and compiling them (or loading them from the persistent compile
+    cache) — nonzero on the first call with a new shape only.
 
     With adaptive exit (Huginn with `decode_kwargs=dict(adaptive=AdaptiveExit(...))`, whose model
     calls report `steps_used`): `steps` [B, N] holds the core steps of the call that produced each
@@ -129,6 +132,17 @@ class Generation(NamedTuple):
     decode_seconds: float
     mean_steps: float | None = None
     steps: np.ndarray | None = None
+    compile_seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        from rq_jax.cache.kv import cache_nbytes
+
+        b, n = self.tokens.shape
+        extra = "" if self.mean_steps is None else f", mean_steps={self.mean_steps:.2f}"
+        return (f"Generation(tokens [{b}, {n}], num_generated={self.num_generated.tolist()}, "
+                f"{self.cache.fmt.name} cache of {self.cache.max_len} positions "
+                f"({cache_nbytes(self.cache):,} bytes), prefill {self.prefill_seconds:.3f} s, "
+                f"decode {self.decode_seconds:.3f} s, compile {self.compile_seconds:.1f} s{extra})")
 
 
 class Sampler:
@@ -282,14 +296,16 @@ class Sampler:
             rows = sharding.batch_sharding(self.mesh, tokens.shape)
             tokens, lengths = sharding.put((tokens, lengths), rows)
             rng = sharding.put(rng, sharding.replicated(self.mesh))
-        start = time.perf_counter()
-        calib = self.calib
-        if calib is None:
-            calib = self._calibrate(self.params, tokens, lengths, jax.random.fold_in(rng, 1))
-        state = jax.block_until_ready(self._prefill(self.params, calib, tokens, lengths, cache, rng))
-        mid = time.perf_counter()
-        state = jax.block_until_ready(self._decode(self.params, calib, state))
-        end = time.perf_counter()
+        with CompileClock() as prefill_compile:
+            start = time.perf_counter()
+            calib = self.calib
+            if calib is None:
+                calib = self._calibrate(self.params, tokens, lengths, jax.random.fold_in(rng, 1))
+            state = jax.block_until_ready(self._prefill(self.params, calib, tokens, lengths, cache, rng))
+            mid = time.perf_counter()
+        with CompileClock() as decode_compile:
+            state = jax.block_until_ready(self._decode(self.params, calib, state))
+            end = time.perf_counter()
         logits = None if state.logits is None else np.asarray(state.logits)
         num_decoded = int(np.sum(np.asarray(state.num_generated) - 1))  # tokens fed through decode steps
         mean_steps = steps = None
@@ -297,5 +313,6 @@ class Sampler:
             steps = np.asarray(state.steps)
             if num_decoded:
                 mean_steps = float(np.sum(steps[:, 1:])) / num_decoded
+        compiled = prefill_compile.seconds, decode_compile.seconds
         return Generation(np.asarray(state.tokens), np.asarray(state.num_generated), logits, state.cache,
-                          mid - start, end - mid, mean_steps, steps)
+                          mid - start - compiled[0], end - mid - compiled[1], mean_steps, steps, sum(compiled))

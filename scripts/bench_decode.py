@@ -56,6 +56,7 @@ import jax
 from tqdm import tqdm
 
 from rq_jax.cache.schemes import BENCH_DECODE, catalog
+from rq_jax.cli import HelpFormatter
 from rq_jax.config import ModelConfig, changes_from, parse_preset
 from rq_jax.perf.decode import DecodeBench, describe_device
 
@@ -107,7 +108,7 @@ def add_ratios(rows: list[dict], budget_rows: list[dict]) -> None:
 
 def step_table(rows: list[dict]) -> list[str]:
     cols = ("model", "context", "batch", "format", "stored", "ms/step", "tok/s", "tok/s × dense (read limit)",
-            "cache MiB", "bytes × dense (storage limit)", "step GiB (weights + cache + temp + other)")
+            "cache MiB", "dense bytes ÷ format bytes (storage limit)", "step GiB (weights + cache + temp + other)")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         timed = r["ms"] is not None
@@ -143,7 +144,8 @@ def budget_table(rows: list[dict]) -> list[str]:
 
 def main(argv=None):
     on_gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                formatter_class=HelpFormatter)
     p.add_argument("--models", nargs="+", default=GPU_MODELS if on_gpu else CPU_MODELS,
                    help=f"NAME[:field=value,...]: a preset with ModelConfig fields changed (Huginn at a CPU's "
                         f"scale: {CPU_HUGINN})")
@@ -152,18 +154,18 @@ def main(argv=None):
     p.add_argument("--formats", nargs="+", choices=labels, default=list(BENCH_DECODE), metavar="LABEL",
                    help=f"scheme labels of the catalog (rq_jax/cache/schemes.py), among {labels}")
     p.add_argument("--context", type=int, nargs="+",
-                   default=[1024, 2048, 4096, 8192, 16384] if on_gpu else [4096])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16] if on_gpu else [1])
+                   default=[1024, 2048, 4096, 8192, 16384] if on_gpu else [4096], help="tokens already cached")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16] if on_gpu else [1], help="rows per step")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16" if on_gpu else "float32",
                    help="compute dtype")
-    p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights' dtype")
     p.add_argument("--memory-gb", type=float, default=32.0 if on_gpu else 2.5,
                    help="memory budget in GiB for the largest-batch search (0: skip the search)")
     p.add_argument("--max-batch", type=int, default=4096, help="largest batch the search tries")
     p.add_argument("--machine-gb", type=float,
                    help="memory a run may use (default: the device's free memory; CPU: 60%% of MemAvailable)")
-    p.add_argument("--repeats", type=int, default=10 if on_gpu else 3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=10 if on_gpu else 3, help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     p.add_argument("--no-run", action="store_true", help="compile only: bytes and the budget search, no timing")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = p.parse_args(argv)

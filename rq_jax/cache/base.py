@@ -96,9 +96,10 @@ def softmax_partial(
     scores: Float[Array, "b t h s"],
     mask: Bool[Array, "b t s"],
 ) -> tuple[Float[Array, "b t h s"], Float[Array, "b t h"], Float[Array, "b t h"]]:
-    """Masked, max-shifted probabilities p = exp(s − m), with m and l = Σp, all float32."""
+    """Masked, max-shifted probabilities p = exp(s − m), with m and l = Σp, all float32 (float64 for
+    float64 scores)."""
     mask = mask[:, :, None, :]
-    scores = jnp.where(mask, scores.astype(jnp.float32), _NEG)
+    scores = jnp.where(mask, scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), _NEG)
     m = jnp.max(scores, axis=-1)
     p = jnp.where(mask, jnp.exp(scores - m[..., None]), 0.0)
     return p, m, jnp.sum(p, axis=-1)
@@ -116,15 +117,17 @@ def dense_partial(
     v: Float[Array, "b k s d"],
     mask: Bool[Array, "b t s"],
 ) -> Partial:
-    """Softmax partial of queries over explicit keys/values (GQA by head grouping), f32 accumulation.
+    """Softmax partial of queries over explicit keys/values (GQA by head grouping), f32 accumulation
+    (f64 for float64 queries: a float64 run stays float64).
 
     Scores are scaled by 1/sqrt(D). `mask[b, t, s]` says whether query t of row b may see key s.
     """
     b, t, h, d = q.shape
+    acc_dtype = jnp.promote_types(q.dtype, jnp.float32)
     qg = group_queries(q, k.shape[1])
-    scores = jnp.einsum("btkgd,bksd->btkgs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    scores = jnp.einsum("btkgd,bksd->btkgs", qg, k, preferred_element_type=acc_dtype) * d**-0.5
     p, m, l = softmax_partial(scores.reshape(b, t, h, -1), mask)
-    acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, k.shape[1], -1, p.shape[-1]), v.astype(jnp.float32))
+    acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, k.shape[1], -1, p.shape[-1]), v.astype(acc_dtype))
     return Partial(acc.reshape(b, t, h, d), m, l)
 
 

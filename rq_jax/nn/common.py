@@ -24,7 +24,7 @@ from rq_jax.cache.calib import CacheCalib, check_calib
 from rq_jax.cache.context import CacheContext, CallContext, ContextSource
 from rq_jax.cache.kv import KV, Group, KVCache, check_overflow, init_cache
 from rq_jax.config import ModelConfig
-from rq_jax.nn.layers import linear
+from rq_jax.nn.layers import linear, wide
 
 #: attend(q [B, T, H, D], k [B, K, T, D], v [B, K, T, D]) -> (o [B, T, H, D], the (k, v) to store);
 #: the slot attention also takes `skipped` [B, T] (see `CacheContext.attend`).
@@ -63,8 +63,8 @@ def embedding_and_head(c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype) ->
 
 
 def output_logits(embed: nnx.Embed, head: nnx.Linear | None, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
-    """Logits in float32 through `head`, or the embedding's transpose when tied."""
-    return (embed.attend(x) if head is None else head(x)).astype(jnp.float32)
+    """Logits in float32 (float64 for float64 x) through `head`, or the embedding's transpose when tied."""
+    return (embed.attend(x) if head is None else head(x)).astype(wide(x.dtype))
 
 
 def stacked(make: Callable[[], nnx.Module], n: int) -> nnx.Module | None:

@@ -151,7 +151,7 @@ class Ouro(common.LoopedModule):
         num_loops = c.num_loops if num_loops is None else num_loops
         exit = exit or ExitRule("threshold", c.early_exit_threshold)
         ctx = common.start_call(tokens, cache, num_new, num_loops, calib, context)
-        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
+        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta, self.embed_tokens.dtype)
 
         def loop(h, seg, g, r):
             def layer(module, i, h, _):
