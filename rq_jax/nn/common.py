@@ -24,7 +24,7 @@ from rq_jax.cache.calib import CacheCalib, check_calib
 from rq_jax.cache.context import CacheContext, CallContext, ContextSource
 from rq_jax.cache.kv import KV, Group, KVCache, check_overflow, init_cache
 from rq_jax.config import ModelConfig
-from rq_jax.nn.layers import linear
+from rq_jax.nn.layers import Linear, linear, matmul
 
 #: attend(q [B, T, H, D], k [B, K, T, D], v [B, K, T, D]) -> (o [B, T, H, D], the (k, v) to store);
 #: the slot attention also takes `skipped` [B, T] (see `CacheContext.attend`).
@@ -53,7 +53,7 @@ class LoopedModule(nnx.Module):
                           track_steps=track_steps)
 
 
-def embedding_and_head(c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype) -> tuple[nnx.Embed, nnx.Linear | None]:
+def embedding_and_head(c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype) -> tuple[nnx.Embed, Linear | None]:
     """The token embedding N(0, init_std²) and the output projection (None when tied to the embedding)."""
     embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
                       embedding_init=nnx.initializers.normal(c.init_std), rngs=rngs)
@@ -62,9 +62,10 @@ def embedding_and_head(c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype) ->
     return embed, head
 
 
-def output_logits(embed: nnx.Embed, head: nnx.Linear | None, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
-    """Logits in float32 through `head`, or the embedding's transpose when tied."""
-    return (embed.attend(x) if head is None else head(x)).astype(jnp.float32)
+def output_logits(embed: nnx.Embed, head: Linear | None, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
+    """Logits in float32 through `head`, or the embedding's transpose when tied (weights as stored)."""
+    logits = head(x) if head is not None else matmul(x, embed.embedding[...].T, embed.dtype or x.dtype)
+    return logits.astype(jnp.float32)
 
 
 def stacked(make: Callable[[], nnx.Module], n: int) -> nnx.Module | None:
@@ -86,14 +87,21 @@ def scan_layers(layers: nnx.Module, x: Array, call: Callable[[nnx.Module, Array,
     """
     graphdef, params = nnx.split(layers)
     n = jax.tree_util.tree_leaves(params)[0].shape[0]
+    narrow = any(jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize < 4
+                 for w in jax.tree_util.tree_leaves(params))
 
     def body(x, xs):
         p, i, e = xs
+        if narrow:  # slice layer i out of the stacks inside the loop body (see below)
+            p = jax.tree_util.tree_map(lambda w: w[i], jax.lax.optimization_barrier((params, i))[0])
         return call(nnx.merge(graphdef, p), i, x, e)
 
     if _REMAT.get():
         body = jax.checkpoint(body, prevent_cse=False)
-    return jax.lax.scan(body, x, (params, jnp.arange(n), extra))
+    # XLA:CPU widens a dynamic slice of bf16 to float32 and hoists the conversion of the whole stack
+    # out of the loop: a float32 copy of every layer's weights in each call. Behind a barrier with the
+    # layer index only the layer's slice is made (float32 stacks keep the plain scan, as training does).
+    return jax.lax.scan(body, x, (None if narrow else params, jnp.arange(n), extra))
 
 
 _REMAT = contextvars.ContextVar("rq_jax_remat_layers", default=False)
