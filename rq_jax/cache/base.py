@@ -20,8 +20,8 @@ over the p positions of a group of the format's slot pytree, every leaf laid out
 so the model scans over groups and layers and indexes a slot with `(group, layer)` (`Index`).
 A format's calibration for a segment is a pytree with the same leading [G, N] axes (or None).
 
-Attention to the stored past is tiled (`tiled_partial`): a loop over static-size context tiles whose
-trip count is ⌈max(lengths) / tile⌉, each tile read straight out of the stacked state (`slot_tile`),
+Attention to the stored past is tiled (`tiled_partial`): a loop over static-size context tiles that
+skips every tile past max(lengths), each tile read straight out of the stacked state (`slot_tile`),
 decoded and folded into the running softmax `Partial` by the exact `merge`. Nothing of the cache's
 length is ever decoded or scored at once, and a cache holding few tokens costs few tiles. The tile
 (`context_tile`) holds a fixed number of float32 elements whatever the batch, so the temporaries of a
@@ -197,22 +197,28 @@ def tiled_partial(part: Callable[[Int[Array, ""], Bool[Array, "b s"]], Partial],
     """The partial over stored positions s < lengths[b] (and `visible[b, s]`), one context tile at a time.
 
     `part(start, valid)` is the partial over positions start .. start + tile − 1 where `valid` [B, tile];
-    the tiles are merged in order by `merge`, and the loop runs ⌈max(lengths) / tile⌉ times, so its cost
-    follows the filled length, not `max_len`. The last tile of a cache that `tile` does not divide ends
-    at max_len instead (`valid` hides the positions an earlier tile covered). shape: (B, T, H, D) of the
+    the tiles are merged in order by `merge`. The loop has a static trip count, ⌈max_len / tile⌉ (so it
+    can be differentiated), and skips (`lax.cond`) every tile at or past max(lengths): its cost follows
+    the filled length, not `max_len`. The last tile of a cache that `tile` does not divide ends at
+    max_len instead (`valid` hides the positions an earlier tile covered). shape: (B, T, H, D) of the
     output; needs tile ≤ max_len.
     """
-    def body(i, acc):
-        first = i * tile
-        start = jnp.minimum(first, max_len - tile)
-        pos = start + jnp.arange(tile)
-        valid = (pos >= first)[None, :] & (pos[None, :] < lengths[:, None])
-        if visible is not None:
-            valid = valid & jax.lax.dynamic_slice_in_dim(visible, start, tile, axis=1)
-        return merge(acc, part(start, valid))
+    filled = jnp.max(lengths)
 
-    count = jnp.minimum((jnp.max(lengths) + tile - 1) // tile, -(-max_len // tile))
-    return jax.lax.fori_loop(0, count, body, empty_partial(*shape))
+    def body(acc, i):
+        first = i * tile
+
+        def fold(acc):
+            start = jnp.minimum(first, max_len - tile)
+            pos = start + jnp.arange(tile)
+            valid = (pos >= first)[None, :] & (pos[None, :] < lengths[:, None])
+            if visible is not None:
+                valid = valid & jax.lax.dynamic_slice_in_dim(visible, start, tile, axis=1)
+            return merge(acc, part(start, valid))
+
+        return jax.lax.cond(first < filled, fold, lambda acc: acc, acc), None
+
+    return jax.lax.scan(body, empty_partial(*shape), jnp.arange(-(-max_len // tile)))[0]
 
 
 class Written(NamedTuple):

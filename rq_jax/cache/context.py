@@ -38,10 +38,11 @@ class CallContext(Protocol):
         """Attention of q over slot (segment `seg`, `index`, group position `loop`)'s past and this
         call's own K/V (k, v), merged exactly."""
 
-    def finish(self, looped: tuple[KV, ...], plain: KV | None,
+    def finish(self, looped: tuple[tuple[KV, ...], ...], plain: KV | None,
                steps_used: Int[Array, "b t"] | None = None) -> tuple[KVCache | None, dict[str, Any]]:
         """What the call leaves: the updated cache (or None) and extras for `ModelOutput.extras`.
-        looped: per segment, K and V [G, p, N, B, K, T, D]; plain: [1, 1, N_plain, B, K, T, D]."""
+        looped: per segment, per group position, K and V [G, N, B, K, T, D] (`common.run_loops`' layout);
+        plain: [1, 1, N_plain, B, K, T, D]."""
 
 
 class ContextSource(Protocol):
@@ -130,28 +131,39 @@ def _tiled_self(q: Float[Array, "b t h d"], k: Float[Array, "b k t d"], v: Float
     return jax.lax.scan(query_tile, jnp.zeros_like(q), jnp.arange(count))[0]
 
 
-def write_in_chunks(fmt: base.CacheFormat, state: tuple[Any, ...], k: Float[Array, "g p n b k t d"],
-                    v: Float[Array, "g p n b k t d"], lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: Any,
-                    chunk: int = WRITE_CHUNK) -> base.Written:
-    """`fmt.write` of a call's K/V [G, p, N, B, K, T, D], `chunk` tokens at a time (a loop over the full
-    chunks, then the rest), so the encoder's temporaries are a chunk's. Every format's state depends
-    only on the tokens and where they land, not on how the writes were split."""
-    t = k.shape[5]
-    if t <= chunk:
-        return fmt.write(state, k, v, lengths, num_new, calib)
+def write_in_chunks(fmt: base.CacheFormat, state: tuple[Any, ...], kv: tuple[KV, ...], lengths: Int[Array, "b"],
+                    num_new: Int[Array, "b"], calib: Any, chunk: int = WRITE_CHUNK) -> base.Written:
+    """`fmt.write` of a call's K/V, given per group position (`kv`: (k, v) [G, N, B, K, T, D] each),
+    `chunk` tokens at a time (a loop over the full chunks, then the rest): each chunk's positions are
+    stacked [G, p, N, B, K, chunk, D] and encoded, so neither the stacking nor the encoder ever holds
+    more than a chunk. Every format's state depends only on the tokens and where they land, not on how
+    the writes were split."""
+    t = kv[0][0].shape[4]
 
     def write(carry, start, size):
         state, lost = carry
-        part = (jax.lax.dynamic_slice_in_dim(x, start, size, axis=5) for x in (k, v))
+        part = (jnp.stack([jax.lax.dynamic_slice_in_dim(x[i], start, size, axis=4) for x in kv], axis=1)
+                for i in (0, 1))
         done = jnp.minimum(num_new, start)  # tokens of each row written by the chunks before
         written = fmt.write(state, *part, lengths + done, jnp.clip(num_new - start, 0, size), calib)
         return written.state, lost + written.out_of_range
 
+    carry = (state, jnp.zeros_like(lengths))
+    if t <= chunk:
+        return base.Written(*write(carry, 0, t))
     full = t // chunk
-    carry = jax.lax.fori_loop(0, full, lambda i, c: write(c, i * chunk, chunk), (state, jnp.zeros_like(lengths)))
+    carry = jax.lax.fori_loop(0, full, lambda i, c: write(c, i * chunk, chunk), carry)
     if t > full * chunk:
         carry = write(carry, full * chunk, t - full * chunk)
     return base.Written(*carry)
+
+
+def in_flight_positions(kv: KV | tuple[KV, ...], size: int) -> tuple[KV, ...]:
+    """A segment's in-flight K/V per group position: given so ((k, v) [G, N, B, K, T, D] per position,
+    as the models give it), or stacked (k, v) [G, p, N, B, K, T, D]."""
+    if isinstance(kv[0], tuple):
+        return tuple(kv)
+    return tuple((kv[0][:, r], kv[1][:, r]) for r in range(size))
 
 
 class CacheContext(NamedTuple):
@@ -207,12 +219,14 @@ class CacheContext(NamedTuple):
             past = fmt.attend(state, index, loop, q, self.cache.lengths, calib, visible)
         return attend_with_past(q, k, v, mask, past)
 
-    def finish(self, looped: tuple[KV, ...], plain: KV | None,
+    def finish(self, looped: tuple[tuple[KV, ...] | KV, ...], plain: KV | None,
                steps_used: Int[Array, "b t"] | None = None) -> tuple[KVCache | None, dict[str, Any]]:
         """The cache with this call's K/V written and lengths advanced (None without a cache), no extras.
 
-        looped: per segment, K and V [G, p, N, B, K, T, D]; plain: K and V [1, 1, N_plain, B, K, T, D];
-        steps_used: loops each token computed (default all), recorded when the cache tracks steps.
+        looped: per segment, K and V per group position [G, N, B, K, T, D] (or stacked [G, p, N, B, K,
+        T, D], `in_flight_positions`); plain: K and V [1, 1, N_plain, B, K, T, D]; steps_used: loops
+        each token computed (default all), recorded when the cache tracks steps. The K/V are written a
+        chunk of tokens at a time (`write_in_chunks`).
         """
         c = self.cache
         if c is None:
@@ -220,11 +234,12 @@ class CacheContext(NamedTuple):
 
         def write(group: Group, states, kvs):
             """The group's new states and the values its format reports out of range, per row."""
-            fmt, calib = c.schedule(group)[0], self.calib.part(group)
+            (fmt, segs), calib = c.schedule(group), self.calib.part(group)
             new, lost = [], jnp.zeros_like(c.out_of_range)
-            for i, (state, (k, v)) in enumerate(zip(states, kvs)):
+            for i, (state, kv) in enumerate(zip(states, kvs)):
                 part = None if calib is None else calib[i]
-                written = write_in_chunks(fmt, state, k, v, c.lengths, self.num_new, part)
+                written = write_in_chunks(fmt, state, in_flight_positions(kv, segs[i].size), c.lengths, self.num_new,
+                                          part)
                 new.append(written.state)
                 lost = lost + written.out_of_range
             return tuple(new), lost

@@ -25,8 +25,8 @@ implementation (`ATTEND_IMPLS`, chosen by the policy's `attend_impl`) computes t
 rotated queries: s_r = α_r·s_p(r) + q̃·D(c_r) + q̃·μ_r (recursively down to the anchor), and values
 through the same recursion, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated basis. The
 caller rotates the queries and un-rotates the output once. The XLA implementation does this one
-context tile at a time (`base.tiled_partial`); the Pallas kernel walks its own tiles. `reconstruct` (toolbox decode, un-rotate)
-is the reference.
+context tile at a time (`base.tiled_partial`); the Pallas kernel walks its own tiles. `reconstruct`
+(toolbox decode, un-rotate) is the reference.
 
 Calibration (`RotationCalib`, per segment): rotations [G, N, K, D, D] for keys and values and key means
 [G, N, p, K, D] (rotated basis, or None). `default_calib`: the policy's rotation kind, no means;

@@ -121,11 +121,13 @@ def remat_layers(enabled: bool = True):
 
 
 def run_loops(segments: tuple[base.Segment, ...], carry: Any,
-              step: Callable[[Any, int, Array, int], tuple[Any, Any]]) -> tuple[Any, tuple[Any, ...]]:
+              step: Callable[[Any, int, Array, int], tuple[Any, Any]]) -> tuple[Any, tuple[tuple[Any, ...], ...]]:
     """Run every loop: per segment a `jax.lax.scan` over its groups, the group's positions unrolled.
 
     `step(carry, segment, group, position) -> (carry, out)` runs one loop (`group` is traced).
-    Returns the final carry and, per segment, the outputs stacked [G, p, ...].
+    Returns the final carry and, per segment, a tuple over the group positions of the outputs stacked
+    over the groups [G, ...]. Positions are kept apart: stacking them would copy every loop's
+    in-flight K/V of a long prompt at once (`flatten_loops` stacks what is small).
     """
     outs = []
     for si, seg in enumerate(segments):
@@ -134,17 +136,19 @@ def run_loops(segments: tuple[base.Segment, ...], carry: Any,
             for r in range(seg.size):
                 carry, out = step(carry, si, g, r)
                 results.append(out)
-            return carry, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *results)
+            return carry, tuple(results)
 
         carry, out = jax.lax.scan(group, carry, jnp.arange(seg.groups))
         outs.append(out)
     return carry, tuple(outs)
 
 
-def flatten_loops(per_segment: tuple[Any, ...]) -> Any:
-    """Per-segment outputs [G, p, ...] → one [L, ...] stack in loop order."""
-    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate([x.reshape(-1, *x.shape[2:]) for x in xs]),
-                                  *per_segment)
+def flatten_loops(per_segment: tuple[tuple[Any, ...], ...]) -> Any:
+    """`run_loops`' outputs (per segment, per position [G, ...]) → one [L, ...] stack in loop order."""
+    def segment(positions):
+        return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]), *positions)
+
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *map(segment, per_segment))
 
 
 def slot_attend(ctx: CallContext, group: Group, seg: int, index: base.Index, loop: int) -> Attend:

@@ -138,7 +138,8 @@ def test_chunked_write_equals_one_write(label):
     k, v = (base.split_loops(x[..., :19, :], seg) for x in random_kv(rng, L, 19))
     num_new = jnp.asarray([19, 0, 1, 4, 7, 19])
     one = fmt.write(state, k, v, lengths, num_new, calib)
-    chunked = jax.jit(lambda *a: context.write_in_chunks(fmt, *a, chunk=4))(state, k, v, lengths, num_new, calib)
+    kv = context.in_flight_positions((k, v), seg.size)
+    chunked = jax.jit(lambda *a: context.write_in_chunks(fmt, *a, chunk=4))(state, kv, lengths, num_new, calib)
     for a, b in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(chunked)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
