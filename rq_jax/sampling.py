@@ -189,8 +189,9 @@ class Sampler:
             calib = default_calib(jax.eval_shape(lambda: self._empty_cache(1, 1)))
         self.calib = sharding.shard_calib(calib, mesh, self.fmt, self.plain_fmt)
         self._calibrate = jax.jit(self._calibrate_fn)
-        self._prefill = jax.jit(self._prefill_fn)
-        self._decode = jax.jit(self._decode_fn)
+        # The cache is donated to both (updated in place): the prefill's empty cache, the decode loop's state.
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=4)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=2)
 
     def _empty_cache(self, batch: int, max_len: int, mesh: Mesh | None = None) -> KVCache:
         return sharding.init_sharded_cache(self.model_config, batch, max_len, self.fmt, mesh, num_loops=self.num_loops,

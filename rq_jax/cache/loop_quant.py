@@ -24,8 +24,9 @@ chain store — packed codes, metadata, α, key means — without unpacking anyt
 implementation (`ATTEND_IMPLS`, chosen by the policy's `attend_impl`) computes the partial from the
 rotated queries: s_r = α_r·s_p(r) + q̃·D(c_r) + q̃·μ_r (recursively down to the anchor), and values
 through the same recursion, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated basis. The
-caller rotates the queries and un-rotates the output once. `reconstruct` (toolbox decode, un-rotate)
-is the reference.
+caller rotates the queries and un-rotates the output once. The XLA implementation does this one
+context tile at a time (`base.tiled_partial`); the Pallas kernel walks its own tiles. `reconstruct`
+(toolbox decode, un-rotate) is the reference.
 
 Calibration (`RotationCalib`, per segment): rotations [G, N, K, D, D] for keys and values and key means
 [G, N, p, K, D] (rotated basis, or None). `default_calib`: the policy's rotation kind, no means;
@@ -43,7 +44,7 @@ from typing import Callable, ClassVar, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from rq_jax.cache import base
 from rq_jax.quant import affine, bits as qbits, residual, rotation, ste
@@ -73,10 +74,10 @@ class LoopSlot(NamedTuple):
 class LoopOperands(NamedTuple):
     """What attention to one slot reads, nothing unpacked: the loop's reference chain, loop first.
 
-    `k`/`v`: packed codes of each chain link, still stacked [G, N, B, K, S, ...] — `index` selects the
-    slot (a kernel picks it in its index map). `k_alpha`/`v_alpha`: link i's α [G, N, B, K, S] scaling
-    link i + 1 (None: α = 1); one fewer than links. `k_mean`: link i's key mean [K, D] (rotated basis)
-    or None.
+    `k`/`v`: packed codes of each chain link as stored (a super-scale not folded in), still stacked
+    [G, N, B, K, S, ...] — `index` selects the slot (a kernel picks it in its index map).
+    `k_alpha`/`v_alpha`: link i's α [G, N, B, K, S] scaling link i + 1 (None: α = 1); one fewer than links.
+    `k_mean`: link i's key mean [K, D] (rotated basis) or None.
     """
 
     index: base.Index
@@ -87,31 +88,48 @@ class LoopOperands(NamedTuple):
     k_mean: tuple[Array | None, ...]
 
 
-def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
-    """Softmax partial of rotated queries over a slot's stored tokens s < lengths[b] (XLA).
+def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"],
+                   visible: Bool[Array, "b s"] | None = None) -> base.Partial:
+    """Softmax partial of rotated queries over a slot's stored tokens s < lengths[b] that `visible`
+    (None: all) shows (XLA), one context tile at a time (`base.tiled_partial`): only a tile's codes,
+    metadata and α are read out of the stacked state and dequantized.
 
     q_rot: [B, T, K, H/K, D] float32. Returns acc [B, T, H, D] in the rotated value basis, m, l [B, T, H].
     """
     b, t, heads, per_kv, d = q_rot.shape
-    def at(x):
-        return None if x is None else x[ops.index]
+    max_len = ops.k[0].codes.shape[base.TOKEN_AXIS]
+    tile = base.context_tile(b, t, heads * per_kv, heads, d, max_len)
+
+    def part(start, valid):
+        k, v, k_alpha, v_alpha = base.slot_tile((ops.k, ops.v, ops.k_alpha, ops.v_alpha), ops.index, start, tile)
+        return _rotated_partial(q_rot, k, v, k_alpha, v_alpha, ops.k_mean, valid)
+
+    return base.tiled_partial(part, (b, t, heads * per_kv, d), lengths, max_len, tile, visible)
+
+
+def _rotated_partial(q_rot: Float[Array, "b t k g d"], k: tuple[PackedCodes, ...], v: tuple[PackedCodes, ...],
+                     k_alpha: tuple[Array | None, ...], v_alpha: tuple[Array | None, ...],
+                     k_mean: tuple[Array | None, ...], valid: Bool[Array, "b s"]) -> base.Partial:
+    """`attend_rotated` over one tile: the chain's codes [B, K, S, ...] and α [B, K, S] (`LoopOperands`'
+    order), positions where `valid` [B, S]."""
+    b, t, heads, per_kv, d = q_rot.shape
     scores = None
-    for i in reversed(range(len(ops.k))):  # from the anchor up: s_i = q̃·D(c_i) + q̃·μ_i + α_i·s_{i+1}
-        s = jnp.einsum("btkqd,bksd->btkqs", q_rot, ops.k[i].map(at).dequantize())
-        if ops.k_mean[i] is not None:
-            s = s + jnp.einsum("btkqd,kd->btkq", q_rot, ops.k_mean[i])[..., None]
+    for i in reversed(range(len(k))):  # from the anchor up: s_i = q̃·D(c_i) + q̃·μ_i + α_i·s_{i+1}
+        s = jnp.einsum("btkqd,bksd->btkqs", q_rot, k[i].effective().dequantize())
+        if k_mean[i] is not None:
+            s = s + jnp.einsum("btkqd,kd->btkq", q_rot, k_mean[i])[..., None]
         if scores is not None:
-            alpha = at(ops.k_alpha[i])
-            s = s + (scores if alpha is None else _per_token(alpha) * scores)
+            s = s + (scores if k_alpha[i] is None else _per_token(k_alpha[i]) * scores)
         scores = s
     scores = scores * d**-0.5
-    p, m, l = base.softmax_partial(scores.reshape(b, t, heads * per_kv, -1),
-                                   base.past_mask(lengths, t, scores.shape[-1]))
+    size = scores.shape[-1]
+    p, m, l = base.softmax_partial(scores.reshape(b, t, heads * per_kv, size),
+                                   jnp.broadcast_to(valid[:, None, :], (b, t, size)))
     w, acc = p.reshape(scores.shape), 0.0
-    for i in range(len(ops.v)):  # Σ_s w_s ẑ_i,s, the weights scaled by α on the way down the chain
-        acc = acc + jnp.einsum("btkqs,bksd->btkqd", w, ops.v[i].map(at).dequantize())
-        if i + 1 < len(ops.v) and ops.v_alpha[i] is not None:
-            w = w * _per_token(at(ops.v_alpha[i]))
+    for i in range(len(v)):  # Σ_s w_s ẑ_i,s, the weights scaled by α on the way down the chain
+        acc = acc + jnp.einsum("btkqs,bksd->btkqd", w, v[i].effective().dequantize())
+        if i + 1 < len(v) and v_alpha[i] is not None:
+            w = w * _per_token(v_alpha[i])
     return base.Partial(acc.reshape(b, t, heads * per_kv, d), m, l)
 
 
@@ -128,6 +146,7 @@ def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: 
     def flat(x):  # [G, N, ...] → [G·N, ...]
         return None if x is None else x.reshape(-1, *x.shape[2:])
     def streams(codes):
+        codes = map(PackedCodes.effective, codes)
         return tuple(QuantStream(flat(c.codes), flat(c.scale), flat(c.offset)) for c in codes)
     means = tuple(None if mu is None else jnp.einsum("bkrd,kd->bkr", q, mu) for mu in ops.k_mean)
     acc, m, l = residual_decode_attention(
@@ -384,12 +403,13 @@ class LoopQuant(base.CacheFormat):
         means = None if calib.key_mean is None else calib.key_mean[index]  # [p, K, D]
         return LoopOperands(
             index,
-            tuple(state[r].k.effective() for r in links), tuple(state[r].v.effective() for r in links),
+            tuple(state[r].k for r in links), tuple(state[r].v for r in links),
             tuple(state[r].k_alpha for r in links[:-1]), tuple(state[r].v_alpha for r in links[:-1]),
             tuple(None if means is None else means[r] for r in links))
 
-    def attend(self, state, index, loop, q, lengths, calib: RotationCalib) -> base.Partial:
-        """Rotate the queries, run `attend_impl` on the slot's operands (XLA fallback), un-rotate."""
+    def attend(self, state, index, loop, q, lengths, calib: RotationCalib, visible=None) -> base.Partial:
+        """Rotate the queries, run `attend_impl` on the slot's operands (XLA fallback; XLA too under a
+        `visible` mask), un-rotate."""
         b, t, h, d = q.shape
         key_rot, value_rot = calib.key_rot[index], calib.value_rot[index]  # [K, D, D]
         q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, key_rot.shape[0]).astype(jnp.float32),
@@ -397,7 +417,10 @@ class LoopQuant(base.CacheFormat):
         ops = self.operands(state, index, loop, calib)
         impl = self.attend_impl if self.attend_impl != "auto" else "pallas" if jax.default_backend() == "gpu" else "xla"
         try:
-            part = ATTEND_IMPLS[impl](q_rot, ops, lengths)
+            if visible is not None:  # the kernels take no mask
+                part = attend_rotated(q_rot, ops, lengths, visible)
+            else:
+                part = ATTEND_IMPLS[impl](q_rot, ops, lengths)
         except NotImplementedError as why:
             log.warning("%s attend_impl=%r does not cover this slot (%s); using xla", self.name, impl, why)
             part = attend_rotated(q_rot, ops, lengths)
