@@ -274,11 +274,10 @@ class LoopQuant(base.CacheFormat):
                 lambda: PackedCodes.from_quantized(affine.quantize(jnp.zeros(head_dim), qc), qc))
             return jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, p.dtype), proto)
 
-        cfg = cfgs["k"]
-        alpha = jnp.zeros(lead, cfg.alpha_dtype)
-        return tuple(LoopSlot(zeros(cfgs["k"], r), zeros(cfgs["v"], r), *((alpha,) * 2 if self._has_alpha(cfg, r)
-                                                                           else (None, None)))
-                     for r in range(seg.size))
+        def alpha(r):  # every leaf an array of its own: a donated cache must not hold one buffer twice
+            return jnp.zeros(lead, cfgs["k"].alpha_dtype) if self._has_alpha(cfgs["k"], r) else None
+
+        return tuple(LoopSlot(zeros(cfgs["k"], r), zeros(cfgs["v"], r), alpha(r), alpha(r)) for r in range(seg.size))
 
     def default_calib(self, seg, num_layers, num_kv_heads, head_dim) -> RotationCalib:
         """The policy's rotation for every group, layer and kv head (random: seeded), no key means."""
