@@ -18,9 +18,8 @@ import os
 import sys
 
 from rq_jax import checkpoint, cli
-from rq_jax.calibrate.allocate import OPTIONS, allocate, measure_kl, save_schedule
+from rq_jax.calibrate.allocate import OPTIONS, Schedule, allocate, measure_kl, save_schedule
 from rq_jax.calibrate.data import calibration_set
-from rq_jax.cache.base import get_format
 
 
 def main(argv=None):
@@ -35,8 +34,16 @@ def main(argv=None):
     p.add_argument("--batch", type=cli.positive_int, default=16, help="rows per scoring call")
     p.add_argument("--loops", type=cli.positive_int, help="loops / recurrence steps (default: the config's)")
     p.add_argument("--seed", type=int, default=0, help="calib rows' seed")
+    p.add_argument("--options", default=",".join(f"{b}g{g}" for b, g in OPTIONS),
+                   help="the (bits, group size) a slot may take, e.g. 2g32,4g32 (the last: the reference)")
     p.add_argument("--quiet", action="store_true", help="no line per measured schedule")
     args = p.parse_args(argv)
+    try:
+        options = tuple((int(b), int(g)) for b, g in (o.split("g") for o in args.options.split(",")))
+    except ValueError:
+        p.error(f"argument --options: {args.options}: expected BITSgGROUP,... e.g. 2g32,4g32")
+    if len(options) < 2:
+        p.error(f"argument --options: {args.options}: give at least two options")
     if args.prefix >= args.seq_len:
         p.error(f"--prefix {args.prefix} must be below --seq-len {args.seq_len}")
     cli.output_file(p, "--out", args.out)
@@ -47,19 +54,33 @@ def main(argv=None):
     loops = args.loops or model.config.num_loops
     if loops % 4:
         p.error(f"--loops {loops}: the allocator's schedules are groups of 4 loops")
-    if any(model.config.head_dim % g for _, g in OPTIONS):
-        sizes = sorted({g for _, g in OPTIONS})
+    if any(model.config.head_dim % g for _, g in options):
+        sizes = sorted({g for _, g in options})
         p.error(f"--checkpoint {args.checkpoint}: head_dim {model.config.head_dim} is not divisible by the group sizes "
                 f"{sizes}")
     rows = calibration_set("fit", args.rows, args.seq_len, seed=args.seed).tokens
     kwargs = dict(num_loops=loops, prefix=args.prefix, batch=args.batch)
 
-    def report(label):
+    record = f"{args.out}-measured.json"  # every KL measured so far: a rerun with the same settings resumes
+    settings = dict(checkpoint=os.path.abspath(args.checkpoint), loops=loops, rows=args.rows, seq_len=args.seq_len,
+                    prefix=args.prefix, seed=args.seed)
+    measured = {}
+    if os.path.exists(record):
+        with open(record) as f:
+            saved = json.load(f)
+        if saved.get("settings") != settings:
+            p.error(f"argument --out: {record} holds measurements of other settings ({saved.get('settings')}); "
+                    f"use another --out or delete it")
+        measured = saved["kl"]
+
+    def report(label, kl):
+        with open(record, "w") as f:
+            json.dump(dict(settings=settings, kl=measured), f, indent=1)
         if not args.quiet:
-            print(f"  measuring {label}", file=sys.stderr, flush=True)
+            print(f"  measured {label}: KL {kl:.3e} ({len(measured)} so far)", file=sys.stderr, flush=True)
 
     try:
-        allocs = allocate(model, rows, args.budget, progress=report, **kwargs)
+        allocs = allocate(model, rows, args.budget, options=options, measured=measured, progress=report, **kwargs)
     except ValueError as err:
         p.error(f"--budget: {err}")
     print(f"{loops} loops, {args.rows} calib rows of {args.seq_len} tokens ({args.prefix} prefilled), "
@@ -68,9 +89,14 @@ def main(argv=None):
           "|---|---|---|---|---|---|---|---|")
     written = []
     for alloc in allocs:
-        rule = get_format("residual") if alloc.budget >= 3.09375 else get_format("residual", bits=(2, 2, 2, 2))
+        side = ((2, 32),) * 3 + ((4 if alloc.budget >= 3.09375 else 2, 32),)
+        rule = Schedule(side, side).format()  # [2,2,2,4] g32, or residual INT2 g32 below its bits
         rule_bits = float(rule.bits_per_element(loops, model.config.head_dim))
-        rule_kl = measure_kl(model, rule, rows, args.prefix, args.batch, num_loops=loops)
+        label = f"rule {rule.schedule_name(loops)}"
+        if label not in measured:
+            measured[label] = measure_kl(model, rule, rows, args.prefix, args.batch, num_loops=loops)
+            report(label, measured[label])
+        rule_kl = measured[label]
         path = f"{args.out}-{alloc.budget:g}.json"
         save_schedule(path, alloc.schedule, {}, dict(
             allocation=alloc.to_json(), checkpoint=args.checkpoint, loops=loops, rows=args.rows,

@@ -139,11 +139,15 @@ def best_schedule(costs: dict[tuple[str, int, tuple[int, int]], float], position
 def allocate(model, tokens: np.ndarray, budgets: Sequence[float], *, num_loops: int, prefix: int = 32,
              batch: int = 16, positions: int = 4, options: Sequence[tuple[int, int]] = OPTIONS,
              reference: tuple[int, int] | None = None, policy: dict | None = None,
-             progress: Callable[[str], None] = lambda _: None, **model_kwargs) -> list[Allocation]:
+             measured: dict[str, float] | None = None, progress: Callable[[str, float], None] = lambda *_: None,
+             **model_kwargs) -> list[Allocation]:
     """Allocate a `positions`-loop group's K/V slots under each of `budgets` bits per element (see the
     module docstring) on calib rows tokens [N, T]; the single-slot costs are measured once for all
-    budgets. `policy`: the other residual fields (rotation, LS, ...). Raises ValueError when no schedule
-    of `options` fits a budget."""
+    budgets. `policy`: the other residual fields (rotation, LS, ...). `measured` maps a schedule's label
+    to its KL: labels found there are not measured again, new ones are added (a run can resume), and
+    `progress(label, kl)` is called after each new measurement. Raises ValueError when no schedule of
+    `options` fits a budget."""
+    measured = {} if measured is None else measured
     policy = dict(policy or {})
     head_dim = model.config.head_dim
     reference = reference or options[-1]
@@ -152,8 +156,12 @@ def allocate(model, tokens: np.ndarray, budgets: Sequence[float], *, num_loops: 
         return schedule_bits(schedule, num_loops, head_dim, **policy)
 
     def kl(schedule: Schedule) -> float:
-        progress(schedule.label())
-        return measure_kl(model, schedule.format(**policy), tokens, prefix, batch, num_loops=num_loops, **model_kwargs)
+        label = schedule.label()
+        if label not in measured:
+            measured[label] = measure_kl(model, schedule.format(**policy), tokens, prefix, batch, num_loops=num_loops,
+                                         **model_kwargs)
+            progress(label, measured[label])
+        return measured[label]
 
     cheapest = bits(Schedule.uniform(positions, min(options, key=lambda o: (o[0] + 16 / o[1]))))
     if cheapest > min(budgets):
