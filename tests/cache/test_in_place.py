@@ -20,7 +20,8 @@ from rq_jax.sampling import Sampler, SamplingConfig
 
 MAX_LEN = 2048  # long enough that the cache dwarfs every other buffer of these tiny models
 CONFIG = preset("ouro-tiny").replace(max_position_embeddings=MAX_LEN)
-FORMATS = [("dense", {}), ("residual", dict(group_size=8)), ("kivi", dict(key_group=4, value_group=8, residual_length=8))]
+FORMATS = [("dense", {}), ("residual", dict(group_size=8)),
+           ("kivi", dict(key_group=4, value_group=8, residual_length=8))]  # kivi's windows (O(R)) kept small
 
 
 @pytest.fixture(autouse=True)
