@@ -32,8 +32,10 @@ inputs (`jax.ShapeDtypeStruct`, `jax.eval_shape`: nothing allocated; on a CPU wi
 off, which changes code generation, not buffer sizes) and returns the largest batch b that fits with
 the figure of b + 1 beside it: secant estimates from batches 1 and 2 (memory is affine in the batch
 past a small-batch plateau), then steps that double and bisection (`largest_fitting`). Temporaries are
-the backend's own: XLA on a CPU converts bf16 operands to float32 for its dots, so weights and dense K/V
-appear again, twice as large, among the temporaries; a GPU's figures differ. The peak tokens/s is
+the backend's own (a GPU's differ). The step computes with the weights as stored and attends one
+context tile at a time, so its temporaries do not grow with the context: the step's activations (per
+row) and a few tiles' decoded K/V and scores (at most `base.TILE_ELEMENTS` float32 elements each, at any
+batch). The peak tokens/s is
 measured at the largest batch when the step fits this machine (`--machine-gb`, default 60% of the
 memory available), else the table says "not run".
 

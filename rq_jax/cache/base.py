@@ -461,7 +461,10 @@ def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[A
         block = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice_in_dim(merged, i, 1, axis=2), old.dtype)
         return jax.lax.dynamic_update_slice(old, block, (0, 0, i, 0, start[i]) + (0,) * (old.ndim - TOKEN_AXIS - 1))
 
-    return jax.lax.fori_loop(0, old.shape[2], row, old)
+    # One row: a trip count XLA cannot prove is 1, so the loop stays and the write stays in place (unrolled,
+    # XLA:CPU fuses the block's read into the write and copies the whole leaf).
+    rows = old.shape[2] if old.shape[2] > 1 else jnp.minimum(1, jnp.maximum(start[0], 1))
+    return jax.lax.fori_loop(0, rows, row, old)
 
 
 def tree_nbytes(tree: Any) -> int:

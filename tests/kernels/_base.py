@@ -6,6 +6,8 @@ compared; `LOWER_CASES`, lowered to Triton IR) and how to build inputs for one. 
 * `test_matches_reference`: the kernel against the plain-jnp reference on fresh random inputs (a seed
   per case name), in interpret mode on CPU; with RQ_PALLAS_INTERPRET=0 (scripts/gpu_check.sh) the same
   comparison runs the compiled kernel on a GPU.
+* `test_skips_tiles_past_each_length` (`SKIP_CASE`): the kernel folds ceil(lengths[b] / block_s) tiles
+  per (row, kv head) and no more, whatever the capacity S and the splits (interpret mode, counted).
 * `test_lowers_to_triton`: `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` on abstract
   inputs, which runs the whole Pallas -> Triton lowering on a CPU machine and catches what Triton does
   not support (non-power-of-two tiles, small dots, value slicing, unsupported casts).
@@ -91,6 +93,9 @@ class DecodeKernelTestBase:
 
     CASES: tuple = ()
     LOWER_CASES: tuple = ()
+    #: A case with block_s 16, at most 16 query rows (one row block) and lengths far below S; its shapes
+    #: are its own, so its trace (with the counting step below) is not one another test has cached.
+    SKIP_CASE = None
     kernel = None
     reference = None
 
@@ -105,6 +110,23 @@ class DecodeKernelTestBase:
         out = type(self).kernel(*args, **kw, interpret=INTERPRET)
         ref = type(self).reference(*args, **kw)
         assert_partial_close(out, ref, case.lengths, TOL[case.q_dtype])
+
+    def test_skips_tiles_past_each_length(self, monkeypatch):
+        """Every online-softmax step the kernel runs (one per tile it folds) is counted with a host
+        callback: per row and kv head, the tiles up to the row's length, none past it."""
+        case = self.SKIP_CASE
+        seen = []
+        step = dc.online_softmax
+
+        def counted(scores, m_prev, l_prev):
+            jax.debug.callback(lambda: seen.append(1))
+            return step(scores, m_prev, l_prev)
+
+        monkeypatch.setattr(dc, "online_softmax", counted)
+        args, kw = self.make(case, seeded(case.name))
+        jax.block_until_ready(type(self).kernel(*args, **kw, interpret=True))
+        assert case.block_s == 16 and case.rows <= 16 and max(case.lengths) < case.s
+        assert len(seen) == case.heads * sum(-(-n // 16) for n in case.lengths)
 
     def test_lowers_to_triton(self, lower_case):
         args, kw = self.make(lower_case, None)

@@ -54,6 +54,7 @@ LOWER_CASES = tuple(
 class TestDenseDecodeAttention(DecodeKernelTestBase):
     CASES = CASES
     LOWER_CASES = LOWER_CASES
+    SKIP_CASE = Case("skip", 32, 2, lengths=(0, 1, 16, 17, 33), s=96, block_s=16, num_splits=2)
     kernel = staticmethod(da.dense_decode_attention)
     reference = staticmethod(da.dense_decode_attention_reference)
 

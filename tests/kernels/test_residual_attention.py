@@ -112,6 +112,7 @@ def _lower_cases():
 class TestResidualDecodeAttention(DecodeKernelTestBase):
     CASES = CASES
     LOWER_CASES = _lower_cases()
+    SKIP_CASE = Case("skip", 64, 2, LOOP_G32, lengths=(0, 1, 16, 17, 33), s=96, block_s=16, num_splits=2)
     kernel = staticmethod(ra.residual_decode_attention)
     reference = staticmethod(ra.residual_decode_attention_reference)
 
