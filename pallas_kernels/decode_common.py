@@ -126,21 +126,39 @@ def plan_decode(batch: int, kv_heads: int, rows: int, seq_len: int, *, block_s: 
 # ---- in-kernel helpers ------------------------------------------------------------------------------
 
 
-def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """x as hi + lo, both bfloat16 (lo None when x is bfloat16 already): a float32 operand of a
-    tensor-core dot at ~16 mantissa bits instead of tf32's 10."""
+def split_bf16(x: jax.Array, exact: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """x as hi + lo, both bfloat16, to ~2^-16 relative (lo is None when x is bfloat16 already or the
+    caller knows it `exact` in bfloat16): a float32 operand of a tensor-core dot at ~16 mantissa bits
+    instead of tf32's 10."""
     if x.dtype == jnp.bfloat16:
         return x, None
     hi = x.astype(jnp.bfloat16)
-    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return hi, None if exact else (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def dot_split(a: tuple[jax.Array, jax.Array | None], b: jax.Array, *, trans_b: bool = False) -> jax.Array:
-    """float32 a @ b (or a @ b.T) for `a = split_bf16(x)` and a bfloat16 `b` that is exact in bfloat16
-    (integer codes, bf16 cache entries): one or two bf16 dots with float32 accumulation."""
-    hi, lo = a
-    out = dot(hi, b, trans_b=trans_b)
-    return out if lo is None else out + dot(lo, b, trans_b=trans_b)
+def dot_split(a: tuple[jax.Array, jax.Array | None], b: tuple[jax.Array, jax.Array | None], *,
+              trans_b: bool = False) -> jax.Array:
+    """float32 a @ b (or a @ b.T) for split operands `a = split_bf16(x)`, `b = split_bf16(y)`: bf16 dots
+    with float32 accumulation, hi·hi + lo·hi + hi·lo (lo·lo is below 2^-16 relative and dropped), so
+    one dot when both are exact in bfloat16, two when one is, three otherwise."""
+    (a_hi, a_lo), (b_hi, b_lo) = a, b
+    out = dot(a_hi, b_hi, trans_b=trans_b)
+    if a_lo is not None:
+        out = out + dot(a_lo, b_hi, trans_b=trans_b)
+    if b_lo is not None:
+        out = out + dot(a_hi, b_lo, trans_b=trans_b)
+    return out
+
+
+def float8_e4m3fn_bits_to_f32(bits: jax.Array) -> jax.Array:
+    """float8_e4m3fn values from their uint8 bits, exactly, with integer ops only: the Triton lowering
+    casts float8 only from sm_89 on, so Ampere needs this path, and one path serves every target.
+    sign · (e == 0 ? m : (8 + m) << (e - 1)) · 2^-9 (e: 4-bit exponent, m: 3-bit mantissa). The NaN
+    pattern (e = 15, m = 7) reads 480; rq_jax's writer clips metadata to ±448, so it never stores one."""
+    x = bits.astype(jnp.int32)
+    e, m = (x >> 3) & 15, x & 7
+    mag = jnp.where(e == 0, m, (m + 8) << jnp.maximum(e - 1, 0)).astype(jnp.float32) * (2.0 ** -9)
+    return jnp.where(x >= 128, -mag, mag)
 
 
 def online_softmax(scores: jax.Array, m_prev: jax.Array, l_prev: jax.Array):
