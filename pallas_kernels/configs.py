@@ -14,11 +14,14 @@ a loop bound, so every config uses Ouro's 16 kv heads at S = 4096 and batch 1.
   last-loop reference ([b, a]: INT2/4/8 loops over an INT4 anchor, INT2 over INT2) and the previous-loop
   reference (3- and 4-link chains of INT2 over an INT2 or INT4 anchor), each at g16 and g32, plus mixed
   group sizes (INT2 g16 over INT4 g32);
-* head dims 64 (GQA models), 96 (Huginn), 128 (Ouro); query rows 1 (decode), 8 (GQA 8:1), 32 and 64
-  (several tokens per step: one, two and four 16-row blocks... the row block is 16, 32 or 64);
-* with FP8 metadata, α and key means (the most work per token), and one-at-a-time variations of them:
-  bf16 / f16 / f32 metadata (f32 is also what a super-scale folds into), α off, key means off;
-* dense: bf16 and f32 K/V at each head dim and row block.
+* head dims 64 (GQA models), 96 (Huginn), 128 (Ouro); query rows (query heads per kv head x tokens
+  per step) 1 (decode), 32 and 64 (several tokens per step), i.e. row blocks of 16, 32 and 64 (more
+  rows run more 64-row programs), and 8 rows (GQA 8:1 decode, the 16-row block with half its rows
+  real) for the residual loop at g16 and g32;
+* with FP8 metadata, α and key means (the most work per token), and, at 1 and 64 rows, one-at-a-time
+  variations of them: bf16 / f16 / f32 metadata (f32 is also what a super-scale folds into), α off,
+  key means off;
+* dense: bf16 and f32 K/V at each head dim and row count.
 
 `CI_SUBSET` names the configurations compiled on every test run (see tests/kernels/test_compile.py).
 """
@@ -33,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dense_attention as da
+from pallas_kernels import deviceless, launch
 from pallas_kernels import residual_attention as ra
 
 
@@ -56,8 +60,28 @@ class KernelConfig:
     slots: int = 4
 
     @property
-    def kind(self) -> str:
-        return "residual" if self.links else "dense"
+    def kernel(self) -> str:
+        """The launch table's kernel name: "residual", "dense-bfloat16" or "dense-float32"."""
+        return "residual" if self.links else f"dense-{self.kv}"
+
+    def launch_key(self) -> launch.LaunchKey | None:
+        return launch.key(self.kernel, self.dim, self.rows, tuple(g for _, g in self.links))
+
+    def launch(self) -> launch.Launch:
+        """The launch parameters the dispatch picks for this call (`pallas_kernels.launch`)."""
+        return launch.lookup(self.kernel, self.dim, self.rows, tuple(g for _, g in self.links))
+
+    def compile(self, target: deviceless.Target, cache_dir=None, override: launch.Launch | None = None):
+        """`deviceless.Resources` of this call compiled for `target` with the dispatch's launch
+        parameters, or with `override`'s. Raises deviceless.CompileError, or NotImplementedError when
+        the lowering rejects it."""
+        fn, args = self.call()
+        if override is not None:
+            fn = functools.partial(fn, block_s=override.block_s, num_warps=override.num_warps,
+                                   num_stages=override.num_stages,
+                                   block_r=min(launch.row_block(self.rows), override.max_block_r))
+        [kernel] = deviceless.triton_kernels(fn, args, capability=target.capability)
+        return deviceless.compile_kernel(kernel, target, cache_dir)
 
     def call(self):
         """(fn, args): the kernel with its static arguments bound, and ShapeDtypeStruct inputs."""
@@ -97,7 +121,7 @@ def _chains():
 
 
 DIMS = (64, 96, 128)
-ROWS = (1, 8, 32, 64)
+ROWS = (1, 32, 64)
 CHAINS = tuple(_chains())
 
 
@@ -105,9 +129,11 @@ def _matrix() -> tuple[KernelConfig, ...]:
     out = []
     for links, d, r in itertools.product(CHAINS, DIMS, ROWS):
         out.append(KernelConfig(f"d{d}-r{r}-{chain_name(links)}", d, r, links))
-    for n_links, d in itertools.product((1, 2, 3, 4), DIMS):  # one-at-a-time variations, INT2 g32 over INT4
+    for links, d in itertools.product((((2, 16), (4, 16)), ((2, 32), (4, 32))), DIMS):  # GQA 8:1 at decode
+        out.append(KernelConfig(f"d{d}-r8-{chain_name(links)}", d, 8, links))
+    for n_links, d, r in itertools.product((1, 2, 3, 4), DIMS, (1, 64)):  # variations, INT2 g32 over INT4
         links = ((2, 32),) * (n_links - 1) + ((4, 32),)
-        base = KernelConfig(f"d{d}-r1-{chain_name(links)}", d, 1, links)
+        base = KernelConfig(f"d{d}-r{r}-{chain_name(links)}", d, r, links)
         for meta in ("bfloat16", "float16", "float32"):
             out.append(dataclasses.replace(base, name=f"{base.name}-{meta}meta", meta=meta))
         if n_links > 1:
@@ -132,3 +158,12 @@ ISSUE_TABLE = (
 
 MATRIX = ISSUE_TABLE + _matrix()
 BY_NAME = {c.name: c for c in MATRIX}
+
+#: Compiled on every test run (tests/kernels/test_compile.py), for both targets: the issue's table, then
+#: per head dim the longest g16 chain at one decode row and at a full 64-row block (the most work per
+#: tile), a 32-row block, the largest codes and float32 metadata, and dense float32 / bfloat16 at 64
+#: rows. The rest of MATRIX is compiled by scripts/kernel_report.py (or RQ_KERNEL_COMPILE=all).
+CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + tuple(
+    f"d{d}-r{r}-{chain_name(((2, 16),) * 3 + ((4, 16),))}" for d in DIMS for r in (1, 64)) + (
+    "d128-r32-int2g16-int4g16", "d128-r1-int8g32", "d128-r1-int2g32-int2g32-int2g32-int4g32-float32meta",
+    "d96-r8-int2g32-int4g32", "dense-d96-r64-float32kv", "dense-d64-r64-bfloat16kv")

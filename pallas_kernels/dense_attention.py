@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import decode_common as dc
+from pallas_kernels import launch
 
 MAX_HEAD_DIM = 256
 _STATIC = ("block_s", "num_splits", "block_r", "num_warps", "num_stages", "interpret")
@@ -96,8 +97,10 @@ def dense_decode_attention(
     m_slots, s = k.shape[0], k.shape[3]
     if s == 0:
         return dc.empty_partial(b, kh, r, d)
-    plan = dc.plan_decode(b, kh, r, s, block_s=block_s or dc.default_block_s(0, d), num_splits=num_splits,
-                          block_r=block_r, num_warps=num_warps, num_stages=num_stages)
+    lp = launch.lookup(f"dense-{jnp.dtype(k.dtype).name}", d, r)
+    plan = dc.plan_decode(b, kh, r, s, block_s=block_s or lp.block_s, num_splits=num_splits, block_r=block_r,
+                          num_warps=num_warps or lp.num_warps, num_stages=num_stages or lp.num_stages,
+                          max_block_r=lp.max_block_r)
     dpad, br, sl = dc.next_pow2(d), plan.block_r, plan.split_len
     n_rb, ns = pl.cdiv(r, br), plan.num_splits
     kv_spec = pl.BlockSpec((m_slots, None, None, sl, dpad), lambda b, k, r, j: (0, b, k, j, 0))

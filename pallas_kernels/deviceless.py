@@ -39,18 +39,21 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A GPU to compile for: `capability` as Triton spells it (90 = sm_90), the most dynamic shared
-    memory one block may use there (bytes), and its register file per SM (32-bit registers)."""
+    memory one block may use (bytes) and one SM has, its register file per SM (32-bit registers) and
+    the most resident warps per SM."""
 
     name: str
     capability: int
     max_shared: int
+    shared_per_sm: int
     registers_per_sm: int = 65536
+    max_warps_per_sm: int = 64
 
 
-#: Hopper (H100/H200: 227 KiB of shared memory per block) and Ampere (A100: 163 KiB).
+#: Hopper (H100/H200: 227 KiB of shared memory per block, 228 per SM) and Ampere (A100: 163 / 164 KiB).
 TARGETS = {
-    "sm_90": Target("sm_90", 90, 227 * 1024),
-    "sm_80": Target("sm_80", 80, 163 * 1024),
+    "sm_90": Target("sm_90", 90, 227 * 1024, 228 * 1024),
+    "sm_80": Target("sm_80", 80, 163 * 1024, 164 * 1024),
 }
 
 
@@ -252,6 +255,16 @@ def problems(res: Resources) -> list[str]:
     if res.registers * res.num_warps * 32 > target.registers_per_sm:
         out.append(f"{res.registers} registers x {res.num_warps * 32} threads > {target.registers_per_sm}")
     return out
+
+
+def blocks_per_sm(res: Resources) -> int:
+    """Blocks of this kernel one SM can hold at once, by registers (allocated per warp in units of 256),
+    shared memory and warps: the occupancy ptxas's register count implies."""
+    target = TARGETS[res.target]
+    regs_per_warp = -(-res.registers * 32 // 256) * 256
+    by_regs = target.registers_per_sm // (regs_per_warp * res.num_warps)
+    by_shared = target.shared_per_sm // res.shared if res.shared else by_regs
+    return min(by_regs, by_shared, target.max_warps_per_sm // res.num_warps)
 
 
 @functools.cache

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import decode_common as dc
+from pallas_kernels import launch
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_META = (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16, jnp.float32)
@@ -298,8 +299,8 @@ def residual_decode_attention(
 
     Returns acc [B, K, R, D] float32 (rotated value basis, not divided by l), m [B, K, R] float32 and
     l [B, K, R] float32; a row with no valid token gives m = -1e30, l = 0, acc = 0. Raises
-    NotImplementedError (at trace time) for configurations the kernel does not cover. Block sizes
-    default to `decode_common.default_block_s` / `plan_decode`.
+    NotImplementedError (at trace time) for configurations the kernel does not cover. Launch
+    parameters left unset come from `pallas_kernels.launch` (the split count from `plan_decode`).
     """
     keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
     _check_common(q, lengths, keys, k_alpha, v_alpha, values, mean_scores)
@@ -310,8 +311,10 @@ def residual_decode_attention(
     k_pieces = _pieces(k_links, d)
     if s == 0:
         return dc.empty_partial(b, k, r, d)
-    plan = dc.plan_decode(b, k, r, s, block_s=block_s or dc.default_block_s(len(keys), d),
-                          num_splits=num_splits, block_r=block_r, num_warps=num_warps, num_stages=num_stages)
+    lp = launch.lookup("residual", d, r, tuple(min(kl.group, vl.group) for kl, vl in zip(k_links, v_links)))
+    plan = dc.plan_decode(b, k, r, s, block_s=block_s or lp.block_s, num_splits=num_splits, block_r=block_r,
+                          num_warps=num_warps or lp.num_warps, num_stages=num_stages or lp.num_stages,
+                          max_block_r=lp.max_block_r)
     dpad, br, sl = dc.next_pow2(d), plan.block_r, plan.split_len
     n_rb = pl.cdiv(r, br)
     means = tuple(mean_scores) if mean_scores is not None else (None,) * len(keys)
