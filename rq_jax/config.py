@@ -99,12 +99,45 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def preset(name: str) -> ModelConfig:
-    """The preset config called `name` (see `PRESETS`)."""
+def preset(name: str, **overrides) -> ModelConfig:
+    """The preset config called `name` (see `PRESETS`), with `overrides` (ModelConfig fields) applied,
+    e.g. `preset("ouro-1.4b", num_layers=2)`. Raises ValueError for an unknown name or field."""
     try:
-        return PRESETS[name]
+        base = PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise ValueError(f"unknown ModelConfig field(s) {bad} for preset {name!r}")
+    return base.replace(**overrides) if overrides else base
+
+
+def parse_preset(spec: str) -> tuple[str, ModelConfig]:
+    """`NAME[:field=value,...]` → (NAME, the preset with those fields changed), e.g.
+    "huginn-0125:num_layers=1,num_loops=4". Values take the field's type (bools: 1/true/0/false).
+    Raises ValueError naming a malformed item, an unknown field or an unknown preset."""
+    name, _, rest = spec.partition(":")
+    base = preset(name)
+    changes = {}
+    for item in filter(None, rest.split(",")):
+        field, _, value = item.partition("=")
+        if not hasattr(base, field) or not value:
+            raise ValueError(f"bad model field {item!r} in {spec!r}: expected field=value of ModelConfig")
+        kind = type(getattr(base, field))
+        try:
+            changes[field] = (value.lower() in ("1", "true")) if kind is bool else kind(value)
+        except ValueError:
+            raise ValueError(f"bad value {value!r} for {field} ({kind.__name__}) in {spec!r}") from None
+    return name, preset(name, **changes)
+
+
+def changes_from(name: str, config: ModelConfig) -> str:
+    """What `config` changes in preset `name`, e.g. "num_layers 2 of 24", or "as released"."""
+    base = preset(name)
+    shown = [f"{f.name} {getattr(config, f.name)} of {getattr(base, f.name)}" for f in dataclasses.fields(config)
+             if getattr(config, f.name) != getattr(base, f.name)]
+    return ", ".join(shown) or "as released"
 
 
 def _require(raw: dict[str, Any], name: str) -> Any:

@@ -1,5 +1,7 @@
-"""Memory a generation will need, estimated before anything is allocated, the memory available, and
-the check that refuses a run that would not fit (`check_fits`)."""
+"""Memory: what a generation will need, estimated before anything is allocated, the memory available,
+the check that refuses a run that would not fit (`check_fits`); what a compiled step takes by XLA's
+own memory analysis (`step_memory`), the largest batch a budget holds (`largest_fitting`), and the
+byte limits of a format against dense bf16 (`byte_limits`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import math
 import os
 
 import jax
-import jax.numpy as jnp
 
 from rq_jax.cache import base
 from rq_jax.cache.kv import init_cache
@@ -28,7 +29,7 @@ def generation_bytes(config: ModelConfig, fmt: base.CacheFormat, *, batch: int, 
     (times `INFLIGHT_COPIES`), one layer's attention scores [B, H, T, S] and MLP activations [B, T, I],
     and the runtime."""
     shapes = jax.eval_shape(lambda: init_cache(config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt))
-    cache = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(shapes))
+    cache = base.tree_nbytes(shapes)
     layers = num_loops * config.num_layers + config.num_plain_layers
     inflight = 2 * layers * batch * config.num_kv_heads * prompt_len * config.head_dim * compute_itemsize
     scores = batch * config.num_heads * prompt_len * max_len * 4
@@ -70,3 +71,65 @@ def check_fits(model, fmt: base.CacheFormat, *, batch: int, prompt_len: int, max
         raise MemoryError(f"{what} needs about {need['total'] / 2**30:.2f} GiB ({parts}) but only "
                           f"{have / 2**30:.2f} GiB is available" + (f"; {advice}" if advice else ""))
 
+
+def byte_limits(fmt: base.CacheFormat, config: ModelConfig, context: int) -> dict[str, float]:
+    """Dense-bf16 bits / the format's bits per element, stored and read (`bits_per_element`,
+    `read_bits_per_element` at `context` tokens), over all slots of a cache: looped slots with `fmt` over
+    its loops, Huginn's plain slots with `fmt` as a one-loop group. The most a format can gain over dense
+    in capacity (storage) and in a bandwidth-bound step's speed (read)."""
+    looped, plain, d = config.num_loops * config.num_layers, config.num_plain_layers, config.head_dim
+
+    def mean(bits):
+        return (looped * bits(config.num_loops, d, context) + plain * bits(1, d, context)) / (looped + plain)
+
+    stored, read = mean(fmt.bits_per_element), mean(fmt.read_bits_per_element)
+    return dict(storage_bits=float(stored), read_bits=float(read), storage_limit=float(16 / stored),
+                read_limit=float(16 / read))
+
+
+def step_memory(compiled, weights: int, cache: int) -> dict[str, int]:
+    """The compiled step's bytes by XLA's `memory_analysis`: total = arguments + outputs − aliased +
+    temporaries + generated code; `other` is the total less weights, cache and temporaries."""
+    m = compiled.memory_analysis()
+    if m is None:
+        raise RuntimeError(f"XLA reports no memory analysis on {jax.default_backend()}")
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+             + m.generated_code_size_in_bytes)
+    return dict(total=int(total), weights=weights, cache=cache, temp=int(m.temp_size_in_bytes),
+                other=int(total - weights - cache - m.temp_size_in_bytes))
+
+
+def largest_fitting(total, budget: int, cap: int, estimates: int = 6) -> tuple[int, dict[int, int]]:
+    """Largest batch b ≤ cap with total(b) ≤ budget (0: none), for total non-decreasing in b, and the
+    totals it evaluated (b + 1 always among them unless b = cap).
+
+    Memory is affine in the batch past a small-batch plateau (where temporaries share buffers), so the
+    first `estimates` candidates are secant estimates through the two batches evaluated last (1 and 2
+    at first), kept inside the bracket; then steps that double bracket the answer and bisection
+    closes it."""
+    seen: dict[int, int] = {}
+
+    def fits(b: int) -> bool:
+        if b not in seen:
+            seen[b] = total(b)
+        return seen[b] <= budget
+
+    if not fits(1):
+        return 0, seen
+    lo, hi, last = 1, None, [1]  # fits(lo); hi (once known) does not fit; last: batches in order
+    while lo < cap and (hi is None or hi - lo > 1):
+        upper = cap if hi is None else hi - 1
+        a, b = (last[-2], last[-1]) if len(last) > 1 else (None, None)
+        if len(last) <= estimates and a is not None and seen[a] != seen[b]:
+            guess = b + math.floor((budget - seen[b]) * (b - a) / (seen[b] - seen[a]))
+        elif len(last) <= estimates or hi is None:  # flat so far, or no bracket yet: double
+            guess = 2 * lo
+        else:
+            guess = (lo + hi) // 2
+        guess = min(max(guess, lo + 1), upper)
+        last.append(guess)
+        if fits(guess):
+            lo = guess
+        else:
+            hi = guess
+    return lo, seen

@@ -8,7 +8,7 @@ parallel). Every rule falls back to replication where an axis does not divide wh
     mesh = parse_mesh("data=4,model=2")                 # or None: one device, nothing changes
     model = shard_model(model, mesh)                    # params [.., heads·D] split over `model`
     cache = init_sharded_cache(model.config, batch, max_len, fmt, mesh)   # built in place, no gather
-    calib = shard_calib(default_calib(cache), mesh)    # rotations split by kv head
+    calib = shard_calib(default_calib(cache), mesh, fmt)   # rotations split by kv head
     tokens = put(tokens_np, batch_sharding(mesh, tokens_np.shape))
 
 Parameters (`param_specs`; L layers, E hidden, H heads, K kv heads, D head dim, I MLP width, V vocab):
@@ -51,7 +51,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from rq_jax.cache.kv import CacheCalib, KVCache, init_cache
+from rq_jax.cache.base import CacheFormat
+from rq_jax.cache.calib import CacheCalib
+from rq_jax.cache.kv import KVCache, init_cache
 from rq_jax.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -204,7 +206,8 @@ def cache_specs(cache: KVCache, mesh: Mesh | None) -> Specs:
     `overflow`, ...) → P(data)."""
     b, k = cache.lengths.shape[0], _kv_heads(cache)
     rows, heads = _split(mesh, DATA, b), _split(mesh, MODEL, k)
-    slot = lambda x: P(None, None, rows, heads)  # noqa: E731
+    def slot(x):
+        return P(None, None, rows, heads)
     per_row = jax.tree_util.tree_map(lambda x: P(rows) if x.ndim and x.shape[0] == b else P(), cache)
     return per_row.replace(looped=jax.tree_util.tree_map(slot, cache.looped),
                            plain=None if cache.plain is None else jax.tree_util.tree_map(slot, cache.plain))
@@ -214,23 +217,24 @@ def _kv_heads(cache: KVCache) -> int:
     return jax.tree_util.tree_leaves(cache.looped)[0].shape[3]
 
 
-#: Calibration leaves by field name: the axis holding the kv heads (others are replicated).
-CALIB_HEAD_AXIS = {"key_rot": 2, "value_rot": 2, "key_mean": 3, "scale": 2}
-
-
-def calib_specs(calib: CacheCalib | None, mesh: Mesh | None) -> Specs:
-    """PartitionSpecs of a `CacheCalib` (None → None): the kv-head axis of rotations, key means and
-    RVQ scales (`CALIB_HEAD_AXIS`) over `model` when it divides the kv heads (as the cache's does);
-    the rest replicated."""
+def calib_specs(calib: CacheCalib | None, mesh: Mesh | None, fmt: CacheFormat,
+                plain_fmt: CacheFormat | None = None) -> Specs:
+    """PartitionSpecs of a `CacheCalib` (None → None) for the formats of its looped (`fmt`) and plain
+    (`plain_fmt`, default `fmt`) layers: the kv-head axis of each leaf a format names in its
+    `calib_head_axes` (rotations, key means, RVQ scales) over `model` when it divides the kv heads
+    (as the cache's does); the rest replicated."""
     if calib is None:
         return None
 
-    def spec(path, x):
-        axis = CALIB_HEAD_AXIS.get(_key_name(path[-1])) if path else None
-        heads = None if axis is None or x.ndim <= axis else _split(mesh, MODEL, x.shape[axis])
-        return P() if heads is None else P(*(None,) * axis, heads)
+    def part(entries, f: CacheFormat):
+        def spec(path, x):
+            axis = f.calib_head_axes.get(_key_name(path[-1])) if path else None
+            heads = None if axis is None or x.ndim <= axis else _split(mesh, MODEL, x.shape[axis])
+            return P() if heads is None else P(*(None,) * axis, heads)
 
-    return jax.tree_util.tree_map_with_path(spec, calib)
+        return None if entries is None else jax.tree_util.tree_map_with_path(spec, entries)
+
+    return CacheCalib(part(calib.looped, fmt), part(calib.plain, plain_fmt or fmt))
 
 
 def batch_spec(mesh: Mesh | None, shape: Sequence[int]) -> P:
@@ -330,42 +334,23 @@ def init_sharded_cache(config: ModelConfig, batch: int, max_len: int, fmt=None, 
                        num_loops: int | None = None, plain_fmt=None, track_steps: bool = False) -> KVCache:
     """`rq_jax.cache.init_cache`, built directly in its sharded layout (`cache_specs`): no device
     ever holds the whole cache."""
-    make = lambda: init_cache(config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt,  # noqa: E731
-                              track_steps=track_steps)
+    def make():
+        return init_cache(config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt,
+                          track_steps=track_steps)
+
     if mesh is None:
         return make()
     return jax.jit(make, out_shardings=named(mesh, cache_specs(jax.eval_shape(make), mesh)))()
 
 
-def shard_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
-    """`cache` placed by `cache_specs` (host values or arrays on any devices)."""
-    return cache if mesh is None else put(cache, named(mesh, cache_specs(cache, mesh)))
-
-
-def shard_calib(calib: CacheCalib | None, mesh: Mesh | None) -> CacheCalib | None:
+def shard_calib(calib: CacheCalib | None, mesh: Mesh | None, fmt: CacheFormat,
+                plain_fmt: CacheFormat | None = None) -> CacheCalib | None:
     """`calib` placed by `calib_specs`."""
     if mesh is None or calib is None:
         return calib
-    return put(calib, named(mesh, calib_specs(calib, mesh)))
+    return put(calib, named(mesh, calib_specs(calib, mesh, fmt, plain_fmt)))
 
 
 def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
     """`cache` constrained to `cache_specs` inside a jitted function (identity without a mesh)."""
     return cache if mesh is None or cache is None else constrain(cache, cache_specs(cache, mesh), mesh)
-
-
-def all_gathers(hlo_text: str) -> list[tuple[str, int]]:
-    """(result type, bytes) of every all-gather in compiled HLO text (`jit(f).lower(...).compile().as_text()`)."""
-    itemsize = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-    out = []
-    for line in hlo_text.splitlines():
-        match = re.search(r"=\s*(\(?[^=]*?)\s+all-gather(?:-start)?\(", line)
-        if not match:
-            continue
-        total = 0
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", match.group(1)):
-            total += itemsize.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-        out.append((match.group(1).strip(), total))
-    return out
-

@@ -10,6 +10,7 @@ cache really split as specified; and no all-gather of cache-sized operands in th
 """
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -87,7 +88,8 @@ def test_param_specs_follow_kv_heads():
     params = nnx.state(nnx.eval_shape(lambda: init_model(config)), nnx.Param)
     mesh = abstract_mesh(4, 2)
     adam = sharding.param_specs(jax.eval_shape(optax.adam(1e-3).init, params), config, mesh)[0]
-    flat = lambda tree: jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, P))  # noqa: E731
+    def flat(tree):
+        return jax.tree.leaves(tree, is_leaf=lambda s: isinstance(s, P))
     assert flat(adam.mu) == flat(adam.nu) == flat(sharding.param_specs(params, config, mesh))
     assert adam.count == P()
 
@@ -124,16 +126,17 @@ def test_calib_specs():
     config = ouro_config()
     cache = jax.eval_shape(lambda: init_cache(config, 4, 64, get_format("residual")))
     calib = jax.eval_shape(lambda: default_calib(cache))
-    specs = sharding.calib_specs(calib, abstract_mesh(4, 2))
+    specs = sharding.calib_specs(calib, abstract_mesh(4, 2), get_format("residual"))
     (rot,) = specs.looped
     assert rot.key_rot == rot.value_rot == P(None, None, "model")  # [G, N, K, D, D]
     sds = jax.ShapeDtypeStruct
     books = RVQCodebooks(sds((4, 1, 16, 4), np.float32), sds((4, 1, 16, 4), np.float32), sds((4, 1, 2, 32), np.float32))
-    specs = sharding.calib_specs(CacheCalib((RVQCalib(books, books),)), abstract_mesh(4, 2))
+    specs = sharding.calib_specs(CacheCalib((RVQCalib(books, books),)), abstract_mesh(4, 2), get_format("residual_vq"))
     (rvq,) = specs.looped
     assert rvq.k.scale == P(None, None, "model") and rvq.k.c1 == rvq.v.c2 == P()
-    assert sharding.calib_specs(None, abstract_mesh(4, 2)) is None
-    assert sharding.calib_specs(calib, abstract_mesh(1, 4)).looped[0].key_rot == P()  # 2 kv heads over 4
+    assert sharding.calib_specs(None, abstract_mesh(4, 2), get_format("residual")) is None
+    over4 = sharding.calib_specs(calib, abstract_mesh(1, 4), get_format("residual"))
+    assert over4.looped[0].key_rot == P()  # 2 kv heads over 4
 
 
 def test_init_distributed_is_environment_driven():
@@ -142,11 +145,27 @@ def test_init_distributed_is_environment_driven():
         sharding.init_distributed({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2"})
 
 
+def all_gathers(hlo_text: str) -> list[tuple[str, int]]:
+    """(result type, bytes) of every all-gather in compiled HLO text (`jit(f).lower(...).compile().as_text()`)."""
+    itemsize = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+    out = []
+    for line in hlo_text.splitlines():
+        match = re.search(r"=\s*(\(?[^=]*?)\s+all-gather(?:-start)?\(", line)
+        if not match:
+            continue
+        total = 0
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", match.group(1)):
+            total += itemsize.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+        out.append((match.group(1).strip(), total))
+    return out
+
+
 def test_all_gathers_parses_hlo():
     hlo = ("  %all-gather.3 = f32[4,1,37,32]{3,2,1,0} all-gather(f32[2,1,37,32]{3,2,1,0} %x), dimensions={0}\n"
            "  %ag = (u8[8]{0}, bf16[2,2]{1,0}) all-gather-start(u8[4]{0} %a, bf16[1,2]{1,0} %b)\n"
            "  %add = f32[4]{0} add(f32[4]{0} %p, f32[4]{0} %q)\n")
-    assert sharding.all_gathers(hlo) == [("f32[4,1,37,32]{3,2,1,0}", 4 * 37 * 32 * 4),
+    assert all_gathers(hlo) == [("f32[4,1,37,32]{3,2,1,0}", 4 * 37 * 32 * 4),
                                          ("(u8[8]{0}, bf16[2,2]{1,0})", 8 + 8)]
 
 
@@ -173,7 +192,7 @@ def _run_case(config, fmt, mesh_text: str, prompts, check_hlo: bool) -> dict:
                                  sharding.put(jax.random.key(0), sharding.replicated(mesh)))
         decode = sampler._decode.lower(sampler.params, sampler.calib, state).compile()
         sampler._decode = decode
-        result.update(all_gathers=sharding.all_gathers(decode.as_text()), max_len=MAX_LEN,
+        result.update(all_gathers=all_gathers(decode.as_text()), max_len=MAX_LEN,
                       cache_bytes=sum(x.nbytes for x in jax.tree.leaves((state.cache.looped, state.cache.plain))))
     out = sampler(prompts, max_len=MAX_LEN)
     leaves = jax.tree.leaves((out.cache.looped, out.cache.plain))

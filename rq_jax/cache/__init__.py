@@ -1,16 +1,19 @@
-"""KV cache formats behind one protocol, and the model-level cache pytree.
+"""KV cache formats behind one protocol (`base.CacheFormat`), the model-level cache pytree, its
+calibration and the per-call context that reads it.
 
 Importing this package registers every format: dense, uniform, rotated, residual, kivi, residual_vq.
 """
 
-from rq_jax.cache.base import CacheFormat, Partial, Segment, available_formats, finalize, get_format, merge, segments
+from rq_jax.cache.base import (CacheFormat, Partial, Segment, Written, available_formats, finalize, get_format, merge,
+                               segments)
+from rq_jax.cache.calib import CacheCalib, check_calib, default_calib, fit_calib
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.kivi import Kivi
-from rq_jax.cache.kv import (CacheCalib, KVCache, cache_nbytes, calibrate, check_overflow, default_calib,
-                             dense_equivalent_nbytes, init_cache)
-from rq_jax.cache.residual import LoopQuant, RotationCalib
+from rq_jax.cache.kv import KVCache, cache_nbytes, check_overflow, dense_equivalent_nbytes, init_cache
+from rq_jax.cache.loop_quant import LoopQuant, RotationCalib
 from rq_jax.cache.residual_vq import ResidualVQ, RVQCalib
 
 __all__ = ["CacheCalib", "CacheFormat", "Dense", "KVCache", "Kivi", "LoopQuant", "Partial", "RVQCalib",
-           "ResidualVQ", "RotationCalib", "Segment", "available_formats", "cache_nbytes", "calibrate", "check_overflow",
-           "default_calib", "dense_equivalent_nbytes", "finalize", "get_format", "init_cache", "merge", "segments"]
+           "ResidualVQ", "RotationCalib", "Segment", "Written", "available_formats", "cache_nbytes", "check_calib",
+           "check_overflow", "default_calib", "dense_equivalent_nbytes", "finalize", "fit_calib", "get_format",
+           "init_cache", "merge", "segments"]

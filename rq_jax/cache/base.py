@@ -1,6 +1,6 @@
 """The cache-format protocol, its one state layout, the format registry, and exact softmax partials.
 
-Every format follows one dataflow (see DESIGN.md): while a call's tokens run their loops, their K/V
+Every format follows one dataflow: while a call's tokens run their loops, their K/V
 stay full precision ("in flight"); each attention reads the stored past through `attend` and its own
 tokens densely, and the two softmax partials are merged exactly. After the last loop, `write` encodes
 the K/V of all loops at once. Prefill (T = prompt length), decode (T = 1) and a second prompt turn are
@@ -19,12 +19,22 @@ over the p positions of a group of the format's slot pytree, every leaf laid out
 
 so the model scans over groups and layers and indexes a slot with `(group, layer)` (`Index`).
 A format's calibration for a segment is a pytree with the same leading [G, N] axes (or None).
+
+Attention to the stored past is tiled (`tiled_partial`): a loop over static-size context tiles that
+skips every tile past max(lengths), each tile read straight out of the stacked state (`slot_tile`),
+decoded and folded into the running softmax `Partial` by the exact `merge`. Nothing of the cache's
+length is ever decoded or scored at once, and a cache holding few tokens costs few tiles. The tile
+(`context_tile`) holds a fixed number of float32 elements whatever the batch, so the temporaries of a
+step are bounded by a constant, not by the context or the batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from fractions import Fraction
-from typing import Any, Callable, NamedTuple, Protocol
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +42,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 _NEG = -1e30  # finite "minus infinity": fully masked rows keep m finite and l = 0, never NaN.
 TOKEN_AXIS = 4  # of every state leaf: [G, N, B, K, S, ...]
+#: Float32 elements of one context tile's largest decoded operand (K or V [B, K, tile, D], or the scores
+#: [B, T, H, tile]): 2**21 (8 MiB). Attention keeps a handful of such operands alive, so a step's
+#: attention temporaries stay near 50 MiB at any batch and context; the tile is also ≥ `MIN_TILE`
+#: tokens, so that a loop iteration does enough work to hide its overhead on a CPU (about 10 µs).
+TILE_ELEMENTS = 2**21
+MIN_TILE = 16
 Index = tuple[Int[Array, ""], Int[Array, ""]]  # (group, layer) of a slot within a segment
 
 
@@ -89,13 +105,21 @@ def finalize(p: Partial) -> Float[Array, "b t h d"]:
     return jnp.where(l > 0, p.acc / jnp.where(l > 0, l, 1.0), 0.0)
 
 
+def empty_partial(b: int, t: int, h: int, d: int) -> Partial:
+    """The partial over no key: acc 0 [B, T, H, D], m = −∞ (finite), l = 0; `merge` leaves the other side
+    unchanged."""
+    return Partial(jnp.zeros((b, t, h, d), jnp.float32), jnp.full((b, t, h), _NEG, jnp.float32),
+                   jnp.zeros((b, t, h), jnp.float32))
+
+
 def softmax_partial(
     scores: Float[Array, "b t h s"],
     mask: Bool[Array, "b t s"],
 ) -> tuple[Float[Array, "b t h s"], Float[Array, "b t h"], Float[Array, "b t h"]]:
-    """Masked, max-shifted probabilities p = exp(s − m), with m and l = Σp, all float32."""
+    """Masked, max-shifted probabilities p = exp(s − m), with m and l = Σp, all float32 (float64 for
+    float64 scores)."""
     mask = mask[:, :, None, :]
-    scores = jnp.where(mask, scores.astype(jnp.float32), _NEG)
+    scores = jnp.where(mask, scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), _NEG)
     m = jnp.max(scores, axis=-1)
     p = jnp.where(mask, jnp.exp(scores - m[..., None]), 0.0)
     return p, m, jnp.sum(p, axis=-1)
@@ -113,15 +137,17 @@ def dense_partial(
     v: Float[Array, "b k s d"],
     mask: Bool[Array, "b t s"],
 ) -> Partial:
-    """Softmax partial of queries over explicit keys/values (GQA by head grouping), f32 accumulation.
+    """Softmax partial of queries over explicit keys/values (GQA by head grouping), f32 accumulation
+    (f64 for float64 queries: a float64 run stays float64).
 
     Scores are scaled by 1/sqrt(D). `mask[b, t, s]` says whether query t of row b may see key s.
     """
     b, t, h, d = q.shape
+    acc_dtype = jnp.promote_types(q.dtype, jnp.float32)
     qg = group_queries(q, k.shape[1])
-    scores = jnp.einsum("btkgd,bksd->btkgs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    scores = jnp.einsum("btkgd,bksd->btkgs", qg, k, preferred_element_type=acc_dtype) * d**-0.5
     p, m, l = softmax_partial(scores.reshape(b, t, h, -1), mask)
-    acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, k.shape[1], -1, p.shape[-1]), v.astype(jnp.float32))
+    acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, k.shape[1], -1, p.shape[-1]), v.astype(acc_dtype))
     return Partial(acc.reshape(b, t, h, d), m, l)
 
 
@@ -136,51 +162,188 @@ def past_mask(lengths: Int[Array, "b"], num_queries: int, max_len: int) -> Bool[
     return jnp.broadcast_to(valid[:, None, :], (lengths.shape[0], num_queries, max_len))
 
 
-class CacheFormat(Protocol):
-    """A KV storage format: a frozen, hashable policy object whose methods are pure functions.
+def context_tile(batch: int, num_queries: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 max_len: int) -> int:
+    """Tokens per context tile: as many as keep a tile's decoded K or V [B, K, tile, D] and its scores
+    [B, T, H, tile] within `TILE_ELEMENTS` float32 elements, a multiple of `MIN_TILE` and at least that;
+    at most `max_len` (one tile then covers the whole cache)."""
+    per_token = batch * max(num_kv_heads * head_dim, num_queries * num_heads)
+    return min(max(TILE_ELEMENTS // per_token // MIN_TILE * MIN_TILE, MIN_TILE), max_len)
 
-    Its state follows the module's layout (a tuple over group positions of slot pytrees with leading
-    [G, N]); `group_len` is its loops per group. `calib` is the format's static calibration
-    (rotations, key means, codebooks) for one segment, passed alongside the cache and never stored in
-    it: built once, outside jit, by `default_calib` (no data; raises ValueError when the format
-    cannot run without data, `needs_data`) or fitted by `calibrate`. `needs_calib` says whether
-    `attend`/`write`/`reconstruct` read one (None is accepted otherwise).
 
-    Optional: `out_of_range(k, v, num_new, calib) -> Int[Array, "b"]`, the values a `write` of the
-    same arguments cannot store faithfully (metadata outside its dtype's range, non-finite inputs),
-    per row; the cache accumulates it (`KVCache.out_of_range`).
+def slot_tile(tree: Any, index: Index, start: Int[Array, ""], size: int) -> Any:
+    """Tokens start .. start + size − 1 of slot `index` of every leaf [G, N, B, K, S, ...]: [B, K, size, ...].
+
+    The slice is taken behind an optimization barrier with `start`: XLA:CPU widens a bfloat16 or fp8
+    dynamic slice to float32, and inside a loop it would hoist that conversion of the whole stacked leaf
+    out of the loop (a float32 copy of the cache); behind the barrier only the tile is converted.
+    """
+    tree, start = jax.lax.optimization_barrier((tree, start))
+
+    def one(x):
+        at = (index[0], index[1], 0, 0, start) + (0,) * (x.ndim - 5)
+        return jax.lax.dynamic_slice(x, at, (1, 1, *x.shape[2:4], size, *x.shape[5:]))[0, 0]
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def slot_tokens(tree: Any, index: Index, positions: Int[Array, "m"]) -> Any:
+    """Positions `positions` [M] (each inside the leaf) of slot `index` of every leaf [G, N, B, K, S, ...]:
+    [B, K, M, ...]; behind the barrier of `slot_tile`, for the same reason."""
+    tree, positions = jax.lax.optimization_barrier((tree, positions))
+    return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x[index[0], index[1], :, :, positions], 0, 2), tree)
+
+
+def tiled_partial(part: Callable[[Int[Array, ""], Bool[Array, "b s"]], Partial], shape: tuple[int, int, int, int],
+                  lengths: Int[Array, "b"], max_len: int, tile: int,
+                  visible: Bool[Array, "b s"] | None = None) -> Partial:
+    """The partial over stored positions s < lengths[b] (and `visible[b, s]`), one context tile at a time.
+
+    `part(start, valid)` is the partial over positions start .. start + tile − 1 where `valid` [B, tile];
+    the tiles are merged in order by `merge`. The loop has a static trip count, ⌈max_len / tile⌉ (so it
+    can be differentiated), and skips (`lax.cond`) every tile at or past max(lengths): its cost follows
+    the filled length, not `max_len`. The last tile of a cache that `tile` does not divide ends at
+    max_len instead (`valid` hides the positions an earlier tile covered). shape: (B, T, H, D) of the
+    output; needs tile ≤ max_len.
+    """
+    filled = jnp.max(lengths)
+
+    def body(acc, i):
+        first = i * tile
+
+        def fold(acc):
+            start = jnp.minimum(first, max_len - tile)
+            pos = start + jnp.arange(tile)
+            valid = (pos >= first)[None, :] & (pos[None, :] < lengths[:, None])
+            if visible is not None:
+                valid = valid & jax.lax.dynamic_slice_in_dim(visible, start, tile, axis=1)
+            return merge(acc, part(start, valid))
+
+        return jax.lax.cond(first < filled, fold, lambda acc: acc, acc), None
+
+    return jax.lax.scan(body, empty_partial(*shape), jnp.arange(-(-max_len // tile)))[0]
+
+
+class Written(NamedTuple):
+    """What `CacheFormat.write` returns: the new segment state, and per row the values it could not store
+    faithfully (metadata outside its dtype's range, non-finite K/V), Int[b]."""
+
+    state: tuple[Any, ...]
+    out_of_range: Int[Array, "b"]
+
+
+def nothing_lost(lengths: Int[Array, "b"]) -> Int[Array, "b"]:
+    """`Written.out_of_range` of a format that stores every value it is given: zeros [B]."""
+    return jnp.zeros_like(lengths)
+
+
+class CacheFormat:
+    """A KV storage format: a frozen, hashable policy object (a dataclass) whose methods are pure functions.
+
+    This base class is the whole protocol: everything the rest of rq_jax asks a format, so that nothing
+    outside `rq_jax.cache` tests a format's type, name or attributes. A format implements `init`,
+    `write`, `reconstruct` and `bits_per_element`; the rest have defaults (attention through
+    `reconstruct`, no calibration, no fake quantization, reads = stores). Its state follows this module's
+    layout (a tuple over group positions of slot pytrees with leading [G, N]); `group_len` is its loops
+    per group. `calib` is the format's static calibration (rotations, key means, codebooks) for one
+    segment, passed alongside the cache and never stored in it: built once, outside jit, by
+    `default_calib` (no data; raises ValueError when the format cannot run without data, `needs_data`)
+    or fitted by `calibrate`. `needs_calib` says whether `attend`/`write`/`reconstruct` read one (None
+    is accepted otherwise).
+
+    A new format is one module subclassing this (as a frozen dataclass with `name`, `group_len`,
+    `needs_calib`, `needs_data` fields) plus its registry line (`register`).
     """
 
     name: str
     group_len: int
     needs_calib: bool
     needs_data: bool
+    #: The policy fields a calibration depends on, which an artifact records and checks (None: every
+    #: dataclass field of the policy).
+    schedule_fields: ClassVar[tuple[str, ...] | None] = None
+    #: The kv-head axis of each calibration leaf, by leaf name (for sharding over kv heads); leaves not
+    #: named are replicated.
+    calib_head_axes: ClassVar[Mapping[str, int]] = MappingProxyType({})
+    #: Whether the format stores K/V in a rotated basis whose rotations (and key means) `rq_jax.calibrate`
+    #: can learn (OptR-H, OSCAR): its calibration is a `loop_quant.RotationCalib` (the `LoopQuant` family).
+    learns_rotations: ClassVar[bool] = False
+    #: Whether `write` counts values it could not store (`Written.out_of_range`); formats that store
+    #: every value as given report zeros.
+    reports_out_of_range: ClassVar[bool] = False
+
+    # ---- storage ---------------------------------------------------------------------------------
 
     def init(self, seg: Segment, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
              head_dim: int) -> tuple[Any, ...]:
         """An empty segment state: `seg.size` slot pytrees, leaves [G, N, B, K, S, ...]."""
-
-    def default_calib(self, seg: Segment, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
-        """The data-free calibration of a segment (leading [G, N]), or None when none is needed."""
-
-    def calibrate(self, seg: Segment, k: Float[Array, "g p n b k s d"], v: Float[Array, "g p n b k s d"],
-                  lengths: Int[Array, "b"]) -> Any:
-        """The calibration of a segment fitted on dense K/V (tokens s < lengths[b])."""
+        raise NotImplementedError
 
     def write(self, state: tuple[Any, ...], k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: Any) -> tuple[Any, ...]:
-        """Encode a segment's new tokens t < num_new[b] at positions lengths[b] + t."""
-
-    def attend(self, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
-               lengths: Int[Array, "b"], calib: Any) -> Partial:
-        """Partial attention to the stored tokens s < lengths[b] of slot `index`, group position `loop`."""
+              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: Any) -> Written:
+        """Encode a segment's new tokens t < num_new[b] at positions lengths[b] + t: the new state and
+        the values of those tokens it could not store faithfully, per row."""
+        raise NotImplementedError
 
     def reconstruct(self, state: tuple[Any, ...], index: Index, loop: int, lengths: Int[Array, "b"],
                     calib: Any) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
         """The stored K and V of a slot decoded to float32 (0 at s ≥ lengths[b]): the semantic reference."""
+        raise NotImplementedError
 
-    def bits_per_element(self, num_loops: int, head_dim: int) -> Fraction:
-        """Stored bits per cached K or V element (codes + metadata + α), by the toolbox's accounting."""
+    def attend(self, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
+               lengths: Int[Array, "b"], calib: Any, visible: Bool[Array, "b s"] | None = None) -> Partial:
+        """Partial attention to the stored tokens s < lengths[b] of slot `index`, group position `loop`,
+        that `visible` [B, S] (None: all) shows; equal to `reference_attend`. Default: `tiled_attend`
+        (each context tile decoded by `reconstruct`, then dense attention), for a state whose every leaf
+        has one entry per stored position on its token axis."""
+        return tiled_attend(self, state, index, loop, q, lengths, calib, visible)
+
+    # ---- calibration -----------------------------------------------------------------------------
+
+    def default_calib(self, seg: Segment, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
+        """The data-free calibration of a segment (leading [G, N]), or None when none is needed."""
+        return None
+
+    def calibrate(self, seg: Segment, k: Float[Array, "g p n b k s d"], v: Float[Array, "g p n b k s d"],
+                  lengths: Int[Array, "b"]) -> Any:
+        """The calibration of a segment fitted on dense K/V (tokens s < lengths[b]); default: `default_calib`."""
+        return self.default_calib(seg, k.shape[2], k.shape[4], k.shape[6])
+
+    def calib_shapes(self, seg: Segment, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
+        """Shapes (`jax.ShapeDtypeStruct`) of every leaf a calibration of this format may hold, optional
+        ones included (a saved artifact is checked against them); None when the format reads none."""
+        k = jax.ShapeDtypeStruct((seg.groups, seg.size, num_layers, 1, num_kv_heads, 1, head_dim), jnp.float32)
+        return jax.eval_shape(lambda k: self.calibrate(seg, k, k, jnp.ones((1,), jnp.int32)), k)
+
+    def schedule_name(self, num_loops: int) -> str:
+        """The schedule a calibration is fitted for, as a folder name, e.g. "residual-b2.2.2.4-g32-L4"."""
+        return f"{self.name}-L{num_loops}"
+
+    # ---- training --------------------------------------------------------------------------------
+
+    def fake_quant(self, k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
+                   calib: Any) -> tuple[Array, Array]:
+        """What `write` then `reconstruct` give for a segment's K/V, float32, with straight-through
+        gradients to k and v — for quantization-aware training. Raises NotImplementedError for a format
+        without one."""
+        raise NotImplementedError(f"the {self.name!r} cache format has no fake quantization for training")
+
+    # ---- accounting ------------------------------------------------------------------------------
+
+    def bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
+        """Stored bits per cached K or V element (codes + metadata + α), by the toolbox's accounting; a
+        format whose cost depends on the row's length (kivi) counts it at `context_len` tokens (None:
+        the long-context limit)."""
+        raise NotImplementedError
+
+    def read_bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
+        """Bits a decode step reads per cached element, averaged over loops (references re-read
+        included); default: what is stored."""
+        return self.bits_per_element(num_loops, head_dim, context_len)
+
+    def describe(self) -> str:
+        """What the format stores, in a few words (tables)."""
+        return self.name
 
 
 def reference_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int,
@@ -191,6 +354,25 @@ def reference_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loo
     k, v = fmt.reconstruct(state, index, loop, lengths, calib)
     mask = past_mask(lengths, q.shape[1], k.shape[2])
     return dense_partial(q, k, v, mask if visible is None else mask & visible[:, None, :])
+
+
+def tiled_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
+                 lengths: Int[Array, "b"], calib: Any, visible: Bool[Array, "b s"] | None = None) -> Partial:
+    """`reference_attend` one context tile at a time (`tiled_partial`): every state leaf sliced on its
+    token axis to a tile (`slot_tile`), decoded by `fmt.reconstruct` as a one-slot cache of `tile`
+    positions, then dense attention. For states whose leaves all have one entry per stored position."""
+    b, t, h, d = q.shape
+    leaf = jax.tree_util.tree_leaves(state)[0]
+    max_len = leaf.shape[TOKEN_AXIS]
+    tile = context_tile(b, t, h, leaf.shape[3], d, max_len)
+    calib = jax.tree_util.tree_map(lambda x: x[index][None, None], calib)  # the slot's, as a [1, 1] stack
+
+    def part(start, valid):
+        window = jax.tree_util.tree_map(lambda x: x[None, None], slot_tile(state, index, start, tile))
+        k, v = fmt.reconstruct(window, (0, 0), loop, jnp.clip(lengths - start, 0, tile), calib)
+        return dense_partial(q, k, v, jnp.broadcast_to(valid[:, None, :], (b, t, tile)))
+
+    return tiled_partial(part, (b, t, h, d), lengths, max_len, tile, visible)
 
 
 FormatFactory = Callable[..., CacheFormat]
@@ -225,26 +407,75 @@ def available_formats() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def policy_fields(name: str) -> frozenset[str]:
+    """The policy keywords the format registered as `name` takes (its dataclass's init fields)."""
+    fmt = get_format(name)
+    return frozenset(f.name for f in dataclasses.fields(fmt) if f.init and f.name != "name")
+
+
 def scatter_tokens(store: Any, new: Any, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Any:
-    """Write every leaf of `new` into the same leaf of `store` along the token axis.
+    """Write every leaf of `new` into the same leaf of `store` along the token axis, in place.
 
     Leaves are laid out [G, N, B, K, S, ...] (`new` has T in place of S). Token t of row b goes to
     position lengths[b] + t when t < num_new[b]; the rest, and anything past S, are dropped — never
-    wrapped around.
+    wrapped around. On a CPU each row is one read-merge-write of a T-token block (`_write_rows`):
+    XLA:CPU widens a bfloat16 or fp8 scatter to float32, copying the whole leaf twice; a
+    dynamic-update-slice is done in place. Elsewhere it is one scatter.
     """
+    write = _write_rows if jax.default_backend() == "cpu" else _scatter
+    return jax.tree_util.tree_map(lambda old, val: write(old, val, lengths, num_new), store, new)
 
-    def one(old, val):
-        b, t, s = val.shape[2], val.shape[TOKEN_AXIS], old.shape[TOKEN_AXIS]
-        steps = jnp.arange(t)[None, :]
-        pos = jnp.where(steps < num_new[:, None], lengths[:, None] + steps, s)
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        index = (slice(None), slice(None), rows, slice(None), pos)
-        # The two advanced indices are split by a slice, so their [B, T] dims lead the update.
-        return old.at[index].set(jnp.moveaxis(val, (2, TOKEN_AXIS), (0, 1)).astype(old.dtype), mode="drop")
 
-    return jax.tree_util.tree_map(one, store, new)
+def _scatter(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
+    """`scatter_tokens` of one leaf as one scatter."""
+    b, t, s = val.shape[2], val.shape[TOKEN_AXIS], old.shape[TOKEN_AXIS]
+    steps = jnp.arange(t)[None, :]
+    pos = jnp.where(steps < num_new[:, None], lengths[:, None] + steps, s)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    index = (slice(None), slice(None), rows, slice(None), pos)
+    # The two advanced indices are split by a slice, so their [B, T] dims lead the update.
+    return old.at[index].set(jnp.moveaxis(val, (2, TOKEN_AXIS), (0, 1)).astype(old.dtype), mode="drop")
+
+
+def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
+    """`scatter_tokens` of one leaf as one dynamic-update-slice per row: row b's block of T positions
+    from min(lengths[b], S − T), its new tokens merged into what the block held (read, for all rows at
+    once, before the first write). The merge works on the values' bits: XLA:CPU widens float selects
+    and reads, and a widened read inside the loop would copy the whole leaf."""
+    s = old.shape[TOKEN_AXIS]
+    t = min(val.shape[TOKEN_AXIS], s)  # tokens past S can never land
+    bits = jnp.dtype(f"uint{8 * old.dtype.itemsize}")
+    val = jax.lax.bitcast_convert_type(jax.lax.slice_in_dim(val, 0, t, axis=TOKEN_AXIS).astype(old.dtype), bits)
+    start = jnp.minimum(lengths, s - t)  # [B]
+    step = start[:, None] + jnp.arange(t)[None, :] - lengths[:, None]  # the call's token at each block position
+    per_token = (1, 1, old.shape[2], 1, t) + (1,) * (old.ndim - TOKEN_AXIS - 1)
+
+    def along_tokens(x, index):
+        return jnp.take_along_axis(x, jnp.broadcast_to(index.reshape(per_token), val.shape), axis=TOKEN_AXIS)
+
+    held = jax.lax.bitcast_convert_type(along_tokens(old, start[:, None] + jnp.arange(t)[None, :]), bits)
+    keep = ((step < 0) | (step >= num_new[:, None])).reshape(per_token)
+    merged = jnp.where(keep, held, along_tokens(val, jnp.clip(step, 0, t - 1)))
+
+    def row(i, old):
+        block = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice_in_dim(merged, i, 1, axis=2), old.dtype)
+        return jax.lax.dynamic_update_slice(old, block, (0, 0, i, 0, start[i]) + (0,) * (old.ndim - TOKEN_AXIS - 1))
+
+    return jax.lax.fori_loop(0, old.shape[2], row, old)
 
 
 def tree_nbytes(tree: Any) -> int:
-    """Total bytes of every array leaf in `tree`."""
-    return int(sum(x.nbytes for x in jax.tree_util.tree_leaves(tree)))
+    """Total bytes of every leaf of `tree`: arrays or `jax.ShapeDtypeStruct`s (nothing is allocated)."""
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def fake_quant_loops(fmt: CacheFormat, k: Float[Array, "l n b k t d"], v: Float[Array, "l n b k t d"],
+                     calib: tuple[Any, ...] | None) -> tuple[Array, Array]:
+    """K/V of a loop stack [L, N, B, K, T, D] as `fmt` stores and reconstructs them (float32, straight-
+    through gradients), segment by segment (`calib`: one entry per segment of `fmt`'s grouping of L)."""
+    segs = segments(k.shape[0], fmt.group_len)
+    calib = (None,) * len(segs) if calib is None and not fmt.needs_calib else calib
+    if calib is None or len(calib) != len(segs):
+        raise ValueError(f"the {fmt.name!r} format needs a calibration entry per loop segment ({len(segs)})")
+    parts = [fmt.fake_quant(split_loops(k, seg), split_loops(v, seg), c) for seg, c in zip(segs, calib)]
+    return tuple(jnp.concatenate([p[i].reshape(-1, *p[i].shape[2:]) for p in parts]) for i in (0, 1))

@@ -23,7 +23,6 @@ array's name or shape is not what the format expects.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -35,12 +34,12 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from rq_jax.cache import base
-from rq_jax.cache.kv import CacheCalib, KVCache, check_calib, init_cache
-from rq_jax.cache.residual import LoopQuant
-from rq_jax.checkpoint import atomic_folder
-from rq_jax.calibrate.identity import config_mismatch, format_mismatch, schedule_name, weights_mismatch
+from rq_jax.cache.calib import CacheCalib, check_calib
+from rq_jax.cache.kv import KVCache, init_cache
 from rq_jax.calibrate.pipeline import GROUPS, Calibration
+from rq_jax.calibrate.provenance import config_mismatch, format_mismatch, weights_mismatch
 from rq_jax.config import ModelConfig
+from rq_jax.io import atomic_folder
 
 ARRAYS = "calibration.safetensors"
 META = "calibration.json"
@@ -144,7 +143,7 @@ def find_artifact(path: str | os.PathLike, fmt: base.CacheFormat, num_loops: int
             if (meta.get("num_loops") == num_loops and not format_mismatch(saved, fmt)
                     and (method is None or meta.get("method") == method)):
                 found.append(sub)
-    want = schedule_name(fmt, num_loops) + (f" ({method})" if method else "")
+    want = fmt.schedule_name(num_loops) + (f" ({method})" if method else "")
     if not found:
         raise ValueError(f"no calibration artifact for {want} under {path}; found: {seen or 'none'} — "
                          "run scripts/calibrate.py for this schedule")
@@ -154,12 +153,14 @@ def find_artifact(path: str | os.PathLike, fmt: base.CacheFormat, num_loops: int
     return found[0]
 
 
-def _expected(fmt: base.CacheFormat, seg: base.Segment, num_layers: int, heads: int, dim: int, means: bool):
-    """The calibration pytree (shapes) `fmt` builds for a segment."""
-    if isinstance(fmt, LoopQuant):
-        fmt = dataclasses.replace(fmt, key_means=means)
-    k = jax.ShapeDtypeStruct((seg.groups, seg.size, num_layers, 1, heads, 1, dim), jnp.float32)
-    return jax.eval_shape(lambda k: fmt.calibrate(seg, k, k, jnp.ones((1,), jnp.int32)), k)
+def _optional(expected, path) -> bool:
+    """Whether the calibration leaf at `path` may be absent: a field of a NamedTuple that defaults to
+    None (e.g. `RotationCalib.key_mean`)."""
+    parent = expected
+    for key in path[:-1]:
+        parent = parent[key.idx] if hasattr(key, "idx") else getattr(parent, key.name)
+    name = getattr(path[-1], "name", None)
+    return name is not None and getattr(type(parent), "_field_defaults", {}).get(name, 0) is None
 
 
 def load_calibration(path: str | os.PathLike, model_or_config, cache_or_fmt: KVCache | base.CacheFormat, *,
@@ -213,11 +214,14 @@ def load_calibration(path: str | os.PathLike, model_or_config, cache_or_fmt: KVC
         entries = []
         for i, seg in enumerate(base.segments(num_loops if group == "looped" else 1, f.group_len)):
             prefix = f"{group}/{i}/"
-            expected = _expected(f, seg, layers, config.num_kv_heads, config.head_dim, prefix + "key_mean" in arrays)
+            expected = f.calib_shapes(seg, layers, config.num_kv_heads, config.head_dim)
             leaves, treedef = jax.tree_util.tree_flatten_with_path(expected)
             values = []
             for p, spec in leaves:
                 name = prefix + _leaf_name(p)
+                if name not in arrays and _optional(expected, p):
+                    values.append(None)
+                    continue
                 if name not in arrays:
                     raise ValueError(f"{where} lacks the array {name!r} that the {f.name!r} format needs")
                 if tuple(arrays[name].shape) != tuple(spec.shape):

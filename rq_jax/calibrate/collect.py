@@ -4,7 +4,7 @@ The model's forward pass returns the K/V it stores but not the queries, so `coll
 model's own layer modules itself, in the same order as the model does (Ouro: loops × layers, the
 final norm after each loop; Huginn: prelude, `num_loops` × (adapter, core blocks), coda), and hands
 each attention module an `Attend` that computes the model's no-cache causal attention
-(`CallContext.attend` without a cache) and returns the queries with the K/V. Nothing in `rq_jax.nn`
+(`CacheContext.attend` without a cache) and returns the queries with the K/V. Nothing in `rq_jax.nn`
 changes; a test checks that the collected K/V equal those a dense cache stores.
 
 Shapes: L loops · N layers · B rows · T tokens · H query heads · K kv heads · D head dim · E model
@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from rq_jax.cache.kv import CallContext
+from rq_jax.cache.context import CacheContext
 from rq_jax.nn import common
 from rq_jax.nn.layers import rope_angles
 
@@ -46,7 +46,7 @@ class ModelActivations(NamedTuple):
         return self.looped if group == "looped" else self.plain
 
 
-def _capture(ctx: CallContext) -> common.Attend:
+def _capture(ctx: CacheContext) -> common.Attend:
     """The no-cache causal attention of the model, returning (q, k, v) as what the layer "stores"."""
     return lambda q, k, v: (ctx.attend("looped", 0, (0, 0), 0, q, k, v), (q, k, v))
 
@@ -60,7 +60,7 @@ def _stack(kv) -> Activations:
 def _ouro(model, tokens, num_loops: int, rng, init_scale: float) -> ModelActivations:
     del rng, init_scale  # Ouro is deterministic
     c = model.config
-    ctx = CallContext.build(None, jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32), tokens.shape[1], None)
+    ctx = CacheContext.build(None, jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32), tokens.shape[1], None)
     angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
     attend = _capture(ctx)
 
@@ -74,10 +74,11 @@ def _ouro(model, tokens, num_loops: int, rng, init_scale: float) -> ModelActivat
 
 def _huginn(model, tokens, num_loops: int, rng, init_scale: float) -> ModelActivations:
     c = model.config
-    ctx = CallContext.build(None, jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32), tokens.shape[1], None)
+    ctx = CacheContext.build(None, jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32), tokens.shape[1], None)
     angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
     attend = _capture(ctx)
-    block = lambda layer, i, x, e: layer(x, angles, attend)  # noqa: E731
+    def block(layer, i, x, e):
+        return layer(x, angles, attend)
     e = model.wte(tokens) * jnp.asarray(c.embed_scale, model.wte.dtype)
     plain = []
     if model.prelude is not None:

@@ -45,7 +45,8 @@ def _draw(task: str, rng: np.random.Generator, part: str, seq_len: int, max_trie
     else:
         ret = Retrieval()
         pairs = max(n for n in range(ret.min_pairs, ret.max_pairs + 1) if ret.max_length(n) <= seq_len)
-        draw = lambda g: ret.draw(g, max_pairs=pairs)  # noqa: E731
+        def draw(g):
+            return ret.draw(g, max_pairs=pairs)
     for _ in range(max_tries):
         ex = draw(rng)
         if split_of(ex.key) == "calib" and part_of(ex.key) == part:

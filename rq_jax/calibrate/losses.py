@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from rq_jax.cache.residual import LoopQuant, RotationCalib
+from rq_jax.cache.loop_quant import LoopQuant, RotationCalib
 
 _HI = jax.lax.Precision.HIGHEST
 _NEG = -1e30
@@ -82,7 +82,8 @@ def value_loss(probs, v, v_hat, m, d_model: int) -> Float[Array, "k"]:
 
 def window(data: SlotData, rows: Array, query_len: int) -> SlotData:
     """`rows` of a slot's data, queries cut to the last `query_len` positions."""
-    take = lambda x, axis: jnp.take(x, rows, axis=axis)  # noqa: E731
+    def take(x, axis):
+        return jnp.take(x, rows, axis=axis)
     q = take(data.q, 1)
     return SlotData(q[:, :, q.shape[2] - query_len :], take(data.k, 1), take(data.v, 1), data.m)
 
@@ -126,7 +127,8 @@ def segment_slots(q: Array, k: Array, v: Array, metric: Array, groups: int, size
     qs = q.reshape(groups, size, n, b, t, kv, per_kv, d).transpose(0, 2, 1, 3, 4, 5, 6, 7)
     kvs = [x.reshape(groups, size, n, b, kv, t, d).transpose(0, 2, 1, 3, 4, 5, 6) for x in (k, v)]
     m = jnp.broadcast_to(metric.reshape(n, kv, per_kv, d, d), (groups, n, kv, per_kv, d, d))
-    flat = lambda x: x.reshape(groups * n, *x.shape[2:])  # noqa: E731
+    def flat(x):
+        return x.reshape(groups * n, *x.shape[2:])
     return SlotData(flat(qs), flat(kvs[0]), flat(kvs[1]), flat(m))
 
 

@@ -38,7 +38,7 @@ from jaxtyping import Array
 from tqdm.auto import tqdm
 
 from rq_jax.cache.base import Segment
-from rq_jax.cache.residual import LoopQuant, RotationCalib
+from rq_jax.cache.loop_quant import LoopQuant, RotationCalib
 from rq_jax.calibrate import losses
 from rq_jax.calibrate.losses import SlotData
 from rq_jax.quant import rotation
@@ -177,7 +177,8 @@ def fit_segment(fmt: LoopQuant, seg: Segment, fit: SlotData, holdout: SlotData, 
     evals = [holdout_for(u, m, u0_v) for u, m in cands]
     key_losses = np.stack([np.asarray(e[0]) for e in evals])  # [C, S, K]
     key_pick = np.argmin(key_losses, axis=0)  # first minimum: ties keep the earlier candidate
-    pick = lambda xs, choice: jnp.stack(xs)[choice, np.arange(s)[:, None], np.arange(kv)[None, :]]  # noqa: E731
+    def pick(xs, choice):
+        return jnp.stack(xs)[choice, np.arange(s)[:, None], np.arange(kv)[None, :]]
     u_k = pick([u for u, _ in cands], key_pick)
     mean = None
     if config.key_means:  # [S, p, K, D], zeros where the chosen candidate has none
@@ -193,8 +194,10 @@ def fit_segment(fmt: LoopQuant, seg: Segment, fit: SlotData, holdout: SlotData, 
     value_labels = ["default"] + [f"step {i}" for i in config.candidate_steps()]
     u_v = pick(v_cands, value_pick)
 
-    gather = lambda x, choice: np.take_along_axis(x, choice[None], axis=0)[0]  # noqa: E731
-    unslot = lambda x: np.asarray(x).reshape(*x.shape[:-2], groups, num_layers, kv)  # noqa: E731
+    def gather(x, choice):
+        return np.take_along_axis(x, choice[None], axis=0)[0]
+    def unslot(x):
+        return np.asarray(x).reshape(*x.shape[:-2], groups, num_layers, kv)
     report = dict(
         key_before=unslot(key_losses[0]), key_after=unslot(gather(key_losses, key_pick)),
         value_before=unslot(np.asarray(evals[0][1])), value_after=unslot(gather(value_losses, value_pick)),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from rq_jax.cache.base import Segment
-from rq_jax.cache.residual import LoopQuant, RotationCalib
+from rq_jax.cache.loop_quant import LoopQuant, RotationCalib
 from rq_jax.calibrate import losses
 from rq_jax.calibrate.losses import SlotData
 from rq_jax.quant import rotation
@@ -63,7 +63,7 @@ def value_targets(fmt: LoopQuant, v: np.ndarray) -> np.ndarray:
     """Z_V [p, ..., D] of one group's values v [p, ..., D] (float64): see the module docstring."""
     if not fmt.residual:
         return v
-    cfg = fmt.group_config(v.shape[0])
+    cfg = fmt.group_config(v.shape[0], "v")
     out = v.copy()
     for r in range(cfg.num_loops):
         if r == cfg.anchor:
@@ -101,5 +101,6 @@ def covariances(fmt: LoopQuant, data: SlotData) -> tuple[np.ndarray, np.ndarray]
 def fit_segment(fmt: LoopQuant, seg: Segment, fit: SlotData) -> RotationCalib:
     """OSCAR rotations of one segment ([G, N, K, D, D] for keys and values, float32), no key means."""
     c_k, c_v = covariances(fmt, fit)
-    rot = lambda c: np.stack([[rotation_from_covariance(x) for x in per_slot] for per_slot in c])  # noqa: E731
+    def rot(c):
+        return np.stack([[rotation_from_covariance(x) for x in per_slot] for per_slot in c])
     return RotationCalib(*(losses.from_slots(rot(c).astype(np.float32), seg.groups) for c in (c_k, c_v)))

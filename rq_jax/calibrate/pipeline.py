@@ -3,7 +3,8 @@
 `calibrate_model` runs the model over the fit and holdout rows (`collect`), then fits every stack
 (looped layers; Huginn's prelude/coda as one-loop segments) whose format reads a calibration:
 
-- `LoopQuant` formats (`residual`, `rotated`, `uniform`): rotations by `method` — "optr-h" (learned,
+- formats that learn rotations (`learns_rotations`: the `LoopQuant` family, `residual`, `rotated`,
+  `uniform`): rotations by `method` — "optr-h" (learned,
   with key means and holdout selection, `rq_jax.calibrate.optr`) or "oscar" (covariance eigenbasis,
   `rq_jax.calibrate.oscar`) — reported as per-head holdout losses L_K and L_V before (the format's
   default rotation, no means) and after calibration;
@@ -23,12 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from rq_jax.cache import base
-from rq_jax.cache.kv import CacheCalib
-from rq_jax.cache.residual import LoopQuant
+from rq_jax.cache.calib import CacheCalib
+from rq_jax.cache.kv_error import reconstruction_error
+from rq_jax.cache.loop_quant import LoopQuant
 from rq_jax.calibrate import losses, optr, oscar
 from rq_jax.calibrate.collect import ModelActivations, collect, output_metrics
-from rq_jax.calibrate.identity import format_spec, model_identity, schedule_name
-from rq_jax.eval.kv_error import reconstruction_error
+from rq_jax.calibrate.data import calibration_set
+from rq_jax.calibrate.provenance import format_spec, model_identity
 
 METHODS = ("optr-h", "oscar")
 GROUPS = ("looped", "plain")
@@ -47,7 +49,8 @@ class Calibration:
 def _rotation_report(fmt: LoopQuant, seg: base.Segment, holdout: losses.SlotData, calib, query_len: int,
                      d_model: int) -> dict[str, np.ndarray]:
     """Holdout L_K, L_V [G, N, K] of the default rotations (no means) and of `calib`."""
-    slots = lambda x: None if x is None else losses.to_slots(x)  # noqa: E731
+    def slots(x):
+        return None if x is None else losses.to_slots(x)
     default = fmt.default_calib(seg, holdout.k.shape[0] // seg.groups, holdout.k.shape[3], holdout.k.shape[5])
     out = {}
     for when, c in (("before", default), ("after", calib)):
@@ -82,7 +85,7 @@ def calibrate_model(model, fmt: base.CacheFormat, fit_tokens, holdout_tokens, *,
     """Fit `fmt` (looped layers) and `plain_fmt` (Huginn's prelude/coda; default `fmt`) for `model` run
     with `num_loops` loops (default the config's), on full rows fit_tokens and holdout_tokens [B, T].
 
-    `method` ("optr-h" or "oscar") applies to `LoopQuant` formats; `config` holds OptR-H's settings
+    `method` ("optr-h" or "oscar") applies to formats that learn rotations; `config` holds OptR-H's settings
     (its `query_len` is also the holdout query window of every report). `seed` (fit rows; holdout
     rows `seed + 1`) and `init_scale` set Huginn's random initial state while collecting. Raises
     ValueError for an unknown method or a format that reads no calibration.
@@ -109,13 +112,12 @@ def calibrate_model(model, fmt: base.CacheFormat, fit_tokens, holdout_tokens, *,
         fit_acts, holdout_acts = fit.part(group), holdout.part(group)
         calibs, reports = [], []
         for i, seg in enumerate(segs):
-            if isinstance(f, LoopQuant):
+            if f.learns_rotations:
                 calib, rep = _fit_rotations(f, seg, fit_acts, holdout_acts, metrics[group], c.hidden_size, method,
                                             config, progress, f"{group} segment {i}")
             else:
-                split = lambda x: base.split_loops(x, seg)  # noqa: E731
                 lengths = jnp.full((fit_acts.k.shape[2],), fit_acts.k.shape[4], jnp.int32)
-                calib = f.calibrate(seg, split(fit_acts.k), split(fit_acts.v), lengths)
+                calib = f.calibrate(seg, base.split_loops(fit_acts.k, seg), base.split_loops(fit_acts.v, seg), lengths)
                 loops = slice(seg.start, seg.start + seg.num_loops)
                 err = reconstruction_error(f, holdout_acts.k[loops], holdout_acts.v[loops], (calib,))
                 rep = dict(k_nmse=err["k"], v_nmse=err["v"])
@@ -123,8 +125,8 @@ def calibrate_model(model, fmt: base.CacheFormat, fit_tokens, holdout_tokens, *,
             reports.append(dict(segment=list(seg), **rep))
         parts[group], report[group] = tuple(calibs), reports
     meta = dict(
-        schedule=schedule_name(fmt, num_loops),
-        method=method if isinstance(fmt, LoopQuant) else "format",
+        schedule=fmt.schedule_name(num_loops),
+        method=method if fmt.learns_rotations else "format",
         num_loops=num_loops,
         model=model_identity(model),
         format=format_spec(fmt),
@@ -134,3 +136,19 @@ def calibrate_model(model, fmt: base.CacheFormat, fit_tokens, holdout_tokens, *,
                   holdout_rows=int(np.shape(holdout_tokens)[0]), seq_len=int(np.shape(fit_tokens)[1]),
                   collect_seed=seed, init_scale=init_scale))
     return Calibration(CacheCalib(parts["looped"], parts["plain"]), meta, report)
+
+
+def fit_rotations(model, fmt: base.CacheFormat, method: str, num_loops: int, *, rows: int = 32, seq_len: int = 256,
+                  seed: int = 0, progress: bool = False) -> tuple[CacheCalib, dict[str, float]]:
+    """Fit `method`'s rotations for `fmt` (a format that learns rotations) on `rows` fit and `rows`
+    holdout rows of the data's calib split (disjoint from the eval split; OptR-H fits key means when
+    the format asks for them). Returns (CacheCalib, summary of the per-head holdout losses: mean L_K
+    and L_V before (the default rotation) and after, over every head and segment)."""
+    fit = calibration_set("fit", rows, seq_len, seed=seed)
+    holdout = calibration_set("holdout", rows, seq_len, seed=seed)
+    cal = calibrate_model(model, fmt, fit.tokens, holdout.tokens, method=method, num_loops=num_loops,
+                          config=optr.OptRHConfig(seed=seed, key_means=fmt.key_means), seed=seed, progress=progress)
+    segs = [seg for part in cal.report.values() for seg in part or ()]
+    summary = {f"{kind}_{when}": float(np.mean([np.mean(seg[f"{kind}_{when}"]) for seg in segs]))
+               for kind in ("key", "value") for when in ("before", "after")}
+    return cal.calib, summary

@@ -109,7 +109,7 @@ class StdlibText:
 
     def describe(self) -> dict:
         """Python version, module lists and sizes per split (for results and model cards)."""
-        return {"python_version": self.python_version, "stdlib": self.root,
+        return {"python_version": self.python_version,
                 "eval_modules": self.modules["eval"], "calib_modules": self.modules["calib"],
                 "bytes": {s: self.num_bytes(s) for s in ("train", "calib", "eval")},
                 "train_modules": len(self.modules["train"])}

@@ -17,7 +17,7 @@ true earlier answers (teacher forcing between answers, token by token through th
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,10 @@ from jaxtyping import Array, Bool, Float, Int
 from rq_jax import sharding
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.dense import Dense
-from rq_jax.cache.kv import CacheCalib, calibrate, default_calib, init_cache
+from rq_jax.cache.calib import CacheCalib, default_calib, fit_calib
+from rq_jax.cache.kv import init_cache
 from rq_jax.data import EOS, Example, collate
+from rq_jax.sampling import decode_step
 
 
 class Scores(NamedTuple):
@@ -60,7 +62,8 @@ def _token_scores(logits, ref_logits, target):
     """Scores of logits [B, V] and reference logits [B, V] for targets [B]: the Scores fields but scored."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     lr = jax.nn.log_softmax(ref_logits.astype(jnp.float32), axis=-1)
-    pick = lambda x: jnp.take_along_axis(x, target[:, None], axis=-1)[:, 0]  # noqa: E731
+    def pick(x):
+        return jnp.take_along_axis(x, target[:, None], axis=-1)[:, 0]
     kl = jnp.sum(jnp.exp(lr) * (lr - lp), axis=-1)
     guess, ref_guess = jnp.argmax(lp, axis=-1), jnp.argmax(lr, axis=-1)
     return -pick(lp), -pick(lr), kl, guess == target, ref_guess == target, guess == ref_guess
@@ -91,9 +94,9 @@ class CacheScorer:
         self.needs_data = self.fmt.needs_data or self.plain_fmt.needs_data
         if calib is None and not self.needs_data:
             calib = default_calib(jax.eval_shape(lambda: self._cache(self.fmt, self.plain_fmt, 1, 1)))
-        self.calib = sharding.shard_calib(calib, mesh)
+        self.calib = sharding.shard_calib(calib, mesh, self.fmt, self.plain_fmt)
         self.ref_calib = sharding.shard_calib(
-            default_calib(jax.eval_shape(lambda: self._cache(reference, reference, 1, 1))), mesh)
+            default_calib(jax.eval_shape(lambda: self._cache(reference, reference, 1, 1))), mesh, reference)
         self._calibrate = jax.jit(self._calibrate_fn)
         self._score = jax.jit(self._score_fn)
 
@@ -105,16 +108,20 @@ class CacheScorer:
         """How many scoring programs have been compiled (one per batch shape)."""
         return self._score._cache_size()
 
+    def _rng(self, call: int) -> jax.Array:
+        """Huginn's initial-state key of the row's `call`-th model call (the same for both caches)."""
+        return jax.random.fold_in(jax.random.key(self.seed), call)
+
     def _call(self, params, tokens, cache, num_new, calib, step):
         model = nnx.merge(self.graphdef, params)
-        rng = jax.random.fold_in(jax.random.key(self.seed), step)
-        return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, calib=calib, **self.model_kwargs)
+        return model(tokens, cache, num_new=num_new, rng=self._rng(step), last_only=True, calib=calib,
+                     **self.model_kwargs)
 
     def _calibrate_fn(self, params, tokens, prefix):
         dense = self._cache(Dense("float32"), Dense("float32"), *tokens.shape)
         out = self._call(params, tokens, dense, prefix, None, 0)
-        calib = calibrate(out.cache, self.fmt, self.plain_fmt)
-        return sharding.constrain(calib, sharding.calib_specs(calib, self.mesh), self.mesh)
+        calib = fit_calib(out.cache, self.fmt, self.plain_fmt)
+        return sharding.constrain(calib, sharding.calib_specs(calib, self.mesh, self.fmt, self.plain_fmt), self.mesh)
 
     def _score_fn(self, params, calib, tokens, prefix, lengths):
         b, t = tokens.shape
@@ -136,13 +143,16 @@ class CacheScorer:
 
         def body(c: _Carry) -> _Carry:
             pos = prefix + c.step  # the token fed now; its logits predict pos + 1
-            live = (pos + 1 < lengths).astype(jnp.int32)
-            fed = tokens[rows, jnp.minimum(pos, t - 1)][:, None]
-            outs = [self._call(params, fed, cache, live, cal, c.step + 1) for cache, cal in zip(c.caches, calibs)]
+            live = pos + 1 < lengths
+            fed = tokens[rows, jnp.minimum(pos, t - 1)]
+            model, rng = nnx.merge(self.graphdef, params), self._rng(c.step + 1)
+            outs = [decode_step(model, fed, cache, calib=cal, rng=rng, active=live, **self.model_kwargs)
+                    for cache, cal in zip(c.caches, calibs)]
             caches = tuple(sharding.constrain_cache(o.cache, self.mesh) for o in outs)
             return _Carry(caches, c.step + 1, record(c.out, pos + 1, [o.logits for o in outs]))
 
-        final = jax.lax.while_loop(lambda c: c.step < steps, body, _Carry(tuple(o.cache for o in outs), jnp.int32(0), first))
+        start = _Carry(tuple(o.cache for o in outs), jnp.int32(0), first)
+        final = jax.lax.while_loop(lambda c: c.step < steps, body, start)
         scored = (jnp.arange(t)[None] >= prefix[:, None]) & (jnp.arange(t)[None] < lengths[:, None])
         return (scored, *final.out, final.caches[0].out_of_range)
 
@@ -166,24 +176,29 @@ class CacheScorer:
         return Scores(*map(np.asarray, sharding.to_host(self._score(self.params, calib, tokens, prefix, lengths))))
 
 
-def score_examples(scorer: CacheScorer, examples: Sequence[Example], length: int, batch: int
-                   ) -> tuple[Scores, np.ndarray, np.ndarray]:
+def score_examples(scorer: CacheScorer, examples: Sequence[Example], length: int, batch: int,
+                   progress: Callable[[int], None] | None = None) -> tuple[Scores, np.ndarray, np.ndarray]:
     """Score examples (each alone in a row, prefix = the tokens before its first answer) in batches of
     `batch` rows of `length` tokens, the last batch padded with unscored rows (one shape, one compile).
+    `progress(k)` is called after each batch with the k answers it scored.
     Returns the Scores [N, length], tokens [N, length] and answer_id [N, length]."""
     tokens, answer_id = collate(examples, length)
     prefix = np.array([len(ex.prompt(1)) for ex in examples], np.int32)
     lengths = np.array([len(ex) for ex in examples], np.int32)
-    return _batched(scorer, tokens, prefix, lengths, batch), tokens, answer_id
+    counts = np.array([ex.num_answers for ex in examples])
+    return _batched(scorer, tokens, prefix, lengths, batch, progress, counts), tokens, answer_id
 
 
-def score_windows(scorer: CacheScorer, windows: np.ndarray, prefix: int, batch: int) -> Scores:
-    """Score text windows [N, T]: prefill the first `prefix` tokens, then feed the rest one by one."""
+def score_windows(scorer: CacheScorer, windows: np.ndarray, prefix: int, batch: int,
+                  progress: Callable[[int], None] | None = None) -> Scores:
+    """Score text windows [N, T]: prefill the first `prefix` tokens, then feed the rest one by one;
+    `progress(k)` after each batch of k windows."""
     n, t = windows.shape
-    return _batched(scorer, windows, np.full(n, prefix, np.int32), np.full(n, t, np.int32), batch)
+    return _batched(scorer, windows, np.full(n, prefix, np.int32), np.full(n, t, np.int32), batch, progress,
+                    np.ones(n, int))
 
 
-def _batched(scorer, tokens, prefix, lengths, batch) -> Scores:
+def _batched(scorer, tokens, prefix, lengths, batch, progress, counts) -> Scores:
     parts = []
     for i in range(0, len(tokens), batch):
         pad = batch - len(tokens[i : i + batch])
@@ -191,6 +206,8 @@ def _batched(scorer, tokens, prefix, lengths, batch) -> Scores:
                 for x, fill in ((tokens, np.full((1, tokens.shape[1]), EOS, np.int32)),
                                 (prefix, np.ones(1, np.int32)), (lengths, np.ones(1, np.int32)))]
         parts.append(Scores(*(x[: batch - pad] for x in scorer(*rows))))
+        if progress is not None:
+            progress(int(counts[i : i + batch].sum()))
     return Scores(*map(np.concatenate, zip(*parts)))
 
 

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from rq_jax.cache.kv import KV, CallContext, KVCache
+from rq_jax.cache.context import CallContext, ContextSource
+from rq_jax.cache.kv import KV, KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_interleaved
@@ -204,7 +205,9 @@ class SandwichBlock(nnx.Module):
 
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        norm = lambda: RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)  # noqa: E731
+        def norm():
+            return RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+
         self.norm_1, self.norm_2, self.norm_3, self.norm_4 = norm(), norm(), norm(), norm()
         self.attn = HuginnAttention(c, **kw)
         self.mlp = HuginnMLP(c, **kw)
@@ -239,29 +242,35 @@ class Huginn(common.LoopedModule):
         """Zeros when `rng` is None or `init_scale` is 0, else a ±3σ truncated normal of σ = std·scale,
         times the embedding scale (the reference's `initialize_state`). Token t of row b draws from
         `fold_in(fold_in(rng, b), t)`: the same batch position gets the same noise whatever its
-        batch-mates and the batch's padded length."""
+        batch-mates and the batch's padded length. `rng` may also hold one key per row [B] (a serving
+        engine's slots): row b then draws as row 0 of its own batch, `fold_in(fold_in(rng[b], 0), t)`."""
         if rng is None or init_scale == 0:
             return jnp.zeros_like(embeds)
         b, t, e = embeds.shape
+        if jnp.ndim(rng):
+            rows = jax.vmap(lambda key: jax.random.fold_in(key, 0))(rng)
+        else:
+            rows = jax.vmap(lambda row: jax.random.fold_in(rng, row))(jnp.arange(b))
 
-        def token(row, pos):
-            key = jax.random.fold_in(jax.random.fold_in(rng, row), pos)
+        def token(row_key, pos):
+            key = jax.random.fold_in(row_key, pos)
             return jax.random.truncated_normal(key, -3.0, 3.0, (e,), jnp.float32)
 
-        noise = jax.vmap(jax.vmap(token, (None, 0)), (0, None))(jnp.arange(b), jnp.arange(t))
+        noise = jax.vmap(jax.vmap(token, (None, 0)), (0, None))(rows, jnp.arange(t))
         std = self.config.init_std * init_scale
         return (noise * std * self.config.embed_scale).astype(embeds.dtype)
 
     def __call__(self, tokens: Int[Array, "b t"], cache: KVCache | None = None, *,
                  num_new: Int[Array, "b"] | None = None, num_loops: int | None = None,
                  num_steps: int | None = None, rng: jax.Array | None = None, init_scale: float = 1.0,
-                 last_only: bool = False, calib: Any = None,
-                 adaptive: AdaptiveExit | None = None) -> common.ModelOutput:
+                 last_only: bool = False, calib: Any = None, adaptive: AdaptiveExit | None = None,
+                 context: ContextSource | None = None) -> common.ModelOutput:
         """Run `num_loops` core steps (default the config's mean recurrence) over tokens [B, T].
 
         `num_steps` is the reference's name for `num_loops` (give one). The initial latent state is
-        zeros unless `rng` is given (then per row and token, see `initial_state`). With a cache, token t
-        of row b sits at position cache.lengths[b] + t and the first num_new[b] tokens are written. Returns logits [B, T, V] ([B, V] with
+        zeros unless `rng` is given (one key, or one per row [B]; then per row and token, see
+        `initial_state`). With a cache, token t of row b sits at position cache.lengths[b] + t and the
+        first num_new[b] tokens are written. Returns logits [B, T, V] ([B, V] with
         `last_only`), the new cache, and extras `latents` [B, T, E] (ln_f of the final state, the
         coda's input).
 
@@ -273,18 +282,20 @@ class Huginn(common.LoopedModule):
         token exits on its own criterion, which at step i sees the call's other tokens at step i (or
         frozen at their exit). All steps still run for the batch (static shapes) and the coda and head
         run after every step to evaluate the criterion.
+
+        `context` reads the past from something other than a cache (`rq_jax.cache.context`).
         """
         if num_steps is not None and num_loops is not None and num_steps != num_loops:
             raise ValueError(f"num_steps ({num_steps}) is an alias of num_loops ({num_loops}): give one")
         num_loops = next((n for n in (num_loops, num_steps) if n is not None), self.config.num_loops)
-        return common.run(self, tokens, cache, dict(num_new=num_new, calib=calib, rng=rng),
+        return common.run(self, tokens, cache, dict(num_new=num_new, calib=calib, rng=rng, context=context),
                           dict(num_loops=num_loops, init_scale=init_scale, last_only=last_only, adaptive=adaptive))
 
     def _forward(self, tokens, cache, *, num_new, num_loops, rng, init_scale, last_only, calib,
-                 adaptive) -> common.ModelOutput:
+                 adaptive, context) -> common.ModelOutput:
         c = self.config
-        ctx = common.start_call(tokens, cache, num_new, num_loops, calib)
-        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
+        ctx = common.start_call(tokens, cache, num_new, num_loops, calib, context)
+        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta, self.wte.dtype)
         e = self.wte(tokens) * jnp.asarray(c.embed_scale, self.wte.dtype)
         prelude_kv = None
         if self.prelude is not None:
@@ -308,7 +319,8 @@ class Huginn(common.LoopedModule):
             logits = common.take_last(logits, ctx.num_new)
         plain_kv = [kv for kv in (prelude_kv, coda_kv) if kv is not None]
         plain_kv = tuple(jnp.concatenate(x)[None, None] for x in zip(*plain_kv)) if plain_kv else None
-        return common.ModelOutput(logits, ctx.finish(looped_kv, plain_kv, steps_used), extras)
+        new_cache, left = ctx.finish(looped_kv, plain_kv, steps_used)
+        return common.ModelOutput(logits, new_cache, {**extras, **left})
 
     def _plain(self, blocks: nnx.Module, first: int, x, angles, ctx: CallContext, frozen=None):
         """x through prelude or coda blocks (plain slots `first` + i): (x, K/V [N, B, K, T, D] each).
@@ -346,7 +358,8 @@ class Huginn(common.LoopedModule):
         vocab = c.vocab_size
         joint = ctx.num_new if rule.exit_in_prefill else None  # decide per row, on its last token
         d = 1 if rule.exit_in_prefill else t  # decisions per row
-        kv_zeros = lambda n: (jnp.zeros((n, b, c.num_kv_heads, t, c.head_dim), e.dtype),) * 2  # noqa: E731
+        def kv_zeros(n):
+            return (jnp.zeros((n, b, c.num_kv_heads, t, c.head_dim), e.dtype),) * 2
         tracker = _ExitTracker(jnp.full((b, d, vocab), -math.log(vocab), jnp.float32), jnp.full((b, d), 100.0),
                                jnp.full((b, d), -1, jnp.int32), jnp.zeros((b, d), jnp.int32))
         carry = (s, jnp.zeros((b, t), bool), jnp.zeros((b, t), jnp.int32), tracker,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from rq_jax.cache.context import ContextSource
 from rq_jax.cache.kv import KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
@@ -95,7 +96,9 @@ class OuroLayer(nnx.Module):
 
     def __init__(self, c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        norm = lambda: RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)  # noqa: E731
+        def norm():
+            return RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+
         self.self_attn = OuroAttention(c, **kw)
         self.mlp = OuroMLP(c, **kw)
         self.input_layernorm, self.input_layernorm_2 = norm(), norm()
@@ -128,25 +131,27 @@ class Ouro(common.LoopedModule):
     def __call__(self, tokens: Int[Array, "b t"], cache: KVCache | None = None, *,
                  num_new: Int[Array, "b"] | None = None, num_loops: int | None = None,
                  exit: ExitRule | None = None, last_only: bool = False, calib: Any = None,
-                 rng: jax.Array | None = None) -> common.ModelOutput:
+                 rng: jax.Array | None = None, context: ContextSource | None = None) -> common.ModelOutput:
         """Run `num_loops` loops (default the config's) over tokens [B, T].
 
         With a cache, token t of row b sits at position cache.lengths[b] + t and the first num_new[b]
         tokens are written to the cache. Returns logits [B, T, V] ([B, V] at each row's last real
         token with `last_only`) under `exit` (default: the config's threshold), the new cache, and
-        extras `hidden_steps` [L, B, T, E], `gate_logits` [L, B, T], `exit_steps` [B, T]. Ouro is
-        deterministic: `rng` is accepted for a signature shared with Huginn and unused.
+        extras `hidden_steps` [L, B, T, E], `gate_logits` [L, B, T], `exit_pdf` [L, B, T], `exit_steps`
+        [B, T]. `context` reads the past from something other than a cache (`rq_jax.cache.context`).
+        Ouro is deterministic: `rng` is accepted for a signature shared with Huginn and unused.
         """
-        return common.run(self, tokens, cache, dict(num_new=num_new, calib=calib, rng=rng),
+        return common.run(self, tokens, cache, dict(num_new=num_new, calib=calib, rng=rng, context=context),
                           dict(num_loops=num_loops, exit=exit, last_only=last_only))
 
-    def _forward(self, tokens, cache, *, num_new, num_loops, exit, last_only, calib, rng) -> common.ModelOutput:
+    def _forward(self, tokens, cache, *, num_new, num_loops, exit, last_only, calib, rng,
+                 context) -> common.ModelOutput:
         del rng  # Ouro is deterministic
         c = self.config
         num_loops = c.num_loops if num_loops is None else num_loops
         exit = exit or ExitRule("threshold", c.early_exit_threshold)
-        ctx = common.start_call(tokens, cache, num_new, num_loops, calib)
-        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
+        ctx = common.start_call(tokens, cache, num_new, num_loops, calib, context)
+        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta, self.embed_tokens.dtype)
 
         def loop(h, seg, g, r):
             def layer(module, i, h, _):
@@ -157,8 +162,8 @@ class Ouro(common.LoopedModule):
             return h, (h, self.early_exit_gate(h)[..., 0].astype(jnp.float32), kv)
 
         h, outs = common.run_loops(ctx.segments("looped", num_loops), self.embed_tokens(tokens), loop)
-        hidden, gates = common.flatten_loops(tuple(o[:2] for o in outs))
-        new_cache = ctx.finish(tuple(o[2] for o in outs), None)
+        hidden, gates = common.flatten_loops(tuple(tuple(o[:2] for o in seg) for seg in outs))
+        new_cache, left = ctx.finish(tuple(tuple(o[2] for o in seg) for seg in outs), None)
         pdf = exit_distribution(gates)
         steps = jnp.broadcast_to(jnp.int32(0), pdf.shape[1:])
         if exit.kind == "weighted":
@@ -173,5 +178,5 @@ class Ouro(common.LoopedModule):
             chosen = jnp.take_along_axis(hidden, steps[None, :, :, None], axis=0)[0]
         if last_only:
             chosen = common.take_last(chosen, ctx.num_new)
-        extras = dict(hidden_steps=hidden, gate_logits=gates, exit_pdf=pdf, exit_steps=steps)
+        extras = dict(hidden_steps=hidden, gate_logits=gates, exit_pdf=pdf, exit_steps=steps, **left)
         return common.ModelOutput(self.head(chosen), new_cache, extras)

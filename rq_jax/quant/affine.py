@@ -61,7 +61,8 @@ Non-finite inputs never reach finite neighbours: a group's range is taken over i
 the code of u = 0 (the offset; zero when symmetric), and ``out_of_range`` counts each such value.
 
 Midpoint and radius are formed as ``hi/2 ± lo/2`` (equal to the spec's formulas, but no float32
-overflow for huge inputs). A group whose scale underflows to zero in the metadata dtype (e.g. a range below 2**-10 in fp8)
+overflow for huge inputs). A group whose scale underflows to zero in the metadata dtype (e.g. a range below
+2**-10 in fp8)
 reconstructs to its offset: never NaN. Inputs with ``|x| <= 1e38`` give finite outputs for every
 metadata dtype (beyond that, float32 and bfloat16 metadata can overflow ``scale * code``).
 """

@@ -7,7 +7,7 @@ it exactly from orbax checkpoints, `export.export_hf` writes the HF folder with 
 (`qat.fake_quant_forward`), training all weights, attention + norms, or LoRA adapters (`lora`).
 """
 
-from rq_jax.train.config import TrainConfig, tiny_model_config
+from rq_jax.train.run_config import TrainConfig, tiny_model_config
 from rq_jax.train.qat import QATOutput, TeacherForced, fake_quant_forward, fake_quant_kv, format_calib
 from rq_jax.train.qat_trainer import QATConfig, QATTrainer
 from rq_jax.train.trainer import RunOptions, Trainer, make_optimizer, make_train_step

@@ -22,7 +22,7 @@ from flax import nnx
 from optax import tree_utils
 
 from rq_jax.convert.hf import load_model, save_hf
-from rq_jax.train.config import TrainConfig, diff
+from rq_jax.train.run_config import TrainConfig, diff
 
 PARTS = ("params", "adam_mu", "adam_nu")
 

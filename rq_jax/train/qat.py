@@ -42,28 +42,29 @@ one-ulp change of the embedding moves packed decoding itself by as much.) Traini
 `passes=1` (two forwards): every past read quantized exactly as inference quantizes it, the past's
 own K/V one pass behind; `QATConfig.passes` buys more.
 
-How the model runs it: a `TeacherForced` value is passed where the model takes its cache; the model's
-`common.start_call` asks it for the call's context (`TeacherForcedContext`, CallContext's interface),
-whose `attend` merges the stored past (visible to later calls) with the in-flight K/V (same call,
-causal) exactly as `CallContext.attend` merges cache and call, and whose `finish` returns the pass's
-K/V (`PassKV`) instead of a cache.
+How the model runs it: a `TeacherForced` value is passed as the model's `context` (a
+`rq_jax.cache.context.ContextSource`); its `TeacherForcedContext` implements the `CallContext`
+protocol: `attend` merges the stored past (visible to later calls) with the in-flight K/V (same call,
+causal) through the same `attend_with_past` as a cache's context, and `finish` leaves no cache but the
+pass's K/V (`PassKV`) in the output's extras as "pass_kv".
 
 Shapes: B batch · T tokens · L loops · N layers · K kv heads · D head dim · V vocabulary.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from rq_jax.cache import base
-from rq_jax.cache.dense import Dense
-from rq_jax.cache.kv import KV, CacheCalib, default_calib, init_cache
+from rq_jax.cache.calib import CacheCalib, default_calib
+from rq_jax.cache.context import attend_with_past, causal_mask
+from rq_jax.cache.kv import KV, init_cache
 from rq_jax.config import ModelConfig
-from rq_jax.quant import ste
+from rq_jax.nn import common
 
 
 class PassKV(NamedTuple):
@@ -75,7 +76,7 @@ class PassKV(NamedTuple):
 
 
 class TeacherForcedContext(NamedTuple):
-    """One teacher-forced pass's view of the stored K/V (the model's CallContext interface).
+    """One teacher-forced pass's view of the stored K/V (a `rq_jax.cache.context.CallContext`).
 
     `self_mask` [B, T, T]: key s is in flight for query t (same call, s ≤ t, s real); `past_mask`
     [B, T, T]: key s is read from `stored` (an earlier call). Loops run one per scan step.
@@ -94,22 +95,23 @@ class TeacherForcedContext(NamedTuple):
     def attend(self, group, seg: int, index: base.Index, loop: int, q: Float[Array, "b t h d"],
                k: Float[Array, "b k t d"], v: Float[Array, "b k t d"], skipped: None = None) -> Float[Array, "b t h d"]:
         """Attention of q over the stored K/V of earlier calls and this pass's own K/V (k, v) of the
-        same call, merged exactly (as `CallContext.attend`; no adaptive exit, so nothing `skipped`)."""
+        same call, merged exactly (as a cache's context; no adaptive exit, so nothing `skipped`)."""
         _no_adaptive_exit(skipped)
-        out = base.dense_partial(q, k, v, self.self_mask)
+        past = None
         if self.stored is not None:
             part = self.stored.looped if group == "looped" else self.stored.plain
             g, layer = index  # one loop per group: the looped slots' group is the loop (plain: 0)
             sk, sv = (x[g + loop, layer] for x in part)  # [B, K, T, D]
-            out = base.merge(base.dense_partial(q, sk, sv, self.past_mask), out)
-        return base.finalize(out).astype(q.dtype)
+            past = base.dense_partial(q, sk, sv, self.past_mask)
+        return attend_with_past(q, k, v, self.self_mask, past)
 
-    def finish(self, looped: tuple[KV, ...], plain: KV | None, steps_used: None = None) -> PassKV:
-        """The pass's K/V: looped per segment [G, p, N, B, K, T, D], plain [1, 1, N_plain, B, K, T, D]."""
+    def finish(self, looped: tuple[tuple[KV, ...], ...], plain: KV | None,
+               steps_used: None = None) -> tuple[None, dict[str, PassKV]]:
+        """No cache; the pass's K/V as extras["pass_kv"]: looped [L, N, B, K, T, D] from per-segment,
+        per-position [G, N, B, K, T, D], plain [1, N_plain, B, K, T, D] from [1, 1, N_plain, B, K, T, D]."""
         _no_adaptive_exit(steps_used)
-        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        k, v = (jnp.concatenate([flat(kv[i]) for kv in looped]) for i in (0, 1))
-        return PassKV((k, v), None if plain is None else tuple(map(flat, plain)))
+        return None, {"pass_kv": PassKV(common.flatten_loops(looped),
+                                        None if plain is None else tuple(x[0] for x in plain))}
 
 
 def _no_adaptive_exit(value) -> None:
@@ -118,7 +120,7 @@ def _no_adaptive_exit(value) -> None:
 
 
 class TeacherForced(NamedTuple):
-    """What a teacher-forced pass reads, passed to the model in place of its cache.
+    """What a teacher-forced pass reads, passed as the model's `context` (a `ContextSource`).
 
     `calls` [B, T] int32, non-decreasing along t: the call that feeds token t (tokens of one call read
     each other in flight). `stored`: every token's K/V as the cache would return them (already fake-
@@ -134,12 +136,10 @@ class TeacherForced(NamedTuple):
             raise ValueError(f"calls cover {self.calls.shape[1]} tokens, the model was given {num_tokens}")
         if self.stored is not None and self.stored.looped[0].shape[0] != num_loops:
             raise ValueError(f"the stored K/V hold {self.stored.looped[0].shape[0]} loops, this call runs {num_loops}")
-        t = jnp.arange(num_tokens)
         c = self.calls
-        same = c[:, :, None] == c[:, None, :]
-        self_mask = same & (t[None, :, None] >= t[None, None, :]) & (t[None, None, :] < num_new[:, None, None])
+        self_mask = (c[:, :, None] == c[:, None, :]) & causal_mask(num_new, num_tokens)
         past_mask = c[:, None, :] < c[:, :, None]
-        positions = jnp.broadcast_to(t[None, :], c.shape)
+        positions = jnp.broadcast_to(jnp.arange(num_tokens)[None, :], c.shape)
         return TeacherForcedContext(self.stored, num_new, self_mask, past_mask, positions)
 
 
@@ -151,37 +151,27 @@ def decode_calls(prefix: Int[Array, "b"], num_tokens: int) -> Int[Array, "b t"]:
 
 
 def supports_fake_quant(fmt: base.CacheFormat) -> bool:
-    """Whether `fake_quant_forward` can read through `fmt`: a dense format, or one with a per-token
-    `fake_quant` (the `LoopQuant` family: uniform, rotated, residual)."""
-    return isinstance(fmt, Dense) or hasattr(fmt, "fake_quant")
-
-
-def _fake_quant_stack(kv: KV, fmt: base.CacheFormat, calib: tuple[Any, ...] | None) -> KV:
-    """K/V [L, N, B, K, T, D] as `fmt` stores and reconstructs them (float32, straight-through)."""
-    k, v = kv
-    if isinstance(fmt, Dense):
-        cast = lambda x: ste.straight_through(  # noqa: E731
-            x.astype(jnp.float32), x.astype(fmt.dtype).astype(jnp.float32), jnp.ones((), jnp.float32))
-        return cast(k), cast(v)
-    segs = base.segments(k.shape[0], fmt.group_len)
-    if calib is None or len(calib) != len(segs):
-        raise ValueError(f"the {fmt.name!r} format needs a calibration entry per loop segment ({len(segs)})")
-    parts = [fmt.fake_quant(base.split_loops(k, seg), base.split_loops(v, seg), c) for seg, c in zip(segs, calib)]
-    return tuple(jnp.concatenate([p[i].reshape(-1, *p[i].shape[2:]) for p in parts]) for i in (0, 1))
+    """Whether `fake_quant_forward` can read through `fmt`: its `fake_quant` is implemented (dense's
+    dtype cast; the `LoopQuant` family: uniform, rotated, residual), checked on abstract shapes."""
+    seg = base.Segment(0, 1, fmt.group_len)
+    x = jax.ShapeDtypeStruct((1, fmt.group_len, 1, 1, 1, 1, 64), jnp.float32)
+    calib = jax.eval_shape(lambda: fmt.default_calib(seg, 1, 1, 64)) if not fmt.needs_data else None
+    try:
+        jax.eval_shape(fmt.fake_quant, x, x, calib)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def fake_quant_kv(kv: PassKV, fmt: base.CacheFormat, calib: CacheCalib,
                   plain_fmt: base.CacheFormat | None = None) -> PassKV:
     """A pass's K/V as the cache stores and reconstructs them: looped layers through `fmt`, plain
     (prelude/coda) layers through `plain_fmt` (default `fmt`, as `init_cache`), straight-through
-    gradients to the K/V. Raises ValueError for a format without a fake quantization."""
+    gradients to the K/V (`base.fake_quant_loops`). Raises NotImplementedError for a format without
+    a fake quantization."""
     plain_fmt = plain_fmt or fmt
-    for f in (fmt, plain_fmt):
-        if not supports_fake_quant(f):
-            raise ValueError(f"the {f.name!r} cache format has no fake quantization for training "
-                             "(supported: dense, uniform, rotated, residual)")
-    plain = None if kv.plain is None else _fake_quant_stack(kv.plain, plain_fmt, calib.plain)
-    return PassKV(_fake_quant_stack(kv.looped, fmt, calib.looped), plain)
+    plain = None if kv.plain is None else base.fake_quant_loops(plain_fmt, *kv.plain, calib.plain)
+    return PassKV(base.fake_quant_loops(fmt, *kv.looped, calib.looped), plain)
 
 
 def format_calib(config: ModelConfig, fmt: base.CacheFormat, num_loops: int,
@@ -219,10 +209,10 @@ def fake_quant_forward(model, tokens: Int[Array, "b t"], fmt: base.CacheFormat, 
     b, t = tokens.shape
     prefix = jnp.ones((b,), jnp.int32) if prefix is None else jnp.asarray(prefix, jnp.int32)
     calls = decode_calls(prefix, t)
-    out = model(tokens, TeacherForced(jnp.zeros_like(calls)), **model_kwargs)
-    logits, kv = [out.logits], out.cache
+    out = model(tokens, context=TeacherForced(jnp.zeros_like(calls)), **model_kwargs)
+    logits, kv = [out.logits], out.extras["pass_kv"]
     for _ in range(passes):
-        out = model(tokens, TeacherForced(calls, fake_quant_kv(kv, fmt, calib, plain_fmt)), **model_kwargs)
+        out = model(tokens, context=TeacherForced(calls, fake_quant_kv(kv, fmt, calib, plain_fmt)), **model_kwargs)
         logits.append(out.logits)
-        kv = out.cache
+        kv = out.extras["pass_kv"]
     return QATOutput(logits[-1], logits[0], kv, tuple(logits))

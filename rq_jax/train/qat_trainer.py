@@ -41,15 +41,14 @@ from flax import nnx
 
 from rq_jax import checkpoint as model_io
 from rq_jax.cache import base, get_format
-from rq_jax.calibrate.identity import fingerprint, schedule_name, weights_mismatch
+from rq_jax.calibrate.provenance import fingerprint, weights_mismatch
 from rq_jax.data import TASKS, Mixture, StdlibText
 from rq_jax.eval import loops as eval_loops
 from rq_jax.eval.table import Tasks
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm
 from rq_jax.train import lora
-from rq_jax.train.config import TrainConfig, diff
-from rq_jax.train.evaluate import forward_kwargs
+from rq_jax.train.run_config import TrainConfig, diff
 from rq_jax.train.qat import fake_quant_forward, format_calib, supports_fake_quant
 from rq_jax.train.run_dir import RunDir, run_steps
 from rq_jax.train.trainer import RunOptions, make_optimizer
@@ -85,7 +84,7 @@ class QATConfig:
         if isinstance(self.passes, bool) or not isinstance(self.passes, int) or self.passes < 1:
             raise ValueError(f"passes must be a positive integer, got {self.passes!r}")
         fmt = self.format()
-        if fmt.name == "dense" or not supports_fake_quant(fmt):
+        if fmt.bits_per_element(1, 64) >= 16 or not supports_fake_quant(fmt):
             raise ValueError(f"QAT needs a quantized cache format with a fake quantization (uniform, rotated, "
                              f"residual), got {self.cache!r}")
 
@@ -140,7 +139,7 @@ def _jitted_step(graphdef, teacher_graphdef, cfg: QATConfig):
     tc = cfg.train
     tx, _ = make_optimizer(tc)
     fmt = cfg.format()
-    kw = forward_kwargs(tc.model.family, tc.num_loops)
+    kw = {"num_loops": tc.num_loops}
     task_w = np.asarray(tc.task_weights, np.float32) * (np.asarray(tc.data.rows) > 0)
     random_state = tc.random_state and tc.model.family == "huginn"
 
@@ -285,7 +284,7 @@ class QATTrainer:
         agreement; stdlib bits per byte (`text_bpb`, `text_dense_bpb`, `text_kl`)."""
         tasks, batch = self.tasks, self.opts.eval_batch
         if self._scorer is None:
-            kw = forward_kwargs(self.cfg.train.model.family, self.num_loops)
+            kw = {"num_loops": self.num_loops}
             self._scorer = eval_loops.CacheScorer(self.model(), self.fmt, calib=self.calib, seed=tasks.seed, **kw)
         else:
             self._scorer.params = nnx.state(self.model())
@@ -333,7 +332,8 @@ class QATTrainer:
         tc = self.cfg.train
         record = {"step": step, "loss": loss, "nll": float(m["nll"]),
                   **{f"loss_{t}": float(v) for t, v in zip(TASKS, np.asarray(m["per_task"]))},
-                  "kl_dense": float(m["kl_dense"]), **({"kl_teacher": float(m["kl_teacher"])} if "kl_teacher" in m else {}),
+                  "kl_dense": float(m["kl_dense"]),
+                  **({"kl_teacher": float(m["kl_teacher"])} if "kl_teacher" in m else {}),
                   "lr": float(self.schedule(step)), "grad_norm": float(m["grad_norm"]),
                   "tokens_per_s": tc.data.batch_size * tc.data.seq_len / dt, "s_per_step": dt,
                   "train_seconds": self.train_seconds}
@@ -355,7 +355,7 @@ class QATTrainer:
 
         cfg = self.cfg
         info = {"weights": "quantization-aware fine-tuned", "base_checkpoint": cfg.checkpoint,
-                "cache": schedule_name(self.fmt, self.num_loops), "trainable": cfg.trainable,
+                "cache": self.fmt.schedule_name(self.num_loops), "trainable": cfg.trainable,
                 "trained_values": self.trainable_count(), "step": self.step,
                 "train_seconds": round(self.train_seconds, 1), "qat_config": cfg.to_json(),
                 "metrics": metrics or {}, "metrics_before": before or {}, "command": command,
@@ -415,7 +415,8 @@ straight-through gradients), teacher-forced in every loop, the in-flight token e
 
 `*_acc`: greedy exact match through the `{cfg.cache}` cache; `*_dense_acc`: through a dense cache;
 `*_kl`: KL from the dense cache's next-token distribution; `text_bpb`: stdlib bits per byte. On the
-eval split: {sets['n']} addition examples, {sets['n']} queries of {sets['retrieval_pairs'] or "2 to max"}-pair retrieval,
+eval split: {sets['n']} addition examples, {sets['n']} queries of {sets['retrieval_pairs'] or "2 to max"}-pair \
+retrieval,
 {sets['text_windows']} stdlib windows.
 
 {head}

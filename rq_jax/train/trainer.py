@@ -27,10 +27,10 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from rq_jax import sharding
-from rq_jax.data import TASKS, Addition, Mixture, Retrieval, StdlibText
+from rq_jax.data import TASKS, Mixture, StdlibText
 from rq_jax.models import init_model
-from rq_jax.train import evaluate, objectives
-from rq_jax.train.config import TrainConfig, diff
+from rq_jax.train import heldout, objectives
+from rq_jax.train.run_config import TrainConfig, diff
 from rq_jax.train.run_dir import RunDir, run_steps
 
 
@@ -61,7 +61,8 @@ def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, opta
     """Global-norm clipping then AdamW (decay on ≥ 2-D params) with warm-up + cosine."""
     sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps,
                                                end_value=cfg.lr * cfg.final_lr_frac)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    def decay_mask(params):
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
                      optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
     return tx, sched
@@ -84,7 +85,6 @@ def make_train_step(graphdef, rest, cfg: TrainConfig, mesh: Mesh | None = None) 
 @functools.lru_cache(maxsize=8)
 def _jitted_train_step(graphdef, cfg: TrainConfig, mesh: Mesh | None, loops: int) -> Callable:
     tx, _ = make_optimizer(cfg)
-    kw = evaluate.forward_kwargs(cfg.model.family, loops)
     task_w = np.asarray(cfg.task_weights, np.float32) * (np.asarray(cfg.data.rows) > 0)
 
     random_state = cfg.random_state and cfg.model.family == "huginn"
@@ -92,15 +92,15 @@ def _jitted_train_step(graphdef, cfg: TrainConfig, mesh: Mesh | None, loops: int
     def loss_fn(params, rest, tokens, weights, task, step):
         model = nnx.merge(graphdef, params, rest)
         extra = {"rng": jax.random.fold_in(jax.random.key(cfg.seed), step)} if random_state else {}
-        out = model(tokens[:, :-1], **kw, **extra)
+        out = model(tokens[:, :-1], num_loops=loops, **extra)
         aux = {}
         if cfg.objective == "ouro":
-            loops = objectives.ouro_loss(model.head(out.extras["hidden_steps"]), out.extras["exit_pdf"],
+            terms = objectives.ouro_loss(model.head(out.extras["hidden_steps"]), out.extras["exit_pdf"],
                                          tokens[:, 1:], cfg.beta_at(step))
-            per_token = loops.loss
+            per_token = terms.loss
             mask = weights / jnp.maximum(jnp.sum(weights), 1.0)
-            aux = dict(loop_nll=jnp.sum(loops.nll * mask, axis=(1, 2)), exit_pdf=jnp.sum(loops.pdf * mask, axis=(1, 2)),
-                       exit_entropy=jnp.sum(loops.entropy * mask))
+            aux = dict(loop_nll=jnp.sum(terms.nll * mask, axis=(1, 2)), exit_pdf=jnp.sum(terms.pdf * mask, axis=(1, 2)),
+                       exit_entropy=jnp.sum(terms.entropy * mask))
         else:
             per_token = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:])  # [B, L]
         per_task = []
@@ -137,6 +137,19 @@ def reinit_embedding(params, cfg: TrainConfig):
                         params)
 
 
+#: Ouro's norms on a branch's output, before the residual add (`branch_norm_init`).
+BRANCH_NORMS = ("input_layernorm_2", "post_attention_layernorm_2")
+
+
+def scale_branch_norms(params, value: float):
+    """params with every Ouro branch-output norm weight (`BRANCH_NORMS`) set to `value`."""
+    def one(path, p):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        return jnp.full_like(p, value) if any(n in BRANCH_NORMS for n in names) else p
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def load_weights(folder: str, cfg: TrainConfig, like):
     """The float32 params of the exported model in `folder`, in the tree of `like` (the run's params).
 
@@ -145,11 +158,12 @@ def load_weights(folder: str, cfg: TrainConfig, like):
     from rq_jax.config import from_hf_config
     from rq_jax.train.portable import load_params
 
-    if cfg.embed_std is not None:
-        raise ValueError("init_weights and embed_std exclude each other: embed_std would redraw the loaded embedding")
+    if cfg.embed_std is not None or cfg.branch_norm_init is not None:
+        raise ValueError("init_weights excludes embed_std and branch_norm_init: they would overwrite loaded weights")
     saved = from_hf_config(folder)
     if saved != cfg.model:
-        raise ValueError(f"{folder} holds another model config than the run's:\n  saved:     {saved}\n  requested: {cfg.model}")
+        raise ValueError(f"{folder} holds another model config than the run's:\n  saved:     {saved}\n"
+                         f"  requested: {cfg.model}")
     return load_params(folder, cfg.model, like)
 
 
@@ -164,8 +178,11 @@ class Trainer:
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
         if cfg.init_weights is not None:
             self.params = load_weights(cfg.init_weights, cfg, self.params)
-        elif cfg.embed_std is not None:
-            self.params = reinit_embedding(self.params, cfg)
+        else:
+            if cfg.embed_std is not None:
+                self.params = reinit_embedding(self.params, cfg)
+            if cfg.branch_norm_init is not None:
+                self.params = scale_branch_norms(self.params, cfg.branch_norm_init)
         self.tx, self.schedule = make_optimizer(cfg)
         self.mesh = opts.mesh
         self.opt_state = self.tx.init(self.params)
@@ -173,7 +190,7 @@ class Trainer:
         self.step = 0
         self.train_seconds = 0.0
         self._train_step = make_train_step(self.graphdef, self.rest, cfg, self.mesh)
-        self._score = evaluate.make_score_fn(self.graphdef, self.rest, cfg.model.family, cfg.num_loops)
+        self._score = heldout.make_score_fn(self.graphdef, self.rest, cfg.num_loops)
         if self.mesh is not None:
             score = self._score
             self._score = lambda params, tokens: sharding.to_host(
@@ -269,9 +286,9 @@ class Trainer:
         for name, examples, length in (("addition", sets["addition"], d.addition.length),
                                        ("retrieval", sets["retrieval"], d.seq_len + 1),
                                        (f"retrieval{d.retrieval.max_pairs}", sets["retrieval_full"], d.seq_len + 1)):
-            r = evaluate.answer_scores(self._score, self.params, examples, length, b)
+            r = heldout.answer_scores(self._score, self.params, examples, length, b)
             out[f"{name}_acc"], out[f"{name}_tok"] = r["em"], r["token_acc"]
-        out["text_bpb"] = evaluate.bits_per_byte(self._score, self.params, sets["text"], b)
+        out["text_bpb"] = heldout.bits_per_byte(self._score, self.params, sets["text"], b)
         return out
 
     def model(self):

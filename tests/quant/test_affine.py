@@ -285,7 +285,8 @@ def test_super_scale_is_counted_in_the_bits():
     from rq_jax.quant.bits import affine_bits
 
     assert affine_bits(QuantConfig(2, 32), 64) == 2 + fractions.Fraction(16, 32)
-    assert affine_bits(QuantConfig(2, 32, super_scale=True), 64) == 2 + fractions.Fraction(16, 32) + fractions.Fraction(16, 64)
+    want = 2 + fractions.Fraction(16, 32) + fractions.Fraction(16, 64)
+    assert affine_bits(QuantConfig(2, 32, super_scale=True), 64) == want
     with pytest.raises(ValueError, match="head_dim"):
         affine_bits(QuantConfig(2, 32, super_scale=True))
     from rq_jax.quant.bits import stored_nbytes

@@ -46,7 +46,8 @@ def test_random_orthogonal_seeded():
 
 def test_learned_rotation():
     base = hadamard(24)
-    np.testing.assert_allclose(np.asarray(jax.jit(learned_rotation)(jnp.zeros((24, 24)), base)), np.asarray(base), atol=1e-6)
+    got = jax.jit(learned_rotation)(jnp.zeros((24, 24)), base)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(base), atol=1e-6)
     a = 0.3 * jax.random.normal(jax.random.key(0), (24, 24))
     t = jax.jit(learned_rotation)(a, base)
     _assert_orthogonal(t)

@@ -71,7 +71,8 @@ def test_gradients_reach_every_loop_and_the_gate():
 
 def test_config_checks_and_beta_schedule():
     model = tiny_model_config("ouro")
-    data = MixtureConfig(seq_len=48, rows=(1, 1, 1), addition=Addition(2), retrieval=Retrieval(max_pairs=4, num_queries=2))
+    data = MixtureConfig(seq_len=48, rows=(1, 1, 1), addition=Addition(2),
+                         retrieval=Retrieval(max_pairs=4, num_queries=2))
     cfg = TrainConfig(model=model, data=data, total_steps=100, objective="ouro")
     assert float(cfg.beta_at(49)) == pytest.approx(0.1) and float(cfg.beta_at(50)) == pytest.approx(0.05)
     with pytest.raises(ValueError, match="needs an Ouro model"):

@@ -1,0 +1,515 @@
+"""Loop-group quantized KV: ResidualQuant (`residual`) and its baselines `uniform` and `rotated`.
+
+The loops of a slot's layer are split into consecutive groups of `len(bits)` loops (Ouro's 4 loops:
+one group; Huginn's 32 steps: 8 groups of 4, each anchored on its own last step). A final partial
+group of m < len(bits) loops uses the last m entries of `bits` with residuals (so its anchor keeps the
+anchor width) and the first m without. Per group, in the rotated basis z = U x (U per group, layer and
+kv head; keys and values separately):
+
+    residual=True:   anchor quantized first; every other loop r stores Q(z_r − α_r·ẑ_p(r) − μ_r) and
+                     α_r = <z_r, ẑ_p> / |ẑ_p|² (bf16), against the *reconstructed* reference (toolbox
+                     `rq_jax.quant.residual`); key means μ only for keys.
+    residual=False:  every loop quantized on its own with bits[position] (the paper's "Direct").
+
+`uniform` = residual off, identity rotation; `rotated` = residual off, Hadamard (or random, or
+calibrated) rotation; `residual` = ResidualQuant: [2,2,2,4] g32, FP8 metadata, LS, Hadamard, last-loop
+reference. Each ablation step of the paper's Figure 1 is one policy.
+
+State (the layout of `rq_jax.cache.base`): per group position a `LoopSlot` of packed K and V codes
+(`PackedCodes`: uint8 [G, N, B, K, S, D·b/8], scale/offset [G, N, B, K, S, D/g]) and α [G, N, B, K, S]
+(bf16; None for the anchor and without least squares).
+
+`attend` is split at the kernel seam: `operands` selects what slot (group, layer) and its reference
+chain store — packed codes, metadata, α, key means — without unpacking anything, and an attention
+implementation (`ATTEND_IMPLS`, chosen by the policy's `attend_impl`) computes the partial from the
+rotated queries: s_r = α_r·s_p(r) + q̃·D(c_r) + q̃·μ_r (recursively down to the anchor), and values
+through the same recursion, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated basis. The
+caller rotates the queries and un-rotates the output once. The XLA implementation does this one
+context tile at a time (`base.tiled_partial`); the Pallas kernel walks its own tiles. `reconstruct`
+(toolbox decode, un-rotate) is the reference.
+
+Calibration (`RotationCalib`, per segment): rotations [G, N, K, D, D] for keys and values and key means
+[G, N, p, K, D] (rotated basis, or None). `default_calib`: the policy's rotation kind, no means;
+`calibrate` adds key means fitted on data when the policy asks for them (`key_means`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from fractions import Fraction
+from types import MappingProxyType
+from typing import Callable, ClassVar, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from rq_jax.cache import base
+from rq_jax.quant import affine, bits as qbits, residual, rotation, ste
+from rq_jax.quant.packing import PackedCodes
+
+log = logging.getLogger(__name__)
+_HI = jax.lax.Precision.HIGHEST
+
+
+class RotationCalib(NamedTuple):
+    """Static calibration of a segment: rotations [G, N, K, D, D] (z = U x), key means [G, N, p, K, D]."""
+
+    key_rot: Float[Array, "g n k d d"]
+    value_rot: Float[Array, "g n k d d"]
+    key_mean: Float[Array, "g n p k d"] | None = None
+
+
+class LoopSlot(NamedTuple):
+    """One group position: K and V codes ([G, N, B, K, S, ...]) and α [G, N, B, K, S] (None: no α)."""
+
+    k: PackedCodes
+    v: PackedCodes
+    k_alpha: Array | None
+    v_alpha: Array | None
+
+
+class LoopOperands(NamedTuple):
+    """What attention to one slot reads, nothing unpacked: the loop's reference chain, loop first.
+
+    `k`/`v`: packed codes of each chain link as stored (a super-scale not folded in), still stacked
+    [G, N, B, K, S, ...] — `index` selects the slot (a kernel picks it in its index map).
+    `k_alpha`/`v_alpha`: link i's α [G, N, B, K, S] scaling link i + 1 (None: α = 1); one fewer than links.
+    `k_mean`: link i's key mean [K, D] (rotated basis) or None.
+    """
+
+    index: base.Index
+    k: tuple[PackedCodes, ...]
+    v: tuple[PackedCodes, ...]
+    k_alpha: tuple[Array | None, ...]
+    v_alpha: tuple[Array | None, ...]
+    k_mean: tuple[Array | None, ...]
+
+
+def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"],
+                   visible: Bool[Array, "b s"] | None = None) -> base.Partial:
+    """Softmax partial of rotated queries over a slot's stored tokens s < lengths[b] that `visible`
+    (None: all) shows (XLA), one context tile at a time (`base.tiled_partial`): only a tile's codes,
+    metadata and α are read out of the stacked state and dequantized.
+
+    q_rot: [B, T, K, H/K, D] float32. Returns acc [B, T, H, D] in the rotated value basis, m, l [B, T, H].
+    """
+    b, t, heads, per_kv, d = q_rot.shape
+    max_len = ops.k[0].codes.shape[base.TOKEN_AXIS]
+    tile = base.context_tile(b, t, heads * per_kv, heads, d, max_len)
+
+    def part(start, valid):
+        k, v, k_alpha, v_alpha = base.slot_tile((ops.k, ops.v, ops.k_alpha, ops.v_alpha), ops.index, start, tile)
+        return _rotated_partial(q_rot, k, v, k_alpha, v_alpha, ops.k_mean, valid)
+
+    return base.tiled_partial(part, (b, t, heads * per_kv, d), lengths, max_len, tile, visible)
+
+
+def _rotated_partial(q_rot: Float[Array, "b t k g d"], k: tuple[PackedCodes, ...], v: tuple[PackedCodes, ...],
+                     k_alpha: tuple[Array | None, ...], v_alpha: tuple[Array | None, ...],
+                     k_mean: tuple[Array | None, ...], valid: Bool[Array, "b s"]) -> base.Partial:
+    """`attend_rotated` over one tile: the chain's codes [B, K, S, ...] and α [B, K, S] (`LoopOperands`'
+    order), positions where `valid` [B, S]."""
+    b, t, heads, per_kv, d = q_rot.shape
+    scores = None
+    for i in reversed(range(len(k))):  # from the anchor up: s_i = q̃·D(c_i) + q̃·μ_i + α_i·s_{i+1}
+        s = jnp.einsum("btkqd,bksd->btkqs", q_rot, k[i].effective().dequantize())
+        if k_mean[i] is not None:
+            s = s + jnp.einsum("btkqd,kd->btkq", q_rot, k_mean[i])[..., None]
+        if scores is not None:
+            s = s + (scores if k_alpha[i] is None else _per_token(k_alpha[i]) * scores)
+        scores = s
+    scores = scores * d**-0.5
+    size = scores.shape[-1]
+    p, m, l = base.softmax_partial(scores.reshape(b, t, heads * per_kv, size),
+                                   jnp.broadcast_to(valid[:, None, :], (b, t, size)))
+    w, acc = p.reshape(scores.shape), 0.0
+    for i in range(len(v)):  # Σ_s w_s ẑ_i,s, the weights scaled by α on the way down the chain
+        acc = acc + jnp.einsum("btkqs,bksd->btkqd", w, v[i].effective().dequantize())
+        if i + 1 < len(v) and v_alpha[i] is not None:
+            w = w * _per_token(v_alpha[i])
+    return base.Partial(acc.reshape(b, t, heads * per_kv, d), m, l)
+
+
+def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
+    """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
+    compiled for Triton on a GPU, run in interpret mode elsewhere. Raises NotImplementedError (at
+    trace time) for configurations the kernel does not cover."""
+    from pallas_kernels import QuantStream, residual_decode_attention
+
+    b, t, heads, per_kv, d = q_rot.shape
+    q = q_rot.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
+    num_layers = ops.k[0].codes.shape[1]
+    slot = ops.index[0] * num_layers + ops.index[1]
+    def flat(x):  # [G, N, ...] → [G·N, ...]
+        return None if x is None else x.reshape(-1, *x.shape[2:])
+    def streams(codes):
+        codes = map(PackedCodes.effective, codes)
+        return tuple(QuantStream(flat(c.codes), flat(c.scale), flat(c.offset)) for c in codes)
+    means = tuple(None if mu is None else jnp.einsum("bkrd,kd->bkr", q, mu) for mu in ops.k_mean)
+    acc, m, l = residual_decode_attention(
+        q, streams(ops.k), streams(ops.v), tuple(map(flat, ops.k_alpha)), tuple(map(flat, ops.v_alpha)),
+        means, lengths, jnp.asarray(slot, jnp.int32), k_bits=tuple(c.bits for c in ops.k),
+        v_bits=tuple(c.bits for c in ops.v), k_group_sizes=tuple(c.group_size for c in ops.k),
+        v_group_sizes=tuple(c.group_size for c in ops.v), interpret=jax.default_backend() != "gpu")
+    def rows(x):
+        rest = x.shape[3:]
+        return jnp.moveaxis(x.reshape(b, heads, t, per_kv, *rest), 2, 1).reshape(b, t, heads * per_kv, *rest)
+    return base.Partial(rows(acc), rows(m), rows(l))
+
+
+#: Attention implementations over `LoopOperands`, by name ("auto": "pallas" on a GPU, else "xla"). One
+#: may raise NotImplementedError (at trace time) for a configuration it does not cover; `LoopQuant.attend`
+#: then falls back to "xla" with a logged reason.
+ATTEND_IMPLS: dict[str, Callable[[Array, LoopOperands, Array], base.Partial]] = {
+    "xla": attend_rotated, "pallas": attend_pallas}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopQuant(base.CacheFormat):
+    """Loop-group quantization policy (see the module docstring); `name` is its registry name.
+
+    `key_means`: `calibrate` fits per-(loop, layer, head) key means in the rotated basis.
+    `super_scale`: store the FP8 metadata relative to a per-vector bfloat16 super-scale (NVFP4/MX
+    style; 16 more bits per vector, counted) instead of plain FP8, which saturates at 448 and flushes
+    below 2**-9. Either way `out_of_range` counts the metadata values the dtype could not hold.
+    `attend_impl`: a key of `ATTEND_IMPLS`, or "auto" (the Pallas kernel on a GPU, XLA elsewhere).
+
+    Non-finite K/V entries are stored as 0 (before the rotation, which would spread them over the
+    whole vector) and counted by `out_of_range`.
+    """
+
+    bits: tuple[int, ...] = (2, 2, 2, 4)
+    group_size: int | tuple[int, ...] = 32
+    bits_v: tuple[int, ...] | None = None
+    group_size_v: int | tuple[int, ...] | None = None
+    meta_dtype: str = "float8_e4m3fn"
+    rotation: str = "hadamard"
+    residual: bool = True
+    least_squares: bool = True
+    reference: str = "last"
+    rotation_seed: int = 0
+    key_means: bool = False
+    super_scale: bool = False
+    attend_impl: str = "auto"
+    name: str = "residual"
+    needs_calib: bool = dataclasses.field(default=True, init=False)
+    needs_data: bool = dataclasses.field(default=False, init=False)
+    schedule_fields: ClassVar[tuple[str, ...]] = ("name", "bits", "group_size", "bits_v", "group_size_v",
+                                                   "meta_dtype", "residual", "least_squares", "reference")
+    calib_head_axes: ClassVar[Mapping[str, int]] = MappingProxyType({"key_rot": 2, "value_rot": 2, "key_mean": 3})
+    learns_rotations: ClassVar[bool] = True
+    reports_out_of_range: ClassVar[bool] = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "bits", tuple(int(b) for b in np.atleast_1d(self.bits)))
+        object.__setattr__(self, "group_size", self._sizes(self.group_size, self.bits, "group_size"))
+        if self.bits_v is not None:
+            object.__setattr__(self, "bits_v", tuple(int(b) for b in np.atleast_1d(self.bits_v)))
+            if len(self.bits_v) != len(self.bits):
+                raise ValueError(f"{self.name}: bits_v {self.bits_v} needs one entry per loop of bits {self.bits}")
+        if self.group_size_v is not None:
+            object.__setattr__(self, "group_size_v", self._sizes(self.group_size_v, self.bits, "group_size_v"))
+        if self.rotation not in rotation.ROTATION_KINDS:
+            raise ValueError(f"unknown rotation {self.rotation!r}: expected one of {rotation.ROTATION_KINDS}")
+        if self.attend_impl != "auto" and self.attend_impl not in ATTEND_IMPLS:
+            raise ValueError(f"unknown attend_impl {self.attend_impl!r}: available {['auto', *sorted(ATTEND_IMPLS)]}")
+        for kind in "kv":  # validates bits, group sizes, metadata dtype and reference
+            self.group_config(len(self.bits), kind)
+
+    def _sizes(self, sizes, bits, field: str) -> tuple[int, ...]:
+        sizes = (int(sizes),) * len(bits) if np.ndim(sizes) == 0 else tuple(int(g) for g in sizes)
+        if len(sizes) != len(bits):
+            raise ValueError(f"{self.name}: {field} {sizes} needs one entry per loop of bits {bits}")
+        return sizes
+
+    @property
+    def group_len(self) -> int:
+        """Loops per group: len(bits)."""
+        return len(self.bits)
+
+    def schedule(self, kind: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(bits, group sizes) per group position of keys (kind "k") or values ("v"; the keys' unless
+        `bits_v` / `group_size_v` say otherwise)."""
+        if kind == "k":
+            return self.bits, self.group_size
+        return self.bits_v or self.bits, self.group_size_v or self.group_size
+
+    def group_config(self, size: int, kind: str = "k") -> residual.ResidualConfig:
+        """Toolbox config of a group of `size` loops for keys or values (least squares only with residuals)."""
+        bits, sizes = self.schedule(kind)
+        if self.residual:
+            bits, sizes = bits[-size:], sizes[-size:]
+        else:
+            bits, sizes = bits[:size], sizes[:size]
+        return residual.ResidualConfig(bits, sizes, meta_dtype=self.meta_dtype,
+                                       least_squares=self.least_squares and self.residual,
+                                       reference=self.reference, super_scale=self.super_scale)
+
+    def chain(self, cfg: residual.ResidualConfig, loop: int) -> tuple[int, ...]:
+        """The positions attention to `loop` reads: itself, then its references down to the anchor."""
+        links = [loop]
+        while self.residual and links[-1] != cfg.anchor:
+            links.append(cfg.parent(links[-1]))
+        return tuple(links)
+
+    def _has_alpha(self, cfg: residual.ResidualConfig, loop: int) -> bool:
+        return cfg.least_squares and loop != cfg.anchor
+
+    # ---- the CacheFormat protocol -------------------------------------------------------------------
+
+    def init(self, seg, num_layers, batch, max_len, num_kv_heads, head_dim) -> tuple[LoopSlot, ...]:
+        """Zeroed codes, metadata and α for every position of the segment's groups."""
+        bad = sorted({g for kind in "kv" for g in self.schedule(kind)[1] if head_dim % g})
+        if bad:
+            raise ValueError(f"{self.name} cache: group size(s) {bad} do not divide head_dim {head_dim}")
+        lead = (seg.groups, num_layers, batch, num_kv_heads, max_len)
+        cfgs = {kind: self.group_config(seg.size, kind) for kind in "kv"}
+
+        def zeros(cfg, r):
+            qc = cfg.quant_config(r)
+            proto = jax.eval_shape(
+                lambda: PackedCodes.from_quantized(affine.quantize(jnp.zeros(head_dim), qc), qc))
+            return jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, p.dtype), proto)
+
+        def alpha(r):  # every leaf an array of its own: a donated cache must not hold one buffer twice
+            return jnp.zeros(lead, cfgs["k"].alpha_dtype) if self._has_alpha(cfgs["k"], r) else None
+
+        return tuple(LoopSlot(zeros(cfgs["k"], r), zeros(cfgs["v"], r), alpha(r), alpha(r)) for r in range(seg.size))
+
+    def default_calib(self, seg, num_layers, num_kv_heads, head_dim) -> RotationCalib:
+        """The policy's rotation for every group, layer and kv head (random: seeded), no key means."""
+        shape = (seg.groups, num_layers, num_kv_heads, head_dim, head_dim)
+        if self.rotation == "random":
+            seed = jax.random.fold_in(jax.random.key(self.rotation_seed), seg.start)
+            keys = jax.random.split(seed, 2 * int(np.prod(shape[:3])))
+            mats = jax.vmap(lambda k: rotation.random_orthogonal(k, head_dim))(keys)
+            return RotationCalib(*mats.reshape(2, *shape))
+        u = jnp.broadcast_to(rotation.make_rotation(self.rotation, head_dim), shape)
+        return RotationCalib(u, u)
+
+    def calibrate(self, seg, k, v, lengths) -> RotationCalib:
+        """The default rotations, plus, when `key_means`, the key means fitted for them
+        (`fit_key_means`). k, v: [G, p, N, B, K, S, D]."""
+        calib = self.default_calib(seg, k.shape[2], k.shape[4], k.shape[6])
+        if not self.key_means:
+            return calib
+        return calib._replace(key_mean=self.fit_key_means(k, lengths, calib.key_rot))
+
+    def calib_shapes(self, seg, num_layers, num_kv_heads, head_dim) -> RotationCalib:
+        """Rotations [G, N, K, D, D] for keys and values and the optional key means [G, N, p, K, D]
+        (learned rotations, e.g. OptR-H's, come with means whatever `key_means` says)."""
+        full = dataclasses.replace(self, key_means=True)
+        return base.CacheFormat.calib_shapes(full, seg, num_layers, num_kv_heads, head_dim)
+
+    def schedule_name(self, num_loops: int) -> str:
+        """E.g. "residual-b2.2.2.4-g32-L4" (group sizes once when they are all equal)."""
+        def spell(bits, sizes):
+            sizes = sizes if len(set(sizes)) > 1 else sizes[:1]
+            return f"b{'.'.join(map(str, bits))}-g{'.'.join(map(str, sizes))}"
+
+        keys, values = spell(*self.schedule("k")), spell(*self.schedule("v"))
+        return f"{self.name}-{keys}" + ("" if values == keys else f"-v{values}") + f"-L{num_loops}"
+
+    def fit_key_means(self, k: Float[Array, "g p n b k s d"], lengths: Int[Array, "b"],
+                      key_rot: Float[Array, "g n k d d"]) -> Float[Array, "g n p k d"]:
+        """Per-(loop, layer, kv head) key means [G, N, p, K, D] for the key rotations `key_rot`: the mean
+        over tokens s < lengths[b] of each loop's quantization target in the rotated basis (the anchor's
+        key; a residual loop's key minus its scaled reference, itself encoded with the means fitted so
+        far). k: [G, p, N, B, K, S, D]. Used by `calibrate` (default rotations) and by
+        `rq_jax.calibrate` (learned rotations)."""
+        cfg = self.group_config(k.shape[1])
+        z = jnp.einsum("gpnbksd,gnked->pgnbkse", k.astype(jnp.float32), key_rot, precision=_HI)
+        valid = base.valid_tokens(lengths, k.shape[5]).astype(jnp.float32)[None, None, :, None, :, None]
+        means = jnp.zeros(z.shape[:3] + (1, z.shape[4], 1, z.shape[6]), jnp.float32)  # [p, G, N, 1, K, 1, D]
+        for r in (cfg.encode_order() if self.residual else range(cfg.num_loops)):
+            target = z[r]
+            if self.residual and r != cfg.anchor:
+                enc, recon = residual.encode_decode_group(z, cfg, means)
+                target = z[r] - (recon[r] - affine.dequantize(enc.loops[r], cfg.quant_config(r)) - means[r])
+            mean = jnp.sum(target * valid, axis=(2, 4), keepdims=True) / jnp.maximum(jnp.sum(valid), 1.0)
+            means = means.at[r].set(mean)
+        return jnp.moveaxis(means[:, :, :, 0, :, 0], 0, 2)
+
+    def _encode_kv(self, k, v, calib: RotationCalib) -> dict[str, residual.EncodedGroup]:
+        """Rotate and encode K/V [G, p, N, B, K, T, D] (non-finite entries zeroed and counted):
+        {"k": ..., "v": ...}, each EncodedGroup over [p, G, N, B, K, T, D]."""
+        enc = {}
+        for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
+            cfg = self.group_config(k.shape[1], kind)
+            x = x.astype(jnp.float32)
+            finite = jnp.isfinite(x)
+            z = jnp.einsum("gpnbktd,gnked->pgnbkte", jnp.where(finite, x, 0.0), u, precision=_HI)
+            mean = None if kind == "v" or calib.key_mean is None else \
+                jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :]  # [p, G, N, 1, K, 1, D]
+            e = self._encode(z, cfg, mean)
+            enc[kind] = e._replace(out_of_range=e.out_of_range + jnp.sum(~finite, axis=(1, -1)))  # [G, N, B, K, T]
+        return enc
+
+    def write(self, state, k, v, lengths, num_new, calib: RotationCalib) -> base.Written:
+        """Rotate and encode every group of K/V [G, p, N, B, K, T, D]; store at lengths[b] + t. Per row,
+        the new tokens' (t < num_new[b]) metadata values the metadata dtype could not hold (saturated or
+        flushed to zero) plus their non-finite entries, summed over slots, are the out-of-range count."""
+        cfgs = {kind: self.group_config(k.shape[1], kind) for kind in "kv"}
+        enc = self._encode_kv(k, v, calib)
+        cfg = cfgs["k"]  # the α layout (which positions have one) is the same for keys and values
+        new = tuple(
+            LoopSlot(*(PackedCodes.from_quantized(enc[kind].loops[r], cfgs[kind].quant_config(r)) for kind in "kv"),
+                     *(enc[kind].alpha[cfg.alpha_index(r)] if self._has_alpha(cfg, r) else None for kind in "kv"))
+            for r in range(cfg.num_loops))
+        fresh = jnp.arange(k.shape[5])[None, :] < num_new[:, None]  # [B, T]
+        lost = sum(jnp.sum(jnp.where(fresh[:, None], e.out_of_range, 0), axis=(0, 1, 3, 4)) for e in enc.values())
+        return base.Written(base.scatter_tokens(state, new, lengths, num_new), lost.astype(lengths.dtype))
+
+    def _encode(self, z: Float[Array, "p ... d"], cfg, mean) -> residual.EncodedGroup:
+        """Residual group coding, or (direct) every position coded on its own."""
+        if self.residual:
+            return residual.encode_group(z, cfg, mean)
+        parts = [residual.encode_group(z[r : r + 1], self._direct(cfg, r), None if mean is None else mean[r : r + 1])
+                 for r in range(cfg.num_loops)]
+        return residual.EncodedGroup(tuple(e.loops[0] for e in parts), None, sum(e.out_of_range for e in parts))
+
+    def _direct(self, cfg: residual.ResidualConfig, r: int) -> residual.ResidualConfig:
+        """The one-loop config of position r in a direct (residual-free) group."""
+        return residual.ResidualConfig(cfg.bits[r : r + 1], cfg.group_sizes[r : r + 1], meta_dtype=cfg.meta_dtype,
+                                       super_scale=cfg.super_scale)
+
+    def fake_quant(self, k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
+                   calib: RotationCalib) -> tuple[Array, Array]:
+        """What `write` then `reconstruct` give for K/V [G, p, N, B, K, T, D], float32, with straight-
+        through gradients to k and v (references stopped) — for quantization-aware training."""
+        out = []
+        for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
+            cfg = self.group_config(k.shape[1], kind)
+            z = jnp.einsum("gpnbktd,gnked->pgnbkte", x.astype(jnp.float32), u, precision=_HI)
+            mean = None if kind == "v" or calib.key_mean is None else \
+                jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :]  # [p, G, N, 1, K, 1, D]
+            if self.residual:
+                zq = ste.ste_residual_group(z, cfg, mean)
+            else:
+                zq = jnp.concatenate([ste.ste_residual_group(z[r : r + 1], self._direct(cfg, r),
+                                                             None if mean is None else mean[r : r + 1])
+                                      for r in range(cfg.num_loops)])
+            out.append(jnp.einsum("pgnbkte,gnked->gpnbktd", zq, u, precision=_HI))
+        return tuple(out)
+
+    def operands(self, state: tuple[LoopSlot, ...], index: base.Index, loop: int,
+                 calib: RotationCalib) -> LoopOperands:
+        """Select slot `index`'s operands for group position `loop` (the kernel seam's first half)."""
+        links = self.chain(self.group_config(len(state)), loop)
+        means = None if calib.key_mean is None else calib.key_mean[index]  # [p, K, D]
+        return LoopOperands(
+            index,
+            tuple(state[r].k for r in links), tuple(state[r].v for r in links),
+            tuple(state[r].k_alpha for r in links[:-1]), tuple(state[r].v_alpha for r in links[:-1]),
+            tuple(None if means is None else means[r] for r in links))
+
+    def attend(self, state, index, loop, q, lengths, calib: RotationCalib, visible=None) -> base.Partial:
+        """Rotate the queries, run `attend_impl` on the slot's operands (XLA fallback; XLA too under a
+        `visible` mask), un-rotate."""
+        b, t, h, d = q.shape
+        key_rot, value_rot = calib.key_rot[index], calib.value_rot[index]  # [K, D, D]
+        q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, key_rot.shape[0]).astype(jnp.float32),
+                           key_rot, precision=_HI)
+        ops = self.operands(state, index, loop, calib)
+        impl = self.attend_impl if self.attend_impl != "auto" else "pallas" if jax.default_backend() == "gpu" else "xla"
+        try:
+            if visible is not None:  # the kernels take no mask
+                part = attend_rotated(q_rot, ops, lengths, visible)
+            else:
+                part = ATTEND_IMPLS[impl](q_rot, ops, lengths)
+        except NotImplementedError as why:
+            log.warning("%s attend_impl=%r does not cover this slot (%s); using xla", self.name, impl, why)
+            part = attend_rotated(q_rot, ops, lengths)
+        acc = part.acc.reshape(q_rot.shape)
+        acc = jnp.einsum("btkqe,ked->btkqd", acc, value_rot, precision=_HI)
+        return part._replace(acc=acc.reshape(b, t, h, d))
+
+    def reconstruct(self, state, index, loop, lengths, calib: RotationCalib):
+        """Decode slot `index` at position `loop` with the toolbox, then un-rotate: [B, K, S, D] each."""
+        mean = None if calib.key_mean is None else calib.key_mean[index][:, None, :, None, :]  # [p, 1, K, 1, D]
+        out = []
+        for kind, u in (("k", calib.key_rot[index]), ("v", calib.value_rot[index])):
+            cfg = self.group_config(len(state), kind)
+            slots = [base.at(s, index) for s in state]
+            codes = tuple(getattr(s, kind).unpacked() for s in slots)
+            m = None if kind == "v" else mean
+            if self.residual:
+                alphas = [getattr(s, kind + "_alpha") for s in slots if getattr(s, kind + "_alpha") is not None]
+                enc = residual.EncodedGroup(codes, jnp.stack(alphas) if alphas else None)
+                z = residual.decode_loop(enc, cfg, loop, m)
+            else:
+                enc = residual.EncodedGroup(codes[loop : loop + 1], None)
+                z = residual.decode_loop(enc, self._direct(cfg, loop), 0, None if m is None else m[loop : loop + 1])
+            x = jnp.einsum("bkse,ked->bksd", z, u, precision=_HI)
+            out.append(jnp.where(base.valid_tokens(lengths, x.shape[2])[:, None, :, None], x, 0.0))
+        return tuple(out)
+
+    def bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
+        """Average stored bits per K or V element over the loops and over K and V, by the toolbox's
+        accounting (the same at every context length)."""
+        total = Fraction(0)
+        for seg in base.segments(num_loops, self.group_len):
+            for kind in "kv":
+                cfg = self.group_config(seg.size, kind)
+                group = (qbits.residual_bits(cfg, head_dim) if self.residual else
+                         qbits.direct_bits([cfg.quant_config(r) for r in range(seg.size)], head_dim))
+                total += group * seg.num_loops
+        return total / (2 * num_loops)
+
+    def read_bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
+        """Bits attention reads per cached element, averaged over the loops: a residual loop reads its
+        reference chain (its own codes, metadata and α, then each reference's down to the anchor);
+        without residuals a loop reads what it stores. Ouro's [2,2,2,4] g32: 3.09 stored, 6.47 read."""
+        if not self.residual:
+            return self.bits_per_element(num_loops, head_dim)
+        total = Fraction(0)
+        for seg in base.segments(num_loops, self.group_len):
+            for kind in "kv":
+                cfg = self.group_config(seg.size, kind)
+                for r in range(seg.size):
+                    links = self.chain(cfg, r)
+                    bits = sum(qbits.affine_bits(cfg.quant_config(i), head_dim) for i in links)
+                    if cfg.least_squares:
+                        bits += Fraction(8 * cfg.alpha_dtype.itemsize * (len(links) - 1), head_dim)
+                    total += bits * seg.groups
+        return total / (2 * num_loops)
+
+    def describe(self) -> str:
+        """E.g. "INT2/INT4 g32 codes + fp8 meta + bf16 α, Hadamard-rotated residuals" (K and V schedules
+        spelled apart when they differ)."""
+        def codes(kind):
+            bits, sizes = self.schedule(kind)
+            return (f"{'/'.join(f'INT{b}' for b in sorted(set(bits)))} "
+                    f"{'/'.join(f'g{g}' for g in sorted(set(sizes)))}")
+
+        keys, values = codes("k"), codes("v")
+        spelled = keys if keys == values else f"K {keys}, V {values}"
+        meta = {"float8_e4m3fn": "fp8", "bfloat16": "bf16", "float16": "fp16", "float32": "f32"}.get(
+            self.meta_dtype, self.meta_dtype)
+        out = f"{spelled} codes + {meta} meta" + (" + bf16 super-scale" if self.super_scale else "")
+        if self.residual and self.least_squares:
+            out += " + bf16 α"
+        how = [{"identity": "", "hadamard": "Hadamard-rotated", "random": "randomly rotated"}[self.rotation]]
+        how += ["residuals"] if self.residual else []
+        return out + (f", {' '.join(filter(None, how))}" if any(how) else "")
+
+
+def _per_token(alpha: Float[Array, "b k s"]) -> Float[Array, "b 1 k 1 s"]:
+    """α of each stored token, broadcast against scores [B, T, K, H/K, S]."""
+    return alpha.astype(jnp.float32)[:, None, :, None, :]
+
+
+def _named(name: str, **defaults):
+    def make(**policy) -> LoopQuant:
+        return LoopQuant(**{**defaults, **policy, "name": name})
+
+    make.__doc__ = f"The `{name}` format: `LoopQuant` with defaults {defaults}."
+    return base.register(name)(make)
+
+
+uniform = _named("uniform", bits=(2,), residual=False, rotation="identity")
+rotated = _named("rotated", bits=(2,), residual=False, rotation="hadamard")
+residual_quant = _named("residual")

@@ -1,0 +1,110 @@
+"""The scheme catalog: every cache format the comparisons run, by label, in one place.
+
+A `Scheme` is a table row: a label, the format, what it stores (`CacheFormat.describe`), the ablation
+ladder it belongs to and the rotation's calibration method. The eval table (`table_schemes`), the
+rotation comparison (`calibrated_schemes`), the benchmarks (`BENCH_DECODE`, `BENCH_ATTENTION`) and the
+K/V error report (`kv_error_labels`) all take their rows from `catalog`, so a label means one format
+everywhere.
+
+    catalog((32, 16))     baselines at the first group size (dense bf16, uniform INT4, rotated INT2,
+                          kivi INT2, residual_vq), then per group size g the paper's ladder — direct
+                          INT2 g → +residual α=1 → +LS → +rotation → [2,2,2,4] — and the direct and
+                          rotated [2,2,2,4] ablations
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from rq_jax.cache.base import CacheFormat, get_format
+from rq_jax.cache.dense import Dense
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """A row: its label, the format, the ladder it belongs to ("" for baselines), and the rotation's
+    calibration method ("": the format's default rotation, Hadamard)."""
+
+    label: str
+    fmt: CacheFormat
+    ladder: str = ""
+    method: str = ""
+
+    @property
+    def stored(self) -> str:
+        """What the format stores, in a few words."""
+        return self.fmt.describe()
+
+
+def _ladder(g: int) -> list[Scheme]:
+    ladder = f"g{g}"
+    residual2 = dict(bits=(2, 2, 2, 2), group_size=g)
+    return [Scheme(f"direct INT2 g{g}", get_format("uniform", bits=2, group_size=g), ladder),
+            Scheme(f"+residual α=1 g{g}", get_format("residual", **residual2, least_squares=False,
+                                                      rotation="identity"), ladder),
+            Scheme(f"+LS g{g}", get_format("residual", **residual2, rotation="identity"), ladder),
+            Scheme(f"+rotation g{g}", get_format("residual", **residual2), ladder),
+            Scheme(f"[2,2,2,4] g{g}", get_format("residual", group_size=g), ladder)]
+
+
+def _mixed_direct(g: int) -> list[Scheme]:
+    return [Scheme(f"direct [2,2,2,4] g{g}", get_format("uniform", bits=(2, 2, 2, 4), group_size=g)),
+            Scheme(f"rotated [2,2,2,4] g{g}", get_format("rotated", bits=(2, 2, 2, 4), group_size=g))]
+
+
+def table_schemes(group_sizes: Sequence[int] = (32, 16)) -> list[Scheme]:
+    """The eval table's rows: the baselines at the first group size, then the ladder at each."""
+    g0 = group_sizes[0]
+    rows = [Scheme("dense bf16", Dense("bfloat16")),
+            Scheme("uniform INT4", get_format("uniform", bits=4, group_size=g0)),
+            Scheme("rotated INT2", get_format("rotated", bits=2, group_size=g0)),
+            Scheme("kivi INT2", get_format("kivi", bits=2)),
+            Scheme("residual_vq", get_format("residual_vq"))]
+    for g in group_sizes:
+        rows += _ladder(g)
+    return rows
+
+
+def catalog(group_sizes: Sequence[int] = (32, 16)) -> list[Scheme]:
+    """Every scheme: the table's rows, then the direct and rotated [2,2,2,4] ablations at each group size."""
+    return table_schemes(group_sizes) + [s for g in group_sizes for s in _mixed_direct(g)]
+
+
+def calibrated_schemes(group_sizes: Sequence[int], methods: Sequence[str]) -> list[Scheme]:
+    """Rows of the rotation comparison: direct rotated INT2, residual INT2 and residual [2,2,2,4] at each
+    group size, with each calibration `method` ("oscar", "optr-h") instead of the default Hadamard.
+    OptR-H rows also fit key means (App. G.1)."""
+    rows = []
+    for method in methods:
+        for g in group_sizes:
+            means = dict(key_means=method == "optr-h")
+            rows += [Scheme(f"rotated INT2 g{g} {method}", get_format("rotated", bits=2, group_size=g, **means),
+                            f"g{g}", method),
+                     Scheme(f"+rotation g{g} {method}", get_format("residual", bits=(2, 2, 2, 2), group_size=g,
+                                                                    **means), f"g{g}", method),
+                     Scheme(f"[2,2,2,4] g{g} {method}", get_format("residual", group_size=g, **means), f"g{g}", method)]
+    return rows
+
+
+def pick(labels: Sequence[str], group_sizes: Sequence[int] = (32, 16)) -> list[Scheme]:
+    """The catalog's schemes with these labels, in the order given. Raises ValueError naming an unknown
+    label and the known ones."""
+    known = {s.label: s for s in catalog(group_sizes)}
+    bad = [label for label in labels if label not in known]
+    if bad:
+        raise ValueError(f"unknown scheme {bad[0]!r}; the catalog at group sizes {list(group_sizes)} has: "
+                         f"{', '.join(known)}")
+    return [known[label] for label in labels]
+
+
+#: The decode benchmark's rows (`scripts/bench_decode.py`), at group size 32.
+BENCH_DECODE = ("dense bf16", "direct INT2 g32", "rotated INT2", "kivi INT2", "[2,2,2,4] g32")
+#: The attention benchmark's rows (`scripts/bench_attention.py`): the formats with a fused kernel.
+BENCH_ATTENTION = ("dense bf16", "direct INT2 g32", "rotated INT2", "[2,2,2,4] g32")
+
+
+def kv_error_labels(g: int) -> tuple[str, ...]:
+    """The K/V error report's rows at group size g (`scripts/kv_error.py`; the catalog at (g,))."""
+    return (f"direct INT2 g{g}", "rotated INT2", f"direct [2,2,2,4] g{g}", f"rotated [2,2,2,4] g{g}",
+            f"+residual α=1 g{g}", f"+rotation g{g}", f"[2,2,2,4] g{g}", "residual_vq")

@@ -1,0 +1,1 @@
+"""Performance measurement behind the bench scripts: decode steps (`decode`) and attention (`attention`)."""

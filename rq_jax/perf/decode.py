@@ -1,0 +1,269 @@
+"""Decode throughput and capacity of a cache scheme at a model's shapes: random weights, a cache filled
+through the format's own `write`, the shared decode step compiled and timed, and the largest batch a
+memory budget holds by XLA's own memory analysis. `scripts/bench_decode.py` prints the tables.
+
+The cache is not filled by running the model (a 16k-token prefill at full width takes hours on a CPU):
+random K/V (keys correlated across loops) are written through each format's `write`, in chunks of
+tokens, for one row, and that row is repeated to the batch. A step's time does not depend on the values.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rq_jax import memory
+from rq_jax.cache import base, schemes
+from rq_jax.cache.base import split_loops
+from rq_jax.cache.calib import default_calib
+from rq_jax.cache.kv import cache_nbytes, init_cache
+from rq_jax.config import ModelConfig
+from rq_jax.models import init_model
+from rq_jax.sampling import decode_step
+
+GiB = 2**30
+#: Compiler options of the search's programs on a CPU: LLVM optimisation off (buffer sizes unchanged);
+#: none when XLA_FLAGS already sets the level (the test suite does), so searches and runs share programs.
+SEARCH_OPTIONS = None if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "") else {
+    "xla_backend_optimization_level": 0}
+#: Elements of random K (or V) generated per write call while filling a cache.
+FILL_ELEMENTS = 2**25
+
+
+def greedy_step(graphdef):
+    """jit(params, tokens [B, 1], cache, calib, rng) -> (next tokens [B, 1], cache): `decode_step` then
+    the argmax, the cache donated (updated in place)."""
+
+    def step(params, tokens, cache, calib, rng):
+        out = decode_step(nnx.merge(graphdef, params), tokens[:, 0], cache, calib=calib, rng=rng)
+        return jnp.argmax(out.logits, axis=-1).astype(jnp.int32)[:, None], out.cache
+
+    return jax.jit(step, donate_argnums=2)
+
+
+def prefill_step(graphdef):
+    """jit(params, tokens [B, T], cache, calib, rng) -> (next tokens [B], cache): one model call over the
+    whole prompt into the cache, then the argmax; the cache donated."""
+
+    def step(params, tokens, cache, calib, rng):
+        out = nnx.merge(graphdef, params)(tokens, cache, calib=calib, rng=rng, last_only=True)
+        return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+
+    return jax.jit(step, donate_argnums=2)
+
+
+# ---- caches -----------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="num", donate_argnums=0)
+def _write_chunk(cache, calib, key, start, num: int):
+    """Write `num` random tokens at position `start` of a one-row cache through its formats' `write`."""
+    lengths, num_new = jnp.reshape(start, (1,)), jnp.full((1,), num, jnp.int32)
+
+    def group(name):
+        fmt, segs = cache.schedule(name)
+        layers, kv_heads, dim = cache.slot_dims(name)
+        loops = cache.num_loops if name == "looped" else 1
+        ks, kk, kv = jax.random.split(jax.random.fold_in(key, int(name == "plain")), 3)
+        shared = jax.random.normal(ks, (layers, 1, kv_heads, num, dim))
+        k = shared + 0.3 * jax.random.normal(kk, (loops, layers, 1, kv_heads, num, dim))
+        v = jax.random.normal(kv, (loops, layers, 1, kv_heads, num, dim))
+        part = calib.looped if name == "looped" else calib.plain
+        return tuple(fmt.write(state, split_loops(k, seg), split_loops(v, seg), lengths, num_new,
+                               None if part is None else part[i]).state
+                     for i, (state, seg) in enumerate(zip(cache.stack(name), segs)))
+
+    plain = None if cache.plain is None else group("plain")
+    return cache.replace(looped=group("looped"), plain=plain)
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "context"))
+def repeat_rows(cache, batch: int, context: int):
+    """A one-row cache repeated to `batch` rows: state leaves on their batch axis 2, the per-row
+    counters ([1]: lengths and the like) on axis 0; lengths set to `context`."""
+    looped, plain = jax.tree_util.tree_map(lambda x: jnp.repeat(x, batch, axis=2), (cache.looped, cache.plain))
+    rows = jax.tree_util.tree_map(lambda x: jnp.repeat(x, batch, axis=0), cache.replace(looped=(), plain=None))
+    return rows.replace(looped=looped, plain=plain, lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def filled_row(config: ModelConfig, fmt, calib, context: int, seed: int = 0):
+    """A one-row cache of `context + 1` positions whose first `context` hold random K/V written by
+    `fmt.write` in chunks of tokens (`repeat_rows` makes a batch of it)."""
+    row = jax.jit(lambda: init_cache(config, 1, context + 1, fmt))()
+    per_token = config.num_loops * config.num_layers * config.num_kv_heads * config.head_dim
+    chunk = max(64, min(2048, 2 ** int(math.log2(max(FILL_ELEMENTS // per_token, 1)))))
+    key = jax.random.key(seed)
+    for start in range(0, context, chunk):
+        row = _write_chunk(row, calib, jax.random.fold_in(key, start), jnp.int32(start), min(chunk, context - start))
+    return row
+
+
+@functools.lru_cache(maxsize=None)
+def _scheme_format(label: str) -> base.CacheFormat:
+    (scheme,) = schemes.pick([label])
+    return scheme.fmt
+
+
+# ---- one model --------------------------------------------------------------------------------------
+
+
+class DecodeBench:
+    """One model's random weights, its decode step, and the measurements at (scheme, context, batch).
+
+    `args` carries the run's settings: dtype, weight_dtype, warmup, repeats, machine_gb (see
+    `scripts/bench_decode.py`). Schemes are the catalog's (`rq_jax.cache.schemes`), by label."""
+
+    def __init__(self, label: str, config: ModelConfig, args, run: bool):
+        self.label, self.config, self.args = label, config, args
+        make = functools.partial(init_model, config, dtype=jnp.dtype(args.dtype),
+                                 param_dtype=jnp.dtype(args.weight_dtype))
+        graphdef, self.param_shapes = nnx.split(nnx.eval_shape(make))
+        self.params = nnx.split(make())[1] if run else None
+        self.weights = base.tree_nbytes(self.param_shapes)
+        self.step, self.prefill = greedy_step(graphdef), prefill_step(graphdef)
+        self.rng = jax.random.key(0)
+        self.calibs, self.compiled, self.compile_seconds, self.filled = {}, {}, 0.0, (None, None)
+
+    def calib(self, label: str):
+        """The format's data-free calibration (independent of batch and length), built once."""
+        if label not in self.calibs:
+            shapes = jax.eval_shape(lambda: init_cache(self.config, 1, 1, self.fmt(label)))
+            self.calibs[label] = default_calib(shapes)
+        return self.calibs[label]
+
+    @staticmethod
+    def fmt(label: str) -> base.CacheFormat:
+        return _scheme_format(label)
+
+    def compile(self, label: str, context: int, batch: int, search: bool = False):
+        """(compiled step for abstract inputs, its memory dict, the cache's bytes), kept for reuse. A
+        search compiles with LLVM optimisation off on a CPU (same buffers, faster to compile)."""
+        options = SEARCH_OPTIONS if search and jax.default_backend() == "cpu" else None
+        key = (label, context, batch, tuple(sorted((options or {}).items())))
+        if key not in self.compiled:
+            cache = jax.eval_shape(lambda: init_cache(self.config, batch, context + 1, self.fmt(label)))
+            nbytes = base.tree_nbytes((cache.looped, cache.plain))
+            lowered = self.step.lower(self.param_shapes, jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache,
+                                      self.calib(label), self.rng)
+            start = time.perf_counter()
+            compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+            self.compile_seconds += time.perf_counter() - start
+            self.compiled[key] = compiled, memory.step_memory(compiled, self.weights, nbytes), nbytes
+        return self.compiled[key]
+
+    def prefill_memory(self, label: str, tokens: int) -> dict:
+        """The memory of one prefill call of `tokens` tokens (batch 1) into an empty cache of `tokens + 1`
+        positions, compiled for abstract inputs (with LLVM optimisation off on a CPU, as a search)."""
+        cache = jax.eval_shape(lambda: init_cache(self.config, 1, tokens + 1, self.fmt(label)))
+        lowered = self.prefill.lower(self.param_shapes, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache,
+                                     self.calib(label), self.rng)
+        start = time.perf_counter()
+        options = SEARCH_OPTIONS if jax.default_backend() == "cpu" else None
+        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+        self.compile_seconds += time.perf_counter() - start
+        return memory.step_memory(compiled, self.weights, base.tree_nbytes((cache.looped, cache.plain)))
+
+    def memory(self, label: str, context: int, batch: int) -> dict:
+        """The step's memory at a batch: from a program already compiled for a run, else a search compile."""
+        done = [v for k, v in self.compiled.items() if k[:3] == (label, context, batch)]
+        return done[0][1] if done else self.compile(label, context, batch, search=True)[1]
+
+    def room(self) -> int | None:
+        """Bytes a step may still take beyond the resident weights on this machine."""
+        if self.args.machine_gb:
+            return int(self.args.machine_gb * GiB) - self.weights
+        device = jax.devices()[0]
+        if device.platform != "cpu":
+            stats = device.memory_stats() or {}
+            if "bytes_limit" in stats:
+                return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        avail = memory.available_bytes()
+        return None if avail is None else int(0.6 * avail)
+
+    def tile(self, context: int, batch: int) -> int:
+        """Tokens per context tile of the step's tiled attention (`base.context_tile`, one query per row)."""
+        c = self.config
+        return base.context_tile(batch, 1, c.num_heads, c.num_kv_heads, c.head_dim, context + 1)
+
+    def measure(self, label: str, context: int, batch: int, run: bool = True, filled: int | None = None) -> dict:
+        """Latency, tokens/s, cache bytes and step memory at (format, context, batch), and with `filled`
+        the latency of the same cache holding only `filled` tokens; times None with the reason in `run`
+        when the step is not run (`run` False: compile only)."""
+        row = dict(model=self.label, context=context, batch=batch, format=label, stored=self.fmt(label).describe(),
+                   ms=None, tok_s=None, run="ok", tile=self.tile(context, batch), filled=None, ms_filled=None,
+                   **memory.byte_limits(self.fmt(label), self.config, context))
+        if self.params is None or not run:  # compile only: a search's program has the same buffers
+            mem = self.memory(label, context, batch)
+            return {**row, "cache_nbytes": mem["cache"], "memory": mem, "run": "not run (compile only)"}
+        compiled, mem, nbytes = self.compile(label, context, batch)
+        row.update(cache_nbytes=nbytes, memory=mem)
+        room = self.room()
+        if room is not None and mem["total"] - self.weights > room:
+            row["run"] = f"not run: needs {(mem['total'] - self.weights) / GiB:.1f} GiB beyond the weights, " \
+                         f"this machine has {room / GiB:.1f}"
+            return row
+        start = time.perf_counter()
+        if self.filled[0] != (label, context):  # one filled row kept: the batches of a format and context share it
+            self.filled = (label, context), None
+            self.filled = (label, context), filled_row(self.config, self.fmt(label), self.calib(label), context)
+        cache = jax.block_until_ready(repeat_rows(self.filled[1], batch, context))
+        kept = {x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(self.filled[1])}
+        if any(x.unsafe_buffer_pointer() in kept for x in jax.tree_util.tree_leaves(cache)):
+            cache = jax.tree_util.tree_map(jnp.copy, cache)  # the step donates its cache: never the kept row
+        row["fill_s"] = time.perf_counter() - start
+        row["cache_nbytes"] = cache_nbytes(cache)
+        tokens = jnp.zeros((batch, 1), jnp.int32)
+        begin = time.perf_counter()
+        for held in (context, filled) if filled is not None and filled < context else (context,):
+            times = []
+            for i in range(self.args.warmup + self.args.repeats):
+                cache = cache.replace(lengths=jnp.full((batch,), held, jnp.int32))  # a fresh buffer: donated
+                start = time.perf_counter()
+                tokens, cache = jax.block_until_ready(compiled(self.params, tokens, cache, self.calib(label), self.rng))
+                if i >= self.args.warmup:
+                    times.append(time.perf_counter() - start)
+            if held == context:
+                row["ms"], row["tok_s"] = 1e3 * statistics.median(times), batch / statistics.median(times)
+            else:
+                row["filled"], row["ms_filled"] = held, 1e3 * statistics.median(times)
+        del cache
+        row["run_s"] = time.perf_counter() - begin
+        return row
+
+    def largest_batch(self, label: str, context: int, budget: int, cap: int) -> dict:
+        """The largest batch whose compiled step fits `budget` bytes, with its memory and b + 1's."""
+        memories = {}
+
+        def total(b):
+            memories[b] = self.memory(label, context, b)
+            return memories[b]["total"]
+
+        best, seen = memory.largest_fitting(total, budget, cap)
+        at, after = memories.get(best), memories.get(best + 1)
+        return dict(model=self.label, context=context, format=label, budget=budget, max_batch=best,
+                    memory=at, next_batch=best + 1 if best + 1 in seen else None, next_memory=after,
+                    totals={b: seen[b] for b in sorted(seen)},
+                    per_row=None if at is None or after is None else after["total"] - at["total"],
+                    cache_per_row=None if at is None else at["cache"] / best,
+                    temp_per_row=None if at is None else at["temp"] / best,
+                    **memory.byte_limits(self.fmt(label), self.config, context))
+
+
+def describe_device() -> str:
+    """The device in words: the CPU's model name and core count, or the accelerator's kind."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        return f"{device.device_kind} ({device.platform}, {jax.device_count()} device(s))"
+    info = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.exists() else [])
+             if line.startswith("model name")]
+    return f"cpu ({names[0] if names else platform.processor()}, {os.cpu_count()} cores)"

@@ -1,0 +1,59 @@
+"""Prometheus metrics of a serving engine (prometheus-client, on a registry of its own)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+#: Latency buckets (seconds) from a millisecond to a minute.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PREFIX = "rq_serve_"
+
+
+class ServeMetrics:
+    """Gauges of the engine's state, counters of tokens and requests, latency histograms.
+
+    running / waiting requests, slots used / total, cache bytes of the used slots and what a dense
+    bf16 cache would take for them, prompt / generated tokens, finished requests by reason, values the
+    cache could not store (`KVCache.out_of_range` of finished requests), time to first token,
+    inter-token latency and end-to-end latency.
+    """
+
+    def __init__(self, model_name: str, cache_format: str):
+        self.registry = CollectorRegistry()
+        labels = dict(labelnames=("model", "cache"), registry=self.registry)
+        self._labels = dict(model=model_name, cache=cache_format)
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, **labels).labels(**self._labels)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, **labels).labels(**self._labels)
+
+        def histogram(name, doc):
+            return Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, **labels).labels(**self._labels)
+
+        self.running = gauge("requests_running", "requests holding a decode slot (prefill included)")
+        self.waiting = gauge("requests_waiting", "requests queued for a slot")
+        self.slots_used = gauge("slots_used", "decode slots holding a request")
+        self.slots_total = gauge("slots_total", "decode slots of the batched cache")
+        self.cache_bytes = gauge("cache_bytes_in_use", "KV cache bytes of the used slots (the arrays' own bytes)")
+        self.dense_bytes = gauge("cache_dense_bf16_equivalent_bytes", "what a dense bf16 cache would take for them")
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens prefilled")
+        self.generated_tokens = counter("generation_tokens", "tokens generated")
+        self.out_of_range = counter("cache_out_of_range_values",
+                                    "values the cache could not store (metadata out of range, non-finite K/V)")
+        self._finished = Counter(PREFIX + "requests_finished", "finished requests by reason",
+                                 labelnames=("model", "cache", "reason"), registry=self.registry)
+        for reason in ("stop", "length", "cancelled"):  # exported at 0 from the start
+            self._finished.labels(**self._labels, reason=reason)
+        self.ttft = histogram("time_to_first_token_seconds", "arrival to first token")
+        self.itl = histogram("inter_token_latency_seconds", "time between a request's consecutive tokens")
+        self.e2e = histogram("e2e_request_latency_seconds", "arrival to last token")
+
+    def finished(self, reason: str) -> None:
+        """Count a finished request (reason: stop, length, cancelled)."""
+        self._finished.labels(**self._labels, reason=reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

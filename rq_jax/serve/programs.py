@@ -1,0 +1,190 @@
+"""The serving engine's compiled pieces: pure functions over a batched `KVCache` whose rows are decode slots.
+
+    prefill_chunk   one request's prompt chunk [1, T] into its staging row, a dense cache in the compute
+                    dtype (every chunk reads the earlier ones exactly as its own in-flight K/V)
+    encode_row      the staged prompt written once into a row of the served format (one `write`, as a
+                    single-call prefill writes it)
+    insert_rows     a row cache into slot i of the batched cache: every leaf's batch axis
+    decode_slots    one token for every slot of the first R (`rq_jax.sampling.decode_step`, the Sampler's),
+                    each with its own sampling parameters and PRNG key
+
+`model` is the merged model and `model_kwargs` its static keywords; the engine jits these with them.
+Each slot follows the `Sampler`'s PRNG chain for its request alone — `rng, model_rng, pick_rng =
+split(key, 3)` per call — so a request's tokens never depend on its batch-mates.
+
+Shapes: B slots · T chunk tokens · V vocab · n `TOP_LOGPROBS`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Bool, Float, Int
+
+from rq_jax import sampling
+from rq_jax.cache import base
+from rq_jax.cache.calib import CacheCalib
+from rq_jax.cache.context import CacheContext
+from rq_jax.cache.kv import KVCache, init_cache
+from rq_jax.config import ModelConfig
+
+#: Alternatives reported per token (OpenAI's completions allow up to 5).
+TOP_LOGPROBS = 5
+
+@struct.dataclass
+class Slots:
+    """Per-slot decode inputs: each slot's last token and its request's sampling parameters and key."""
+
+    last: Int[Array, "b"]
+    temperature: Float[Array, "b"]
+    top_k: Int[Array, "b"]
+    top_p: Float[Array, "b"]
+    rng: jax.Array  # [B] PRNG keys
+
+
+class Picked(NamedTuple):
+    """Chosen tokens [B], their log-probabilities under the model (log-softmax of the raw logits) [B],
+    and the n most likely tokens with theirs [B, n]."""
+
+    tokens: Int[Array, "b"]
+    logprob: Float[Array, "b"]
+    top_ids: Int[Array, "b n"]
+    top_logprobs: Float[Array, "b n"]
+
+
+class PromptLogprobs(NamedTuple):
+    """Per chunk position t: log-probability of the prompt's token t + 1 [1, T] and the top n [1, T, n]."""
+
+    logprob: Float[Array, "1 t"]
+    top_ids: Int[Array, "1 t n"]
+    top_logprobs: Float[Array, "1 t n"]
+
+
+def empty_slots(num_slots: int) -> Slots:
+    """Slots holding nothing (greedy, key 0)."""
+    return Slots(jnp.zeros((num_slots,), jnp.int32), jnp.zeros((num_slots,), jnp.float32),
+                 jnp.zeros((num_slots,), jnp.int32), jnp.ones((num_slots,), jnp.float32),
+                 jax.random.split(jax.random.key(0), num_slots))
+
+
+def top_logprobs(logits: Float[Array, "... v"]) -> tuple[Float[Array, "... v"], Int[Array, "... n"],
+                                                         Float[Array, "... n"]]:
+    """Log-softmax of `logits` and its `TOP_LOGPROBS` largest entries (ids, values)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    values, ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+    return logp, ids.astype(jnp.int32), values
+
+
+def choose(logits: Float[Array, "b v"], slots: Slots, keys: jax.Array) -> Picked:
+    """Each row's token under its own parameters and pick key [B], with log-probabilities: argmax at
+    temperature 0, else a draw from `sampling.restrict_logits` of its row as a batch of one row (the
+    Sampler's draw for a one-prompt batch)."""
+    restricted = sampling.restrict_logits(logits, jnp.where(slots.temperature > 0, slots.temperature, 1.0),
+                                          slots.top_k, slots.top_p)
+
+    def draw(key, row):
+        return jax.random.categorical(key, row[None], axis=-1)[0]
+
+    sampled = jax.vmap(draw)(keys, restricted).astype(jnp.int32)
+    tokens = jnp.where(slots.temperature > 0, sampled, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    logp, ids, values = top_logprobs(logits)
+    return Picked(tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0], ids, values)
+
+
+def request_keys(seed: Int[Array, ""]) -> jax.Array:
+    """A request's (rng, model_rng, pick_rng) of its prefill, as the Sampler splits `key(seed)`: [3] keys."""
+    return jax.random.split(jax.random.key(seed), 3)
+
+
+def prefill_chunk(model, echo: bool, tokens: Int[Array, "1 t"], num_new: Int[Array, "1"], stage: KVCache,
+                  model_rng: jax.Array, slot: Slots, pick_rng: jax.Array, targets: Int[Array, "1 t"] | None = None,
+                  **model_kwargs) -> tuple[KVCache, Picked, PromptLogprobs | None]:
+    """Run a prompt chunk (num_new[0] of its T tokens real) into the staging row `stage`; the token
+    chosen after its last real token under the one-row sampling `slot` (used after the prompt's last
+    chunk) and, with `echo`, the log-probabilities of `targets` (the prompt's next tokens) at every
+    position."""
+    out = model(tokens, stage, num_new=num_new, rng=model_rng, last_only=not echo, **model_kwargs)
+    logits, prompt = out.logits, None
+    if echo:
+        logp, ids, values = top_logprobs(logits)
+        prompt = PromptLogprobs(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], ids, values)
+        logits = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    return out.cache, choose(logits, slot, pick_rng[None]), prompt
+
+
+def encode_row(config: ModelConfig, fmt, plain_fmt, stage: KVCache, calib: CacheCalib | None) -> KVCache:
+    """The staged prompt (dense, compute dtype) as a one-row cache of `fmt` (`plain_fmt` for Huginn's
+    prelude/coda): every loop's K/V written in one call, as a single-call prefill writes them."""
+    row = init_cache(config, 1, stage.max_len, fmt, num_loops=stage.num_loops, plain_fmt=plain_fmt)
+    ctx = CacheContext.build(row, stage.lengths, stage.max_len, calib)
+    k, v = stage.dense_kv("looped")
+    looped = tuple((base.split_loops(k, seg), base.split_loops(v, seg)) for seg in row.schedule("looped")[1])
+    plain = None
+    if row.plain is not None:
+        (seg,) = row.schedule("plain")[1]
+        plain = tuple(base.split_loops(x, seg) for x in stage.dense_kv("plain"))
+    return ctx.finish(looped, plain)[0]
+
+
+def _rows(cache: KVCache, fn, *others: KVCache) -> KVCache:
+    """`cache` with `fn(axis, leaf, *other_leaves)` applied to every leaf along its batch axis: the state
+    leaves [G, N, B, K, S, ...] along axis 2, the per-row counters along axis 0."""
+    def along(axis):
+        return functools.partial(jax.tree_util.tree_map, functools.partial(fn, axis))
+
+    state, per_row = along(2), along(0)
+    return cache.replace(looped=state(cache.looped, *(c.looped for c in others)),
+                         plain=None if cache.plain is None else state(cache.plain, *(c.plain for c in others)),
+                         lengths=per_row(cache.lengths, *(c.lengths for c in others)),
+                         overflow=per_row(cache.overflow, *(c.overflow for c in others)),
+                         out_of_range=per_row(cache.out_of_range, *(c.out_of_range for c in others)),
+                         steps=None if cache.steps is None else per_row(cache.steps, *(c.steps for c in others)))
+
+
+def insert_rows(cache: KVCache, rows: KVCache, start: Int[Array, ""]) -> KVCache:
+    """`cache` with rows [start, start + R) replaced by the R-row cache `rows` (same format and length)."""
+    def put(axis, big, small):
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), start, axis)
+
+    return _rows(cache, put, rows)
+
+
+def first_rows(cache: KVCache, count: int) -> KVCache:
+    """Rows [0, count) of `cache` (`count` static)."""
+    def take(axis, leaf):
+        return jax.lax.slice_in_dim(leaf, 0, count, axis=axis)
+
+    return _rows(cache, take)
+
+
+def insert_slot(slots: Slots, slot: Int[Array, ""], first: Int[Array, "1"], request: Slots) -> Slots:
+    """`slots` with slot `slot` set to a new request's first token [1] and its one-row sampling `request`."""
+    def put(big, small):
+        return big.at[slot].set(small[0])
+
+    return jax.tree_util.tree_map(put, slots, request.replace(last=first))
+
+
+def decode_slots(model, calib: CacheCalib | None, cache: KVCache, slots: Slots, active: Bool[Array, "r"],
+                 **model_kwargs) -> tuple[KVCache, Slots, Picked]:
+    """One token for every active slot among the first R (R = len(active), static; the inactive ones and
+    the slots past R compute and store nothing): the shared decode step on each slot's last token
+    with its model key, then each slot's choice under its own parameters and pick key. Picked: [R]."""
+    count = active.shape[0]
+    part = cache if count == cache.lengths.shape[0] else first_rows(cache, count)
+    mine = jax.tree_util.tree_map(lambda x: x[:count], slots)
+    keys = jax.vmap(functools.partial(jax.random.split, num=3))(mine.rng)
+    out = sampling.decode_step(model, mine.last, part, calib=calib, rng=keys[:, 1], active=active, **model_kwargs)
+    picked = choose(out.logits, mine, keys[:, 2])
+    mine = mine.replace(last=jnp.where(active, picked.tokens, mine.last), rng=keys[:, 0])
+    if count < cache.lengths.shape[0]:
+        out = out._replace(cache=insert_rows(cache, out.cache, jnp.int32(0)))
+
+    def put(big, small):
+        return jax.lax.dynamic_update_slice_in_dim(big, small, 0, 0)
+
+    return out.cache, jax.tree_util.tree_map(put, slots, mine), picked

@@ -1,0 +1,313 @@
+"""Load-test scripts/serve.py: dense bf16 against residual [2,2,2,4] at one cache budget, in one run.
+
+    python scripts/bench_serve.py --out docs/bench_serve              # Ouro-small, the vLLM comparison workload
+
+For each cache format it starts the server on 127.0.0.1 twice (cold, then with the compile cache the
+cold start filled, to time both start-ups), then drives it with an async load generator (httpx,
+streamed completions) over held-out sums in the models' format (12-token prompts):
+fixed-concurrency points (`--concurrency`, `max` = every slot the budget holds) and Poisson arrival
+rates (`--rates`), each bounded by `--requests` and `--max-seconds`. Every request asks for exactly
+`--max-tokens` tokens (greedy, `ignore_eos`). Per request: time to first token, inter-token latency,
+end to end; per point: output tok/s, req/s, peak concurrent sequences (the server's slots_used, polled)
+and medians / p99. Writes PREFIX.md (tables), PREFIX.json and PREFIX.png (throughput and p99 latency
+against offered load).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+from rq_jax.cli import positive_int
+from rq_jax.data import Addition
+from rq_jax.tokenizer import load_tokenizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+#: The cache formats compared: label -> serve.py options.
+FORMATS = {"dense bf16": ["--cache", "dense"], "residual [2,2,2,4]": ["--cache", "residual"]}
+#: vLLM 0.32's CPU build serving checkpoints/ouro-small on this 2-core machine (issue 24; not rerun here).
+VLLM = {"c1_tok_s": "282-380", "c1_ttft_ms": "7-9", "c32_tok_s": "1,430-1,640", "c32_ttft_ms": "67-90",
+        "startup_cold_s": "78", "startup_cached_s": "40", "rss_gb": "3.3"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("ouro", "huginn"), default="ouro")
+    p.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "ouro-small"))
+    p.add_argument("--memory-gb", type=float, default=0.004, help="the one cache budget of every format")
+    p.add_argument("--max-len", type=positive_int, default=32)
+    p.add_argument("--max-tokens", type=positive_int, default=8)
+    p.add_argument("--concurrency", default="1,32,max", help="fixed-concurrency points ('max': every slot)")
+    p.add_argument("--rates", default="25,100", help="Poisson arrival rates, requests/s")
+    p.add_argument("--requests", type=positive_int, default=64, help="requests per point (at most)")
+    p.add_argument("--max-seconds", type=float, default=60.0, help="time per point (at most)")
+    p.add_argument("--out", default="bench_serve", help="output prefix (.md, .json, .png)")
+    return p.parse_args(argv)
+
+
+class Server:
+    """scripts/serve.py on a free 127.0.0.1 port; `startup` seconds from spawn to /health 200."""
+
+    def __init__(self, args, extra: list[str], compile_cache: str):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), "--model", args.model, "--checkpoint",
+               args.checkpoint, *extra, "--memory-gb", str(args.memory_gb), "--max-len", str(args.max_len),
+               "--max-waiting", "4096", "--compile-cache", compile_cache, "--host", "127.0.0.1",
+               "--port", str(self.port)]
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
+        while True:
+            if self.proc.poll() is not None or time.perf_counter() - start > 600:
+                self.stop()
+                sys.exit(f"serve.py did not start:\n{open(self.log.name).read()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.startup = time.perf_counter() - start
+
+    def metric(self, name: str) -> float:
+        return metric(httpx.get(self.url + "/metrics", timeout=10).text, name)
+
+    def rss_gb(self) -> float:
+        """Peak resident memory of the server process (VmHWM)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return kb / 2**20
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples in Prometheus text."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^rq_serve_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+    """A streamed completion: time to first token, the gaps between tokens, end to end, tokens received
+    (counted from the chunks' token ids; a chunk carries the tokens of one engine step)."""
+    start = time.perf_counter()
+    times = []
+    body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True, logprobs=0,
+                return_tokens_as_token_ids=True)
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return dict(error=r.status_code)
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:])["choices"]
+                now = time.perf_counter()
+                times += [now] * len(choices[0]["logprobs"]["tokens"] if choices else [])
+    if not times:
+        return dict(error="no tokens")
+    return dict(ttft=times[0] - start, itl=list(np.diff(times)), e2e=times[-1] - start, tokens=len(times))
+
+
+async def run_point(server: Server, prompts: list[str], args, concurrency: int | None = None,
+                    rate: float | None = None) -> dict:
+    """One load point: fixed `concurrency`, or Poisson arrivals at `rate` requests/s."""
+    rng = np.random.default_rng(0)
+    peak = 0
+    done = asyncio.Event()
+
+    async def watch():
+        nonlocal peak
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+            while not done.is_set():
+                peak = max(peak, int(metric((await http.get("/metrics")).text, "slots_used")))
+                await asyncio.sleep(0.05)
+
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
+    async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
+        watcher = asyncio.create_task(watch())
+        start = time.perf_counter()
+        deadline = start + args.max_seconds
+        tasks = []
+        if concurrency is not None:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def gated(p):
+                async with gate:
+                    if time.perf_counter() > deadline:
+                        return None
+                    return await one_request(http, p, args.max_tokens)
+
+            tasks = [asyncio.create_task(gated(p)) for p in prompts]
+        else:
+            for p in prompts:
+                if time.perf_counter() > deadline:
+                    break
+                tasks.append(asyncio.create_task(one_request(http, p, args.max_tokens)))
+                await asyncio.sleep(rng.exponential(1 / rate))
+        results = [r for r in await asyncio.gather(*tasks) if r is not None]
+        wall = time.perf_counter() - start
+        done.set()
+        await watcher
+    ok = [r for r in results if "error" not in r]
+    itl = [x for r in ok for x in r["itl"]]
+
+    def ms(values, q):
+        return float(np.percentile(values, q) * 1e3) if values else float("nan")
+
+    return dict(concurrency=concurrency, rate=rate, requests=len(ok), errors=len(results) - len(ok), wall_s=wall,
+                output_tok_s=sum(r["tokens"] for r in ok) / wall, req_s=len(ok) / wall, peak_sequences=peak,
+                ttft_ms_p50=ms([r["ttft"] for r in ok], 50), ttft_ms_p99=ms([r["ttft"] for r in ok], 99),
+                itl_ms_p50=ms(itl, 50), itl_ms_p99=ms(itl, 99), e2e_ms_p50=ms([r["e2e"] for r in ok], 50),
+                e2e_ms_p99=ms([r["e2e"] for r in ok], 99))
+
+
+def bench_format(label: str, args, prompts: list[str], cache_dir: str) -> dict:
+    """Start-ups (cold, then from the compile cache the cold start filled) and every load point of one format."""
+    out = dict(format=label, points=[])
+    cold = Server(args, FORMATS[label], cache_dir)
+    out["startup_cold_s"] = cold.startup
+    cold.stop()
+    server = Server(args, FORMATS[label], cache_dir)
+    out["startup_s"] = server.startup
+    out["slots"] = int(server.metric("slots_total"))
+    print(f"{label}: {out['slots']} slots, started in {out['startup_cold_s']:.1f} s cold, {server.startup:.1f} s "
+          "from the compile cache", flush=True)
+    try:
+        for c in args.concurrency.split(","):
+            c = out["slots"] if c == "max" else int(c)
+            point = asyncio.run(run_point(server, prompts[: max(args.requests, c)], args, concurrency=c))
+            out["points"].append(point)
+            print(f"  concurrency {c}: {point['output_tok_s']:,.0f} tok/s, TTFT p50 {point['ttft_ms_p50']:.1f} ms, "
+                  f"peak {point['peak_sequences']} sequences", flush=True)
+        for rate in map(float, args.rates.split(",")):
+            point = asyncio.run(run_point(server, prompts[: args.requests], args, rate=rate))
+            out["points"].append(point)
+            print(f"  {rate:g} req/s: {point['output_tok_s']:,.0f} tok/s, e2e p99 {point['e2e_ms_p99']:.0f} ms",
+                  flush=True)
+        out["rss_gb"] = server.rss_gb()
+    finally:
+        server.stop()
+    return out
+
+
+def row(*cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def markdown(runs: list[dict], args) -> str:
+    lines = [f"Ouro-small ({args.checkpoint}), {args.max_len}-token slots at a {args.memory_gb} GiB cache budget, "
+             f"12-token prompts, {args.max_tokens} output tokens (greedy, ignore_eos); medians and p99 of one run.",
+             "", row("format", "load", "requests", "output tok/s", "req/s", "peak sequences", "TTFT p50 / p99 ms",
+                     "ITL p50 / p99 ms", "e2e p50 / p99 ms"), row(*["---"] * 9)]
+    for run in runs:
+        for p in run["points"]:
+            load = f"concurrency {p['concurrency']}" if p["concurrency"] else f"Poisson {p['rate']:g} req/s"
+            lines.append(row(run["format"], load, p["requests"], f"{p['output_tok_s']:,.0f}", f"{p['req_s']:.1f}",
+                             p["peak_sequences"], f"{p['ttft_ms_p50']:.1f} / {p['ttft_ms_p99']:.1f}",
+                             f"{p['itl_ms_p50']:.1f} / {p['itl_ms_p99']:.1f}",
+                             f"{p['e2e_ms_p50']:.0f} / {p['e2e_ms_p99']:.0f}"))
+    dense, residual = runs[0], runs[-1]
+
+    def at(run, c):
+        return next((p for p in run["points"] if p["concurrency"] == c), None)
+
+    def sat(run):
+        return max(p["output_tok_s"] for p in run["points"])
+
+    def peak(run):
+        return max(p["peak_sequences"] for p in run["points"])
+
+    lines += ["", row("", "slots at the budget", "peak concurrent sequences", "saturated output tok/s",
+                      "start-up s (cold / compile cache)", "peak RSS GB"), row(*["---"] * 6)]
+    for run in runs:
+        lines.append(row(run["format"], run["slots"], peak(run), f"{sat(run):,.0f}",
+                         f"{run['startup_cold_s']:.1f} / {run['startup_s']:.1f}", f"{run['rss_gb']:.2f}"))
+    lines.append(row("residual / dense", f"{residual['slots'] / dense['slots']:.2f}x",
+                     f"{peak(residual) / peak(dense):.2f}x", f"{sat(residual) / sat(dense):.2f}x", "", ""))
+    c1, c32, r1, r32 = at(dense, 1), at(dense, 32), at(residual, 1), at(residual, 32)
+    if c1 and c32 and r1 and r32:
+        lines += ["", "The vLLM comparison workload (vLLM's figures quoted from issue 24, not rerun here):", "",
+                  row("", "vLLM 0.32 CPU (bf16 KV)", "rq_jax dense bf16", "rq_jax residual [2,2,2,4]"),
+                  row(*["---"] * 4),
+                  row("output tok/s, concurrency 1", VLLM["c1_tok_s"], f"{c1['output_tok_s']:,.0f}",
+                      f"{r1['output_tok_s']:,.0f}"),
+                  row("TTFT ms (p50), concurrency 1", VLLM["c1_ttft_ms"], f"{c1['ttft_ms_p50']:.1f}",
+                      f"{r1['ttft_ms_p50']:.1f}"),
+                  row("output tok/s, concurrency 32", VLLM["c32_tok_s"], f"{c32['output_tok_s']:,.0f}",
+                      f"{r32['output_tok_s']:,.0f}"),
+                  row("TTFT ms (p50), concurrency 32", VLLM["c32_ttft_ms"], f"{c32['ttft_ms_p50']:.1f}",
+                      f"{r32['ttft_ms_p50']:.1f}"),
+                  row("start-up s, cold / compile cache", f"{VLLM['startup_cold_s']} / {VLLM['startup_cached_s']}",
+                      f"{dense['startup_cold_s']:.1f} / {dense['startup_s']:.1f}",
+                      f"{residual['startup_cold_s']:.1f} / {residual['startup_s']:.1f}"),
+                  row("peak RSS GB", VLLM["rss_gb"], f"{dense['rss_gb']:.2f}", f"{residual['rss_gb']:.2f}")]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        for kind, marker in (("concurrency", "o"), ("rate", "s")):
+            pts = [p for p in run["points"] if p[kind]]
+            offered = [p["req_s"] if kind == "concurrency" else p["rate"] for p in pts]
+            order = np.argsort(offered)
+            x = np.asarray(offered)[order]
+            label = f"{run['format']}, {'fixed concurrency' if kind == 'concurrency' else 'Poisson'}"
+            a.plot(x, np.asarray([p["output_tok_s"] for p in pts])[order], marker=marker, label=label)
+            b.plot(x, np.asarray([p["e2e_ms_p99"] for p in pts])[order], marker=marker, label=label)
+    a.set(xlabel="offered load (requests/s: achieved for fixed concurrency, arrival rate for Poisson)",
+          ylabel="output tokens/s", title="throughput")
+    b.set(xlabel="offered load (requests/s)", ylabel="end-to-end latency p99 (ms)", title="p99 latency", yscale="log")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_serve.py: terminated"))  # servers stopped on the way out
+    tokenizer = load_tokenizer(args.checkpoint)
+    need = max(args.requests, 4096)
+    prompts = [tokenizer.decode(list(e.prompt())) for e in Addition().examples("eval", min(need, 1024))]
+    prompts = (prompts * (need // len(prompts) + 1))[:need]
+    runs = []
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for i, label in enumerate(FORMATS):
+            runs.append(bench_format(label, args, prompts, os.path.join(cache_dir, str(i))))
+    table = markdown(runs, args)
+    print(table)
+    pathlib.Path(args.out + ".md").write_text(table)
+    pathlib.Path(args.out + ".json").write_text(json.dumps(dict(args=vars(args), runs=runs, vllm=VLLM), indent=2))
+    plot(runs, args.out + ".png")
+
+
+if __name__ == "__main__":
+    main()
