@@ -160,9 +160,7 @@ MATRIX = ISSUE_TABLE + _matrix()
 BY_NAME = {c.name: c for c in MATRIX}
 
 #: Compiled on every test run (tests/kernels/test_compile.py), for both targets: the issue's table, then
-#: the heaviest of the rest: Huginn's head dim with the longest g16 chain at a full 64-row block, the
-#: largest codes (INT8), float32 metadata on a 4-link chain, and dense float32 K/V at 64 rows. The rest of
-#: MATRIX is compiled by scripts/kernel_report.py (or RQ_KERNEL_COMPILE=all).
-CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + (
-    "d96-r64-int2g16-int2g16-int2g16-int4g16", "d128-r1-int8g32",
-    "d128-r1-int2g32-int2g32-int2g32-int4g32-float32meta", "dense-d96-r64-float32kv")
+#: the largest codes (INT8) and dense float32 K/V at 64 rows: 20 compiles, which keeps a cold cache near
+#: two minutes (docs/performance.md). The rest of MATRIX, the `launch.SPILLING` classes included (strict
+#: xfail), is compiled by scripts/kernel_report.py or RQ_KERNEL_COMPILE=all.
+CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + ("d128-r1-int8g32", "dense-d96-r64-float32kv")
