@@ -161,6 +161,6 @@ BY_NAME = {c.name: c for c in MATRIX}
 
 #: Compiled on every test run (tests/kernels/test_compile.py), for both targets: the issue's table, then
 #: the largest codes (INT8) and dense float32 K/V at 64 rows: 20 compiles, which keeps a cold cache near
-#: two minutes (docs/performance.md). The rest of MATRIX, the `launch.SPILLING` classes included (strict
+#: two minutes (docs/performance.md). The rest of MATRIX, the `launch.SPILLING` classes included (as
 #: xfail), is compiled by scripts/kernel_report.py or RQ_KERNEL_COMPILE=all.
 CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + ("d128-r1-int8g32", "dense-d96-r64-float32kv")

@@ -44,7 +44,7 @@ FALLBACK = Launch(16, 4, 2, 16)
 #: Classes where no candidate compiles without spilling: 3- and 4-link g16 chains at head dims 96 and
 #: 128 still spill 8 B stored / 4 B loaded at 255 registers with 16-token tiles, 16 rows and 8 warps (and
 #: with num_stages 1). They run with that least-spilling candidate; getting them to 0 needs the kernel's
-#: g16 key path restructured. tests/kernels/test_compile.py expects them to fail (strict xfail).
+#: g16 key path restructured. tests/kernels/test_compile.py marks their configurations xfail.
 SPILLING = frozenset(LaunchKey("residual", d, n, 16, r)
                      for d, n in ((96, 4), (128, 3), (128, 4)) for r in ROW_BLOCKS)
 SPILLING_LAUNCH = Launch(16, 8, 2, 16)
