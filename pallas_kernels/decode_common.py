@@ -1,5 +1,6 @@
 """Machinery shared by the decode-attention kernels: Triton-backend compatibility, the split-K plan
-(block sizes per shape), in-kernel helpers, and the log-sum-exp combine of the splits.
+(split count per shape; block sizes and warps come from `pallas_kernels.launch`), in-kernel helpers,
+and the log-sum-exp combine of the splits.
 
 Every kernel here is flash-decoding: the grid is (batch, kv head, query-row block, split); each program
 walks its split of the stored sequence tile by tile with an online softmax and writes an unnormalised
@@ -77,30 +78,13 @@ class DecodePlan(NamedTuple):
     num_stages: int
 
 
-def default_block_s(streams: int, head_dim: int) -> int:
-    """Tokens per tile, by the number of packed streams a tile reads and the head dim.
-
-    | kernel                           | block_s |
-    |----------------------------------|---------|
-    | dense, D <= 64                   | 128     |
-    | dense, D > 64                    | 64      |
-    | quantized, one stream per K/V    | 64      |
-    | quantized, a chain of 2+ streams | 32      |
-
-    The quantized kernels keep one accumulator per channel piece and a reconstructed score tile per
-    chain link, so longer chains get shorter tiles to stay within registers. These are starting points
-    chosen without a GPU at hand: `scripts/bench_attention.py --block-s/--num-splits` overrides them
-    for tuning.
-    """
-    if streams == 0:  # dense
-        return 128 if head_dim <= 64 else 64
-    return 64 if streams == 1 else 32
-
-
 def plan_decode(batch: int, kv_heads: int, rows: int, seq_len: int, *, block_s: int,
-                num_splits: int | None = None, block_r: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None) -> DecodePlan:
+                num_splits: int | None = None, block_r: int | None = None, num_warps: int = 4,
+                num_stages: int = 2, max_block_r: int = MAX_BLOCK_R) -> DecodePlan:
     """Choose the split count and row block for a [batch, kv_heads, rows] x seq_len decode call.
+
+    block_r (default): the rows rounded up to a power of two >= 16, at most max_block_r (more rows get
+    more programs along the row-block grid axis).
 
     num_splits (default): the power of two that brings batch * kv_heads * row_blocks * splits to
     about TARGET_PROGRAMS, capped so every split still has MIN_TILES_PER_SPLIT tiles. The plan is
@@ -109,7 +93,7 @@ def plan_decode(batch: int, kv_heads: int, rows: int, seq_len: int, *, block_s: 
     """
     if block_s < 16 or block_s != next_pow2(block_s):
         raise NotImplementedError(f"block_s={block_s}: Triton needs a power of two >= 16")
-    block_r = block_r or min(next_pow2(max(rows, 16)), MAX_BLOCK_R)
+    block_r = block_r or min(next_pow2(max(rows, 16)), max_block_r)
     if block_r < 16 or block_r != next_pow2(block_r):
         raise NotImplementedError(f"block_r={block_r}: Triton needs a power of two >= 16")
     tiles = max(1, math.ceil(seq_len / block_s))
@@ -120,27 +104,45 @@ def plan_decode(batch: int, kv_heads: int, rows: int, seq_len: int, *, block_s: 
     num_splits = max(1, min(int(num_splits), tiles))
     split_len = math.ceil(tiles / num_splits) * block_s
     num_splits = math.ceil(max(seq_len, 1) / split_len)
-    return DecodePlan(block_s, split_len, num_splits, block_r, num_warps or 4, num_stages or 2)
+    return DecodePlan(block_s, split_len, num_splits, block_r, num_warps, num_stages)
 
 
 # ---- in-kernel helpers ------------------------------------------------------------------------------
 
 
-def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """x as hi + lo, both bfloat16 (lo None when x is bfloat16 already): a float32 operand of a
-    tensor-core dot at ~16 mantissa bits instead of tf32's 10."""
+def split_bf16(x: jax.Array, exact: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """x as hi + lo, both bfloat16, to ~2^-16 relative (lo is None when x is bfloat16 already or the
+    caller knows it `exact` in bfloat16): a float32 operand of a tensor-core dot at ~16 mantissa bits
+    instead of tf32's 10."""
     if x.dtype == jnp.bfloat16:
         return x, None
     hi = x.astype(jnp.bfloat16)
-    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    return hi, None if exact else (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def dot_split(a: tuple[jax.Array, jax.Array | None], b: jax.Array, *, trans_b: bool = False) -> jax.Array:
-    """float32 a @ b (or a @ b.T) for `a = split_bf16(x)` and a bfloat16 `b` that is exact in bfloat16
-    (integer codes, bf16 cache entries): one or two bf16 dots with float32 accumulation."""
-    hi, lo = a
-    out = dot(hi, b, trans_b=trans_b)
-    return out if lo is None else out + dot(lo, b, trans_b=trans_b)
+def dot_split(a: tuple[jax.Array, jax.Array | None], b: tuple[jax.Array, jax.Array | None], *,
+              trans_b: bool = False) -> jax.Array:
+    """float32 a @ b (or a @ b.T) for split operands `a = split_bf16(x)`, `b = split_bf16(y)`: bf16 dots
+    with float32 accumulation, hi·hi + lo·hi + hi·lo (lo·lo is below 2^-16 relative and dropped), so
+    one dot when both are exact in bfloat16, two when one is, three otherwise."""
+    (a_hi, a_lo), (b_hi, b_lo) = a, b
+    out = dot(a_hi, b_hi, trans_b=trans_b)
+    if a_lo is not None:
+        out = out + dot(a_lo, b_hi, trans_b=trans_b)
+    if b_lo is not None:
+        out = out + dot(a_hi, b_lo, trans_b=trans_b)
+    return out
+
+
+def float8_e4m3fn_bits_to_f32(bits: jax.Array) -> jax.Array:
+    """float8_e4m3fn values from their uint8 bits, exactly, with integer ops only: the Triton lowering
+    casts float8 only from sm_89 on, so Ampere needs this path, and one path serves every target.
+    sign · (e == 0 ? m : (8 + m) << (e - 1)) · 2^-9 (e: 4-bit exponent, m: 3-bit mantissa). The NaN
+    pattern (e = 15, m = 7) reads 480; rq_jax's writer clips metadata to ±448, so it never stores one."""
+    x = bits.astype(jnp.int32)
+    e, m = (x >> 3) & 15, x & 7
+    mag = jnp.where(e == 0, m, (m + 8) << jnp.maximum(e - 1, 0)).astype(jnp.float32) * (2.0 ** -9)
+    return jnp.where(x >= 128, -mag, mag)
 
 
 def online_softmax(scores: jax.Array, m_prev: jax.Array, l_prev: jax.Array):

@@ -5,9 +5,10 @@ The same flash-decoding machinery and partial outputs as `residual_attention`: q
 kernel, per-row valid lengths, split-K with a log-sum-exp combine outside the kernel, and the
 unnormalised partial (acc, m, l). Head dims that are not a power of two are loaded padded with masks.
 
-A bfloat16 cache takes the same precision path as the quantized kernels (float32 operands split into
-two bfloat16 halves against exact bfloat16 entries), so the timing comparison is like for like; a
-float32 cache uses full-precision float32 dots (correct but not tuned).
+Every dot runs on bfloat16 tensor cores with float32 operands split into bfloat16 hi + lo halves, the
+precision path of the quantized kernels: a bfloat16 cache's entries are exact (two dots per product),
+a float32 cache's are split as well (three dots, ~2^-16 relative, instead of HIGHEST-precision float32
+dots, which Triton runs without tensor cores and which spilled).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import decode_common as dc
+from pallas_kernels import launch
 
 MAX_HEAD_DIM = 256
 _STATIC = ("block_s", "num_splits", "block_r", "num_warps", "num_stages", "interpret")
@@ -33,15 +35,8 @@ def _kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, pl
     row_ok = (r_blk * br + jnp.arange(br)) < rows
     col_ok = (jnp.arange(dpad) < dim)[None, :]
     q = dc.load(q_ref, mask=row_ok[:, None] & col_ok, other=jnp.zeros((), q_ref.dtype))
-    exact = k_ref.dtype == jnp.bfloat16
-    q_halves = dc.split_bf16(q) if exact else None
-    q32 = q.astype(jnp.float32)
+    q_halves = dc.split_bf16(q)
     sm_scale = 1.0 / math.sqrt(dim)
-
-    def dot(a, a_halves, b, trans_b=False):
-        if exact:
-            return dc.dot_split(a_halves, b, trans_b=trans_b)
-        return dc.dot(a, b.astype(jnp.float32), trans_b=trans_b, precision=jax.lax.Precision.HIGHEST)
 
     def body(t, carry):
         m_prev, l_prev, acc = carry
@@ -49,11 +44,11 @@ def _kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, pl
         tok_ok = (split * plan.split_len + t0 + jnp.arange(bs)) < length
         mask = tok_ok[:, None] & col_ok
         k = dc.load(k_ref.at[slot, pl.ds(t0, bs), :], mask=mask, other=jnp.zeros((), k_ref.dtype))
-        score = dot(q32, q_halves, k, trans_b=True) * sm_scale
+        score = dc.dot_split(q_halves, dc.split_bf16(k), trans_b=True) * sm_scale
         score = jnp.where(tok_ok[None, :], score, -jnp.inf)
         p, m_new, l_new, corr = dc.online_softmax(score, m_prev, l_prev)
         v = dc.load(v_ref.at[slot, pl.ds(t0, bs), :], mask=mask, other=jnp.zeros((), v_ref.dtype))
-        acc = corr[:, None] * acc + dot(p, dc.split_bf16(p) if exact else None, v)
+        acc = corr[:, None] * acc + dc.dot_split(dc.split_bf16(p), dc.split_bf16(v))
         return m_new, l_new, acc
 
     init = (jnp.full((br,), dc.NEG, jnp.float32), jnp.zeros((br,), jnp.float32),
@@ -102,8 +97,10 @@ def dense_decode_attention(
     m_slots, s = k.shape[0], k.shape[3]
     if s == 0:
         return dc.empty_partial(b, kh, r, d)
-    plan = dc.plan_decode(b, kh, r, s, block_s=block_s or dc.default_block_s(0, d), num_splits=num_splits,
-                          block_r=block_r, num_warps=num_warps, num_stages=num_stages)
+    lp = launch.lookup(f"dense-{jnp.dtype(k.dtype).name}", d, r)
+    plan = dc.plan_decode(b, kh, r, s, block_s=block_s or lp.block_s, num_splits=num_splits, block_r=block_r,
+                          num_warps=num_warps or lp.num_warps, num_stages=num_stages or lp.num_stages,
+                          max_block_r=lp.max_block_r)
     dpad, br, sl = dc.next_pow2(d), plan.block_r, plan.split_len
     n_rb, ns = pl.cdiv(r, br), plan.num_splits
     kv_spec = pl.BlockSpec((m_slots, None, None, sl, dpad), lambda b, k, r, j: (0, b, k, j, 0))

@@ -11,18 +11,23 @@ D(c) = offset[c // g] + scale[c // g] · code_c per channel. A one-link chain (t
 `uniform`/`rotated` formats) reads one stream. The output is the unnormalised partial (acc, m, l); the
 caller merges the current token and un-rotates once.
 
-Inside the kernel nothing is dequantized into a [tile, D] array. The channels are cut into *pieces*,
-the coarsest partition that lies inside one packing plane and one metadata group of every link (planar
-packing: plane k of a byte row holds channels [k·J, (k+1)·J)); a piece's codes are one shift-and-mask of
-a ref slice of the packed bytes. Per link and group G (following paged_attention's int8 path):
+Per tile of block_s tokens (the structure keeps registers bounded; `scripts/kernel_report.py` checks
+every shipped configuration compiles without spills):
 
-    keys:    q·D(c) over G  = scale_G · Σ_pieces (q_piece · codes_piece) + offset_G · Σ_{c∈G} q_c
-    values:  Σ_s w_s D(c_s) = Σ_s (w_s scale_{s,G}) codes_s  +  Σ_s w_s offset_{s,G}      (per piece)
+    keys:    per link and metadata group G (a power of two >= 16 channels, so a valid dot operand):
+             q·D(c) over G = scale_G · (q_G · codes_G) + offset_G · Σ_{c∈G} q_c
+             — codes exact in bfloat16, the query split into bf16 hi + lo outside the kernel, the
+             group sums of the query precomputed outside too.
+    values:  the chain's reconstruction as one [block_s, D] tile, ẑ = D(c_0) + α_0 ⊙ (D(c_1) + α_1 ⊙ ...)
+             (scales and offsets broadcast over their groups), then one split dot p · ẑ into a single
+             [rows, D] accumulator, which the warps share instead of each holding a copy of per-group
+             accumulators.
 
-so every dot is codes (exact in bfloat16) against float32 operands split into two bfloat16 halves.
-Pieces narrower than 16 channels (head dim 96: planes of 24 channels straddle 16- and 32-channel
-groups) are loaded 16 wide with masks, as are query rows (padded to >= 16) and head dims padded to a
-power of two.
+A group (or the whole head dim, for values) may straddle packing planes (planar packing: plane k of a
+byte row holds channels [k·J, (k+1)·J); head dim 96 has planes of 24 or 48 channels): then each
+channel's byte is gathered from the row and shifted by its own plane. Query rows are padded to >= 16
+and head dims to a power of two, masked. FP8 metadata is passed as its bits and decoded with integer
+ops (`decode_common.float8_e4m3fn_bits_to_f32`), which Ampere needs.
 
 Layout (fixed by rq_jax; M stacks the slots, `slot` picks one inside the kernel):
     codes  uint8 [M, B, K, S, D·bits/8], planar packing, bits ∈ {2, 4, 8}
@@ -42,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import decode_common as dc
+from pallas_kernels import launch
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_META = (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16, jnp.float32)
@@ -73,27 +79,11 @@ class _Link:
         return self.dim // self.group
 
 
-class _Piece(NamedTuple):
-    """Channels [start, start + width) loaded `pad` wide (a power of two >= 16), masked past width."""
-
-    start: int
-    width: int
-    pad: int
-
-
-def _pieces(links: Sequence[_Link], dim: int) -> tuple[_Piece, ...]:
-    """The coarsest channel partition inside one plane and one group of every link."""
-    cuts = {0, dim}
-    for ln in links:
-        cuts |= set(range(0, dim, ln.nbytes)) | set(range(0, dim, ln.group))
-    cuts = sorted(cuts)
-    return tuple(_Piece(a, b - a, max(16, dc.next_pow2(b - a))) for a, b in zip(cuts, cuts[1:]))
-
-
-def _where(link: _Link, piece: _Piece) -> tuple[int, int, int]:
-    """(plane, first byte, group) of a piece in a link."""
-    plane = piece.start // link.nbytes
-    return plane, piece.start - plane * link.nbytes, piece.start // link.group
+def _pieces(links: Sequence[_Link], dim: int) -> tuple[tuple[int, int], ...]:
+    """(start, width) channel pieces of the key dots: the finest link's groups, which lie inside one group
+    of every link (group sizes are powers of two)."""
+    width = min(ln.group for ln in links)
+    return tuple((start, width) for start in range(0, dim, width))
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -122,8 +112,8 @@ def _links(streams: Sequence[QuantStream], bits: Sequence[int] | None, groups: S
         g = dim // ngroups if groups is None else int(groups[i])
         if g * ngroups != dim:
             raise ValueError(f"{what} link {i}: scale last dim {ngroups} != {dim} / {g}")
-        if g % 16:
-            raise NotImplementedError(f"{what} link {i}: group size {g} (kernel covers multiples of 16)")
+        if g < 16 or g & (g - 1):
+            raise NotImplementedError(f"{what} link {i}: group size {g} (kernel covers powers of two >= 16)")
         for arr in (st.scale, st.offset):
             if arr.dtype not in [jnp.dtype(t) for t in SUPPORTED_META]:
                 raise NotImplementedError(f"{what} link {i}: metadata dtype {arr.dtype}")
@@ -132,17 +122,6 @@ def _links(streams: Sequence[QuantStream], bits: Sequence[int] | None, groups: S
                              f"offset {st.offset.shape} disagree")
         out.append(_Link(b, g, dim))
     return tuple(out)
-
-
-def _check_pieces(links: Sequence[_Link], pieces: Sequence[_Piece], dim: int, what: str):
-    dpad = dc.next_pow2(dim)
-    for p in pieces:
-        if p.start + p.pad > dpad:
-            raise NotImplementedError(f"{what}: channel piece {p} runs past the padded head dim {dpad}")
-        for ln in links:
-            _, first, _ = _where(ln, p)
-            if first + p.pad > dc.next_pow2(ln.nbytes):
-                raise NotImplementedError(f"{what}: piece {p} runs past the padded {ln.bits}-bit byte row")
 
 
 def _check_common(q, lengths, keys, k_alpha, v_alpha, values, mean_scores):
@@ -180,36 +159,39 @@ def _zero(ref):
     return jnp.zeros((), ref.dtype)
 
 
-def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, v_pieces, k_has_alpha, v_has_alpha,
-            has_mean, rows: int, dim: int):
+def _f32(raw: jax.Array) -> jax.Array:
+    """Loaded α or metadata as float32; uint8 metadata holds FP8 (e4m3fn) bits."""
+    return dc.float8_e4m3fn_bits_to_f32(raw) if raw.dtype == jnp.uint8 else raw.astype(jnp.float32)
+
+
+def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha, v_has_alpha, has_mean,
+            q_split: bool, rows: int, dim: int):
     it = iter(refs)
-    slot_ref, len_ref, q_ref = next(it), next(it), next(it)
+    slot_ref, len_ref, qhi_ref = next(it), next(it), next(it)
+    qlo_ref = next(it) if q_split else None
+    qsum_ref = next(it)
     k_refs = [(next(it), next(it), next(it)) for _ in k_links]
     ka_refs = [next(it) if h else None for h in k_has_alpha]
     v_refs = [(next(it), next(it), next(it)) for _ in v_links]
     va_refs = [next(it) if h else None for h in v_has_alpha]
-    mean_refs = [next(it) if h else None for h in has_mean]
+    mean_ref = next(it) if any(has_mean) else None
     acc_ref, m_ref, l_ref = next(it), next(it), next(it)
 
     slot, length = slot_ref[()], len_ref[()]
     r_blk, split = pl.program_id(2), pl.program_id(3)
-    bs, br = plan.block_s, plan.block_r
+    bs, br, dpad = plan.block_s, plan.block_r, dc.next_pow2(dim)
     row_ok = (r_blk * br + jnp.arange(br)) < rows
+    ch_ok = jnp.arange(dpad) < dim
 
-    def q_piece(p: _Piece):
-        mask = row_ok[:, None] & (jnp.arange(p.pad) < p.width)[None, :]
-        return dc.load(q_ref.at[:, pl.ds(p.start, p.pad)], mask=mask, other=_zero(q_ref))
+    def rows_load(ref, col):  # [br, width] at a column slice, or [br] at one column (padded rows read 0)
+        mask = row_ok[:, None] if isinstance(col, pl.Slice) else row_ok
+        return dc.load(ref.at[:, col], mask=mask, other=_zero(ref))
 
-    # Per key piece: the query split into bf16 halves for the code dots, and its row sums per channel
-    # (summed per group below) for the offset terms.
-    q_raw = [q_piece(p) for p in k_pieces]
-    q_halves = [dc.split_bf16(x) for x in q_raw]
-    q_sums = [jnp.sum(x.astype(jnp.float32), axis=1) for x in q_raw]
-    k_groups = [_groups(ln, k_pieces) for ln in k_links]
-    q_group_sums = [{g: sum(q_sums[i] for i in idx) for g, idx in groups.items()} for groups in k_groups]
-    v_groups = [_groups(ln, v_pieces) for ln in v_links]
-    means = [None if ref is None else dc.load(ref, mask=row_ok, other=_zero(ref)).astype(jnp.float32)
-             for ref in mean_refs]
+    q_pieces = [(rows_load(qhi_ref, pl.ds(a, w)), rows_load(qlo_ref, pl.ds(a, w)) if q_split else None)
+                for a, w in k_pieces]
+    q_sums = [[rows_load(qsum_ref, jnp.int32(i * MAX_GROUPS + g)) for g in range(ln.ngroups)]
+              for i, ln in enumerate(k_links)]
+    means = [rows_load(mean_ref, jnp.int32(i)).astype(jnp.float32) if h else None for i, h in enumerate(has_mean)]
     sm_scale = 1.0 / math.sqrt(dim)
 
     def body(t, carry):
@@ -218,32 +200,48 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, v_pieces, k_
         tok_ok = (split * plan.split_len + t0 + jnp.arange(bs)) < length
         tile = pl.ds(t0, bs)
 
-        def vec(ref, *idx):  # a per-token vector [bs] as float32 (masked tokens read 0)
-            return dc.load(ref.at[(slot, tile, *idx)], mask=tok_ok, other=_zero(ref)).astype(jnp.float32)
+        def vec(ref, *idx):  # a per-token vector [bs] as float32 (α, or one group's metadata)
+            return _f32(dc.load(ref.at[(slot, tile, *idx)], mask=tok_ok, other=_zero(ref)))
 
-        def codes(ref, link: _Link, p: _Piece):  # a piece's codes [bs, pad] as bfloat16 (exact)
-            plane, first, _ = _where(link, p)
-            mask = tok_ok[:, None]
-            if p.width < p.pad:
-                mask = mask & (jnp.arange(p.pad) < p.width)[None, :]
-            raw = dc.load(ref.at[slot, tile, pl.ds(first, p.pad)], mask=mask, other=_zero(ref))
+        def codes(c_ref, link: _Link, start: int, width: int):
+            """Codes of channels [start, start + width) [bs, width] as float32 (exact; 0 past the head dim)."""
+            plane, last = start // link.nbytes, (start + width - 1) // link.nbytes
+            if plane == last:  # one plane: a slice of the byte row, one shift
+                raw = dc.load(c_ref.at[slot, tile, pl.ds(start - plane * link.nbytes, width)],
+                              mask=tok_ok[:, None], other=_zero(c_ref))
+                shift = jnp.uint8(plane * link.bits)
+            else:  # across planes: gather each channel's byte, shift by its own plane
+                ch = start + jnp.arange(width)
+                raw = dc.load(c_ref.at[slot, (t0 + jnp.arange(bs))[:, None], (ch % link.nbytes)[None, :]],
+                              mask=tok_ok[:, None] & (ch < dim)[None, :], other=_zero(c_ref))
+                shift = ((ch // link.nbytes) * link.bits).astype(jnp.uint8)[None, :]
             if link.bits < 8:
-                raw = (raw >> (plane * link.bits)) & ((1 << link.bits) - 1)
-            return raw.astype(jnp.bfloat16)
+                raw = (raw >> shift) & ((1 << link.bits) - 1)
+            return raw.astype(jnp.float32)
+
+        def dequantized(refs, link: _Link):  # D(c) [bs, dpad] float32 (0 past the head dim)
+            c_ref, s_ref, o_ref = refs
+            n = dpad // link.group
+            mask = tok_ok[:, None] & (jnp.arange(n) < link.ngroups)[None, :]
+
+            def per_channel(ref):  # [bs, n] group metadata, each repeated over its group's channels
+                x = _f32(dc.load(ref.at[slot, tile, pl.ds(0, n)], mask=mask, other=_zero(ref)))
+                return jnp.broadcast_to(x[:, :, None], (bs, n, link.group)).reshape(bs, dpad)
+            return per_channel(o_ref) + per_channel(s_ref) * codes(c_ref, link, 0, dpad)
 
         score, coef = None, None
         for i, (link, (c_ref, s_ref, o_ref)) in enumerate(zip(k_links, k_refs)):
-            part = None
-            for g, idx in k_groups[i].items():
+            part = means[i][:, None] if means[i] is not None else None
+            for g in range(link.ngroups):
                 dots = None
-                for j in idx:
-                    d = dc.dot_split(q_halves[j], codes(c_ref, link, k_pieces[j]), trans_b=True)
-                    dots = d if dots is None else dots + d
+                for j, (a, w) in enumerate(k_pieces):
+                    if a // link.group == g:
+                        d = dc.dot_split(q_pieces[j], dc.split_bf16(codes(c_ref, link, a, w), exact=True),
+                                         trans_b=True)
+                        dots = d if dots is None else dots + d
                 gi = jnp.int32(g)
-                term = dots * vec(s_ref, gi)[None, :] + q_group_sums[i][g][:, None] * vec(o_ref, gi)[None, :]
+                term = dots * vec(s_ref, gi)[None, :] + q_sums[i][g][:, None] * vec(o_ref, gi)[None, :]
                 part = term if part is None else part + term
-            if means[i] is not None:
-                part = part + means[i][:, None]
             score = part if score is None else score + (part if coef is None else coef[None, :] * part)
             if i + 1 < len(k_links) and ka_refs[i] is not None:
                 a = vec(ka_refs[i])
@@ -251,43 +249,28 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, v_pieces, k_
         score = jnp.where(tok_ok[None, :], score * sm_scale, -jnp.inf)
         p, m_new, l_new, corr = dc.online_softmax(score, m_prev, l_prev)
 
-        acc = [corr[:, None] * a for a in acc]
-        w = p
-        for i, (link, (c_ref, s_ref, o_ref)) in enumerate(zip(v_links, v_refs)):
-            for g, idx in v_groups[i].items():
-                gi = jnp.int32(g)
-                scaled = dc.split_bf16(w * vec(s_ref, gi)[None, :])
-                shift = jnp.sum(w * vec(o_ref, gi)[None, :], axis=1)[:, None]
-                for j in idx:
-                    acc[j] = acc[j] + dc.dot_split(scaled, codes(c_ref, link, v_pieces[j])) + shift
-            if i + 1 < len(v_links) and va_refs[i] is not None:
-                w = w * vec(va_refs[i])[None, :]
+        z = dequantized(v_refs[-1], v_links[-1])  # from the anchor up: ẑ_i = D(c_i) + α_i ⊙ ẑ_{i+1}
+        for i in reversed(range(len(v_links) - 1)):
+            z = dequantized(v_refs[i], v_links[i]) + (z if va_refs[i] is None else vec(va_refs[i])[:, None] * z)
+        acc = corr[:, None] * acc + dc.dot_split(dc.split_bf16(p), dc.split_bf16(z))
         return m_new, l_new, acc
 
-    init = (jnp.full((br,), dc.NEG, jnp.float32), jnp.zeros((br,), jnp.float32),
-            [jnp.zeros((br, p.pad), jnp.float32) for p in v_pieces])
+    init = (jnp.full((br,), dc.NEG, jnp.float32), jnp.zeros((br,), jnp.float32), jnp.zeros((br, dpad), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, dc.num_tiles(length, split, plan), body, init)
     m_ref[...] = m
     l_ref[...] = l
-    for p, a in zip(v_pieces, acc):
-        if p.width == p.pad:
-            acc_ref[:, pl.ds(p.start, p.pad)] = a
-        else:
-            dc.store(acc_ref.at[:, pl.ds(p.start, p.pad)], a, mask=(jnp.arange(p.pad) < p.width)[None, :])
-
-
-def _groups(link: _Link, pieces: Sequence[_Piece]) -> dict[int, list[int]]:
-    """Metadata group -> indices of the pieces inside it, for one link."""
-    out: dict[int, list[int]] = {}
-    for j, p in enumerate(pieces):
-        out.setdefault(_where(link, p)[2], []).append(j)
-    return out
+    if dim == dpad:
+        acc_ref[...] = acc
+    else:
+        dc.store(acc_ref, acc, mask=ch_ok[None, :])
 
 
 # ---- the public function ------------------------------------------------------------------------
 
 _STATIC = ("k_bits", "v_bits", "k_group_sizes", "v_group_sizes", "block_s", "num_splits", "block_r",
            "num_warps", "num_stages", "interpret")
+#: Query-sum columns per key link: the most metadata groups a head dim can have (256 / 16).
+MAX_GROUPS = MAX_HEAD_DIM // 16
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -316,8 +299,8 @@ def residual_decode_attention(
 
     Returns acc [B, K, R, D] float32 (rotated value basis, not divided by l), m [B, K, R] float32 and
     l [B, K, R] float32; a row with no valid token gives m = -1e30, l = 0, acc = 0. Raises
-    NotImplementedError (at trace time) for configurations the kernel does not cover. Block sizes
-    default to `decode_common.default_block_s` / `plan_decode`.
+    NotImplementedError (at trace time) for configurations the kernel does not cover. Launch
+    parameters left unset come from `pallas_kernels.launch` (the split count from `plan_decode`).
     """
     keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
     _check_common(q, lengths, keys, k_alpha, v_alpha, values, mean_scores)
@@ -325,45 +308,65 @@ def residual_decode_attention(
     m_slots, s = keys[0].codes.shape[0], keys[0].codes.shape[3]
     k_links = _links(keys, k_bits, k_group_sizes, d, "keys")
     v_links = _links(values, v_bits, v_group_sizes, d, "values")
-    k_pieces, v_pieces = _pieces(k_links, d), _pieces(v_links, d)
-    _check_pieces(k_links, k_pieces, d, "keys")
-    _check_pieces(v_links, v_pieces, d, "values")
+    k_pieces = _pieces(k_links, d)
     if s == 0:
         return dc.empty_partial(b, k, r, d)
-    plan = dc.plan_decode(b, k, r, s, block_s=block_s or dc.default_block_s(len(keys), d),
-                          num_splits=num_splits, block_r=block_r, num_warps=num_warps, num_stages=num_stages)
+    lp = launch.lookup("residual", d, r, tuple(min(kl.group, vl.group) for kl, vl in zip(k_links, v_links)))
+    plan = dc.plan_decode(b, k, r, s, block_s=block_s or lp.block_s, num_splits=num_splits, block_r=block_r,
+                          num_warps=num_warps or lp.num_warps, num_stages=num_stages or lp.num_stages,
+                          max_block_r=lp.max_block_r)
     dpad, br, sl = dc.next_pow2(d), plan.block_r, plan.split_len
     n_rb = pl.cdiv(r, br)
     means = tuple(mean_scores) if mean_scores is not None else (None,) * len(keys)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
     slot = jnp.asarray(slot, jnp.int32).reshape(())
+    # Outside the kernel, once per call: the query's bfloat16 halves and, per key link, the sums of its
+    # float32 channels over each metadata group (the offset terms; MAX_GROUPS columns per link); FP8
+    # metadata travels as its bits (uint8).
+    q32 = q.astype(jnp.float32)
+    q_hi = q32.astype(jnp.bfloat16)
+    q_split = q.dtype != jnp.bfloat16
+    q_sums = jnp.concatenate([jnp.pad(q32.reshape(b, k, r, ln.ngroups, ln.group).sum(-1),
+                                      ((0, 0),) * 3 + ((0, MAX_GROUPS - ln.ngroups),)) for ln in k_links], axis=-1)
+
+    def bits_of(x):
+        return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype == jnp.float8_e4m3fn else x
+
+    def rows_spec(n):
+        return pl.BlockSpec((None, None, br, n), lambda b, k, r, j: (b, k, r, 0))
 
     def stream_specs(link: _Link):
         codes = pl.BlockSpec((m_slots, None, None, sl, dc.next_pow2(link.nbytes)), lambda b, k, r, j: (0, b, k, j, 0))
-        meta = pl.BlockSpec((m_slots, None, None, sl, dc.next_pow2(link.ngroups)), lambda b, k, r, j: (0, b, k, j, 0))
+        meta = pl.BlockSpec((m_slots, None, None, sl, max(dpad // link.group, dc.next_pow2(link.ngroups))),
+                            lambda b, k, r, j: (0, b, k, j, 0))
         return [codes, meta, meta]
 
     alpha_spec = pl.BlockSpec((m_slots, None, None, sl), lambda b, k, r, j: (0, b, k, j))
-    in_specs = [dc.scalar_spec(), pl.BlockSpec((None,), lambda b, k, r, j: (b,)),
-                pl.BlockSpec((None, None, br, dpad), lambda b, k, r, j: (b, k, r, 0))]
-    args = [slot, lengths, q]
+    in_specs = [dc.scalar_spec(), pl.BlockSpec((None,), lambda b, k, r, j: (b,)), rows_spec(dpad)]
+    args = [slot, lengths, q_hi]
+    if q_split:
+        in_specs.append(rows_spec(dpad))
+        args.append((q32 - q_hi.astype(jnp.float32)).astype(jnp.bfloat16))
+    in_specs.append(rows_spec(dc.next_pow2(q_sums.shape[-1])))
+    args.append(q_sums)
     for links, streams, alphas in ((k_links, keys, k_alpha), (v_links, values, v_alpha)):
         for link, st in zip(links, streams):
             in_specs += stream_specs(link)
-            args += [st.codes, st.scale, st.offset]
+            args += [st.codes, bits_of(st.scale), bits_of(st.offset)]
         for a in alphas:
             if a is not None:
                 in_specs.append(alpha_spec)
                 args.append(a)
-    for mean in means:
-        if mean is not None:
-            in_specs.append(pl.BlockSpec((None, None, br), lambda b, k, r, j: (b, k, r)))
-            args.append(mean.astype(jnp.float32))
+    if any(mu is not None for mu in means):
+        stacked = jnp.stack([jnp.zeros((b, k, r), jnp.float32) if mu is None else mu.astype(jnp.float32)
+                             for mu in means], axis=-1)
+        in_specs.append(rows_spec(dc.next_pow2(len(means))))
+        args.append(stacked)
 
     kernel = functools.partial(
-        _kernel, plan=plan, k_links=k_links, v_links=v_links, k_pieces=k_pieces, v_pieces=v_pieces,
+        _kernel, plan=plan, k_links=k_links, v_links=v_links, k_pieces=k_pieces,
         k_has_alpha=tuple(a is not None for a in k_alpha), v_has_alpha=tuple(a is not None for a in v_alpha),
-        has_mean=tuple(mu is not None for mu in means), rows=r, dim=d)
+        has_mean=tuple(mu is not None for mu in means), q_split=q_split, rows=r, dim=d)
     rtot, ns = n_rb * br, plan.num_splits
     acc, m, l = pl.pallas_call(
         kernel,
@@ -372,7 +375,7 @@ def residual_decode_attention(
         out_specs=[pl.BlockSpec((None, None, None, br, dpad), lambda b, k, r, j: (b, k, j, r, 0)),
                    pl.BlockSpec((None, None, None, br), lambda b, k, r, j: (b, k, j, r)),
                    pl.BlockSpec((None, None, None, br), lambda b, k, r, j: (b, k, j, r))],
-        out_shape=[jax.ShapeDtypeStruct((b, k, ns, rtot, dpad), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((b, k, ns, rtot, d), jnp.float32),
                    jax.ShapeDtypeStruct((b, k, ns, rtot), jnp.float32),
                    jax.ShapeDtypeStruct((b, k, ns, rtot), jnp.float32)],
         compiler_params=dc.compiler_params(plan.num_warps, plan.num_stages),
@@ -380,7 +383,7 @@ def residual_decode_attention(
         name="residual_decode_attention",
     )(*args)
     acc, m, l = dc.combine_splits(acc, m, l)
-    return acc[:, :, :r, :d], m[:, :, :r], l[:, :, :r]
+    return acc[:, :, :r], m[:, :, :r], l[:, :, :r]
 
 
 # ---- the reference ------------------------------------------------------------------------------

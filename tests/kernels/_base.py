@@ -12,16 +12,18 @@ compared; `LOWER_CASES`, lowered to Triton IR) and how to build inputs for one. 
   inputs, which runs the whole Pallas -> Triton lowering on a CPU machine and catches what Triton does
   not support (non-power-of-two tiles, small dots, value slicing, unsupported casts).
 
-Tolerances: every kernel splits a float32 operand x into bfloat16 hi + lo before a tensor-core dot
-(codes and bf16 cache entries are exact in bfloat16), which represents x to 2^-16 relative; products are
-exact and accumulate in float32. Scores therefore carry ~2^-16 relative error (float32 queries; exact
-with bfloat16 queries, whose hi half is the query itself), and exp turns a score error into the same
-relative error of p. Values see the split of p·scale (2^-16 again) and summation-order differences
-(~D·2^-24). Measured on these cases (interpret mode): at most 8e-6 of the largest |output| with
-float32 queries and 2.2e-6 with bfloat16 queries. The bounds, 2e-4 and 1e-4 of the largest |output|,
-leave a >= 25x margin (room for GPU exp/accumulation-order differences) while still catching a wrong
-scale, offset, α, mask, slot or plane: a 1% change of one link's value offsets already moves acc by
-1e-3 of its scale, a missing α or key mean by 1e-2..3e-1.
+Tolerances: every kernel splits a float32 operand x into bfloat16 hi + lo before a tensor-core dot,
+which represents x to 2^-16 relative, and drops only the lo·lo product; products accumulate in float32.
+Key codes are exact in bfloat16 and bf16 cache entries too, so scores carry ~2^-16 relative error
+(float32 queries; exact with bfloat16 queries, whose hi half is the query itself), and exp turns a score
+error into the same relative error of p. Values see the split of p and of the reconstructed value tile
+(offset + scale · code, α-chained, or float32 cache entries: 2^-16 each) and summation-order
+differences (~D·2^-24). Measured on these cases (interpret mode): at most 1.0e-5 of the largest |output|
+with float32 queries (dense float32 K/V; 8e-6 for the quantized kernel) and 2.2e-6 with bfloat16
+queries. The bounds, 2e-4 and 1e-4 of the largest |output|, leave a >= 20x margin (room for GPU
+exp/accumulation-order differences) while still catching a wrong scale, offset, α, mask, slot or plane: a
+1% change of one link's value offsets already moves acc by 1e-3 of its scale, a missing α or key mean by
+1e-2..3e-1.
 """
 
 from __future__ import annotations

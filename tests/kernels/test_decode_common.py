@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,3 +63,13 @@ def test_combine_of_empty_splits_is_finite_zero():
     acc, m, l = dc.combine_splits(jnp.zeros((1, 1, 3, 2, 4)), jnp.full((1, 1, 3, 2), dc.NEG), jnp.zeros((1, 1, 3, 2)))
     assert (np.asarray(acc) == 0).all() and (np.asarray(l) == 0).all()
     assert (np.asarray(m) == np.float32(dc.NEG)).all()
+
+
+def test_float8_bits_decode_exactly():
+    """Every finite float8_e4m3fn bit pattern decodes to its value (the Ampere path of FP8 metadata)."""
+    bits = jnp.arange(256, dtype=jnp.uint8)
+    want = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32))
+    got = np.asarray(dc.float8_e4m3fn_bits_to_f32(bits))
+    finite = np.isfinite(want)
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(got[finite], want[finite])

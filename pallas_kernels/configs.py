@@ -1,0 +1,166 @@
+"""The kernel configurations the dispatch can pick for the shipped cache policies, as abstract calls.
+
+A `KernelConfig` names one call of a decode kernel by what decides its compiled code: head dim, query
+rows (GQA group x tokens per step), the chain of (bits, group size) links and their metadata dtype, α,
+key means — or, for the dense kernel, the K/V dtype. `config.call()` gives the jitted function and
+ShapeDtypeStruct arguments, so it can be lowered (and compiled without a GPU, `pallas_kernels.deviceless`)
+without allocating anything. Sequence length, batch and kv heads only change the split count, which is
+a loop bound, so every config uses Ouro's 16 kv heads at S = 4096 and batch 1.
+
+`MATRIX` holds every configuration of the shipped policies that changes the kernel's code:
+
+* chains (keys and values alike; query dtype float32, as `rq_jax.cache.loop_quant.attend_pallas` passes):
+  `uniform`/`rotated` and the anchor loop (one link, INT2/4/8 at g16 and g32); `residual` loops with the
+  last-loop reference ([b, a]: INT2/4/8 loops over an INT4 anchor, INT2 over INT2) and the previous-loop
+  reference (3- and 4-link chains of INT2 over an INT2 or INT4 anchor), each at g16 and g32, plus mixed
+  group sizes (INT2 g16 over INT4 g32);
+* head dims 64 (GQA models), 96 (Huginn), 128 (Ouro); query rows (query heads per kv head x tokens
+  per step) 1 (decode), 32 and 64 (several tokens per step), i.e. row blocks of 16, 32 and 64 (more
+  rows run more 64-row programs), and 8 rows (GQA 8:1 decode, the 16-row block with half its rows
+  real) for the residual loop at g16 and g32;
+* with FP8 metadata, α and key means (the most work per token), and, at 1 and 64 rows, one-at-a-time
+  variations of them: bf16 / f16 / f32 metadata (f32 is also what a super-scale folds into), α off,
+  key means off;
+* dense: bf16 and f32 K/V at each head dim and row count.
+
+`CI_SUBSET` names the configurations compiled on every test run (see tests/kernels/test_compile.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import dense_attention as da
+from pallas_kernels import deviceless, launch
+from pallas_kernels import residual_attention as ra
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """One decode-kernel call. `links`: (bits, group size) per chain link, loop first, anchor last (keys
+    and values alike); empty for the dense kernel, whose K/V dtype is `kv`."""
+
+    name: str
+    dim: int
+    rows: int
+    links: tuple[tuple[int, int], ...] = ()
+    meta: str = "float8_e4m3fn"
+    alpha: bool = True
+    means: bool = True
+    kv: str = "bfloat16"
+    q_dtype: str = "float32"
+    heads: int = 16
+    seq: int = 4096
+    batch: int = 1
+    slots: int = 4
+
+    @property
+    def kernel(self) -> str:
+        """The launch table's kernel name: "residual", "dense-bfloat16" or "dense-float32"."""
+        return "residual" if self.links else f"dense-{self.kv}"
+
+    def launch_key(self) -> launch.LaunchKey | None:
+        return launch.key(self.kernel, self.dim, self.rows, tuple(g for _, g in self.links))
+
+    def launch(self) -> launch.Launch:
+        """The launch parameters the dispatch picks for this call (`pallas_kernels.launch`)."""
+        return launch.lookup(self.kernel, self.dim, self.rows, tuple(g for _, g in self.links))
+
+    def compile(self, target: deviceless.Target, cache_dir=None, override: launch.Launch | None = None):
+        """`deviceless.Resources` of this call compiled for `target` with the dispatch's launch
+        parameters, or with `override`'s. Raises deviceless.CompileError, or NotImplementedError when
+        the lowering rejects it."""
+        fn, args = self.call()
+        if override is not None:
+            fn = functools.partial(fn, block_s=override.block_s, num_warps=override.num_warps,
+                                   num_stages=override.num_stages,
+                                   block_r=min(launch.row_block(self.rows), override.max_block_r))
+        [kernel] = deviceless.triton_kernels(fn, args, capability=target.capability)
+        return deviceless.compile_kernel(kernel, target, cache_dir)
+
+    def call(self):
+        """(fn, args): the kernel with its static arguments bound, and ShapeDtypeStruct inputs."""
+        sds = jax.ShapeDtypeStruct
+        b, k, r, d = self.batch, self.heads, self.rows, self.dim
+        q = sds((b, k, r, d), jnp.dtype(self.q_dtype))
+        lengths, slot = sds((b,), jnp.int32), sds((), jnp.int32)
+        lead = (self.slots, b, k, self.seq)
+        if not self.links:
+            kv = sds(lead + (d,), jnp.dtype(self.kv))
+            return da.dense_decode_attention, (q, kv, kv, lengths, slot)
+
+        def stream(bits, g):
+            meta = sds(lead + (d // g,), jnp.dtype(self.meta))
+            return ra.QuantStream(sds(lead + (d * bits // 8,), jnp.uint8), meta, meta)
+
+        streams = tuple(stream(*ln) for ln in self.links)
+        alphas = tuple(sds(lead, jnp.bfloat16) if self.alpha else None for _ in self.links[1:])
+        means = tuple(sds((b, k, r), jnp.float32) for _ in self.links) if self.means else None
+        bits, groups = tuple(x for x, _ in self.links), tuple(g for _, g in self.links)
+        fn = functools.partial(ra.residual_decode_attention, k_bits=bits, v_bits=bits, k_group_sizes=groups,
+                               v_group_sizes=groups)
+        return fn, (q, streams, streams, alphas, alphas, means, lengths, slot)
+
+
+def chain_name(links) -> str:
+    return "-".join(f"int{b}g{g}" for b, g in links)
+
+
+def _chains():
+    out = []
+    for g in (16, 32):
+        out += [((b, g),) for b in (2, 4, 8)]                       # uniform / rotated / the anchor loop
+        out += [((b, g), (4, g)) for b in (2, 4, 8)] + [((2, g), (2, g))]  # residual, last-loop reference
+        out += [((2, g),) * (n - 1) + ((a, g),) for n in (3, 4) for a in (2, 4)]  # previous-loop reference
+    return out + [((2, 16), (4, 32))]                                # mixed group sizes
+
+
+DIMS = (64, 96, 128)
+ROWS = (1, 32, 64)
+CHAINS = tuple(_chains())
+
+
+def _matrix() -> tuple[KernelConfig, ...]:
+    out = []
+    for links, d, r in itertools.product(CHAINS, DIMS, ROWS):
+        out.append(KernelConfig(f"d{d}-r{r}-{chain_name(links)}", d, r, links))
+    for links, d in itertools.product((((2, 16), (4, 16)), ((2, 32), (4, 32))), DIMS):  # GQA 8:1 at decode
+        out.append(KernelConfig(f"d{d}-r8-{chain_name(links)}", d, 8, links))
+    for n_links, d, r in itertools.product((1, 2, 3, 4), DIMS, (1, 64)):  # variations, INT2 g32 over INT4
+        links = ((2, 32),) * (n_links - 1) + ((4, 32),)
+        base = KernelConfig(f"d{d}-r{r}-{chain_name(links)}", d, r, links)
+        for meta in ("bfloat16", "float16", "float32"):
+            out.append(dataclasses.replace(base, name=f"{base.name}-{meta}meta", meta=meta))
+        if n_links > 1:
+            out.append(dataclasses.replace(base, name=f"{base.name}-noalpha", alpha=False))
+        out.append(dataclasses.replace(base, name=f"{base.name}-nomeans", means=False))
+    for kv, d, r in itertools.product(("bfloat16", "float32"), DIMS, ROWS):
+        out.append(KernelConfig(f"dense-d{d}-r{r}-{kv}kv", d, r, kv=kv))
+    return tuple(out)
+
+
+#: The configurations of issue 23's resource table (S 4096, FP8 metadata, α, float32 queries, no key means).
+ISSUE_TABLE = (
+    KernelConfig("ouro-loop-d128-int2g32-int4g32", 128, 1, ((2, 32), (4, 32)), means=False),
+    KernelConfig("ouro-anchor-d128-int4g32", 128, 1, ((4, 32),), means=False),
+    KernelConfig("chain3-d128-int2g32-int2g32-int4g32", 128, 1, ((2, 32), (2, 32), (4, 32)), means=False),
+    KernelConfig("gqa4-d64-int2g16-int4g16", 64, 4, ((2, 16), (4, 16)), means=False),
+    KernelConfig("huginn-d96-int2g16-int4g16", 96, 1, ((2, 16), (4, 16)), means=False),
+    KernelConfig("rows64-d128-int2g32-int4g32", 128, 64, ((2, 32), (4, 32)), means=False),
+    KernelConfig("dense-d128-float32kv", 128, 1, kv="float32"),
+    KernelConfig("dense-d128-bfloat16kv", 128, 1),
+)
+
+MATRIX = ISSUE_TABLE + _matrix()
+BY_NAME = {c.name: c for c in MATRIX}
+
+#: Compiled on every test run (tests/kernels/test_compile.py), for both targets: the issue's table, then
+#: the largest codes (INT8) and dense float32 K/V at 64 rows: 20 compiles, which keeps a cold cache near
+#: two minutes (docs/performance.md). The rest of MATRIX, the `launch.SPILLING` classes included (as
+#: xfail), is compiled by scripts/kernel_report.py or RQ_KERNEL_COMPILE=all.
+CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + ("d128-r1-int8g32", "dense-d96-r64-float32kv")

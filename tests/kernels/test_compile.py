@@ -1,0 +1,80 @@
+"""The decode kernels compiled for Hopper (sm_90) and Ampere (sm_80) without a GPU: Triton's CUDA stages
+and ptxas (the pip `triton` wheel pinned in the test extra) on the IR jax lowers, with the launch
+parameters the dispatch picks. A configuration fails when it does not compile, spills, needs more
+shared memory or registers than its target has, or runs its dots without tensor cores.
+
+Every run compiles `configs.CI_SUBSET` (10 configurations, both targets: 20 compiles); RQ_KERNEL_COMPILE=all
+compiles the whole `configs.MATRIX` (as scripts/kernel_report.py does). Results are cached by IR hash
+under $RQ_KERNEL_CACHE (default ~/.cache/rq_jax/kernels): a cold cache costs 5-60 s per compile, a warm
+one only the lowering (docs/performance.md, "What CI compiles").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+
+import pytest
+
+from pallas_kernels import configs, deviceless, launch
+
+NAMES = configs.BY_NAME if os.environ.get("RQ_KERNEL_COMPILE") == "all" else configs.CI_SUBSET
+#: The pinned wheel exists for Linux x86_64 only; elsewhere the compile tests cannot run.
+WHEEL_PLATFORM = platform.system() == "Linux" and platform.machine() == "x86_64"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _triton():
+    if not WHEEL_PLATFORM:
+        pytest.skip(f"no pinned triton wheel for {platform.system()} {platform.machine()}")
+    if not deviceless.triton_available():
+        pytest.fail("the compile tests need the pip `triton` wheel of the test extra: pip install -e '.[test]'")
+
+
+def _case(name):
+    """A configuration; an xfail when its launch class is one `launch.SPILLING` names (not strict: a
+    lighter configuration of such a class, an INT2 anchor instead of INT4, can compile clean)."""
+    if configs.BY_NAME[name].launch_key() in launch.SPILLING:
+        reason = "launch.SPILLING: the class's representative spills at every launch candidate"
+        return pytest.param(name, marks=pytest.mark.xfail(strict=False, reason=reason))
+    return name
+
+
+@pytest.mark.parametrize("target", list(deviceless.TARGETS))
+@pytest.mark.parametrize("name", [_case(n) for n in NAMES])
+def test_compiles_without_spills(name, target):
+    cfg, tgt = configs.BY_NAME[name], deviceless.TARGETS[target]
+    res = cfg.compile(tgt)
+    assert deviceless.problems(res) == [], f"{name} on {target} with {cfg.launch()}: {res}"
+    assert res.tensor_cores in ("mma", "wgmma"), f"{name} on {target}: no tensor-core instructions"
+    assert deviceless.blocks_per_sm(res) >= 1
+
+
+def test_a_spilling_configuration_fails():
+    """The check is live: Huginn's D96 g16 loop at 64-token tiles on 4 warps spills (measured ~1.6 KB)."""
+    cfg = configs.BY_NAME["huginn-d96-int2g16-int4g16"]
+    res = cfg.compile(deviceless.TARGETS["sm_90"], override=launch.Launch(64, 4, 2, 16))
+    assert res.spill_stores > 0 and any("spills" in p for p in deviceless.problems(res))
+
+
+def test_problems_flags_shared_memory_and_registers():
+    ok = deviceless.Resources("k", "sm_80", 4, 2, 160 * 1024, 128, 0, 0, 0, "mma", "h")
+    assert deviceless.problems(ok) == []
+    assert "shared memory" in deviceless.problems(dataclasses.replace(ok, shared=170 * 1024))[0]
+    assert deviceless.problems(dataclasses.replace(ok, target="sm_90", shared=170 * 1024)) == []
+    assert "registers" in deviceless.problems(dataclasses.replace(ok, registers=255, num_warps=16))[0]
+    assert deviceless.blocks_per_sm(ok) == 1  # 160 KiB of 164 per SM
+
+
+def test_every_shipped_configuration_has_a_table_entry():
+    """The dispatch never falls back to the unchecked FALLBACK parameters for a shipped configuration."""
+    missing = sorted({c.name for c in configs.MATRIX if c.launch_key() not in launch.TABLE.keys() | launch.SPILLING})
+    assert not missing, f"no launch.TABLE entry for {missing[:5]} ... ({len(missing)})"
+
+
+def test_lowering_for_ampere_accepts_fp8_metadata():
+    """jax refuses float8 casts below sm_89; the kernel decodes FP8 metadata from its bits instead."""
+    fn, args = configs.BY_NAME["ouro-loop-d128-int2g32-int4g32"].call()
+    [kernel] = deviceless.triton_kernels(fn, args, capability=80)
+    assert kernel.name == "residual_decode_attention" and kernel.ir
