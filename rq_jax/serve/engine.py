@@ -255,7 +255,7 @@ class Engine:
         if calib is None:
             calib = default_calib(jax.eval_shape(lambda: init_cache(config, 1, 1, self.fmt, num_loops=self.num_loops,
                                                                     plain_fmt=self.plain_fmt)))
-        self.calib = sharding.shard_calib(calib, mesh)
+        self.calib = sharding.shard_calib(calib, mesh, self.fmt, self.plain_fmt)
         self.slots = self._put(jax.jit(programs.empty_slots, static_argnums=0)(num_slots))
 
         def forward(params, calib, tokens, cache, num_new, rng, last_only):
