@@ -3,8 +3,9 @@
 A `Scheme` is a table row: a label, the format, what it stores (`CacheFormat.describe`), the ablation
 ladder it belongs to and the rotation's calibration method. The eval table (`table_schemes`), the
 rotation comparison (`calibrated_schemes`), the benchmarks (`BENCH_DECODE`, `BENCH_ATTENTION`) and the
-K/V error report (`kv_error_labels`) all take their rows from `catalog`, so a label means one format
-everywhere.
+K/V error report (`kv_error_labels`) all take their rows from `catalog`, and the generation benchmarks
+(`scripts/eval_benchmarks.py`) from `table2_rows`, which keeps the catalog's label wherever it holds the
+same format, so a label means one format everywhere.
 
     catalog((32, 16))     baselines at the first group size (dense bf16, uniform INT4, rotated INT2,
                           kivi INT2, residual_vq), then per group size g the paper's ladder — direct
