@@ -169,21 +169,25 @@ def read_humaneval(path: str | os.PathLike) -> list[CodeProblem]:
 
 def read_mbpp(path: str | os.PathLike, challenge_tests: bool = False) -> list[CodeProblem]:
     """MBPP JSONL (`task_id`, `text`, `code`, `test_list`, optional `test_setup_code`,
-    `challenge_test_list` and `entry_point`); a completion is a whole program, checked by the asserts of
+    `challenge_test_list` and `entry_point`), or MBPP+'s (EvalPlus's 378 tasks: `prompt` for `text`,
+    `test_imports` for `test_setup_code`); a completion is a whole program, checked by the asserts of
     `test_list` (and `challenge_test_list` when `challenge_tests`). The prompt shows the first test
     (`mbpp_task_prompt`). Without `entry_point`, it is the first function of `code` that the first
     test calls."""
     problems = []
-    for _, lineno, row in _rows(path, {"task_id": (int, str), "text": str, "code": str, "test_list": list}):
+    for _, lineno, row in _rows(path, {"task_id": (int, str), "code": str, "test_list": list}):
+        text = row.get("text", row.get("prompt"))
+        if not isinstance(text, str):
+            raise ValueError(f"{path}:{lineno}: missing field 'text' (MBPP) or 'prompt' (MBPP+), or not a string")
         tests = _string_list(path, lineno, row, "test_list")
         checks = tests + (_string_list(path, lineno, row, "challenge_test_list") if challenge_tests else [])
-        setup = row.get("test_setup_code") or ""
+        setup = row.get("test_setup_code") or "\n".join(_string_list(path, lineno, row, "test_imports"))
         if not isinstance(setup, str):
             raise ValueError(f"{path}:{lineno}: field 'test_setup_code' must be a string")
         entry = row.get("entry_point") or _called_function(row["code"], tests[:1])
         if not isinstance(entry, str):
             raise ValueError(f"{path}:{lineno}: field 'entry_point' must be a string")
-        problems.append(CodeProblem(str(row["task_id"]), mbpp_task_prompt(row["text"], tests), "", row["code"],
+        problems.append(CodeProblem(str(row["task_id"]), mbpp_task_prompt(text, tests), "", row["code"],
                                     "\n".join(checks), setup + "\n" if setup else "", entry))
     return problems
 

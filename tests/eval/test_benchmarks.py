@@ -153,6 +153,13 @@ def test_read_code_benchmarks(tmp_path):
     assert plain.setup == "" and plain.entry_point == "double"
     assert extra.setup == "import math\n" and "math.inf" in extra.test and "math.inf" not in extra.prompt
     assert "math.inf" not in bm.read_mbpp(tmp_path / "mbpp.jsonl")[1].test
+    plus = {"task_id": 2, "prompt": "Write a function to find the floor.",
+            "code": "def f(x):\n    return math.floor(x)", "test_imports": ["import math"],
+            "test_list": ["assert f(2.5) == 2"], "source_file": "x", "test": ""}
+    (p,) = bm.read_mbpp(_write_jsonl(tmp_path / "mbppplus.jsonl", [plus]))  # MBPP+'s own field names
+    assert (p.prompt, p.setup, p.entry_point) == ('"""\nWrite a function to find the floor.\nassert f(2.5) == 2\n"""\n',
+                                                  "import math\n", "f")
+    assert bm.score_code([p], [p.reference], timeout=5)[0].passed
 
 
 @pytest.mark.parametrize("reader, rows, message", [
@@ -164,6 +171,7 @@ def test_read_code_benchmarks(tmp_path):
     (bm.read_humaneval, [HUMANEVAL_ROW, {**HUMANEVAL_ROW, "entry_point": None}],
      r":2: field 'entry_point' is NoneType, expected str"),
     (bm.read_mbpp, [{k: v for k, v in MBPP_ROW.items() if k != "test_list"}], r":1: missing field 'test_list'"),
+    (bm.read_mbpp, [{k: v for k, v in MBPP_ROW.items() if k != "text"}], r":1: missing field 'text' \(MBPP\)"),
     (bm.read_mbpp, [{**MBPP_ROW, "task_id": 1.5}], r":1: field 'task_id' is float, expected int or str"),
     (bm.read_mbpp, [{**MBPP_ROW, "test_list": ["ok", 3]}], r":1: field 'test_list' must be a list of strings"),
 ])
