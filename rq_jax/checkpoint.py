@@ -20,6 +20,11 @@ from rq_jax.io import atomic_folder
 from rq_jax.models import LoopedLM, model_class
 
 CONFIG_FILE = "rq_config.json"
+#: The small models shipped with the repository (trained here; see their README cards).
+SHIPPED = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints"))
+#: Files beside the weights that the runtime reads (tokenizer, chat template, stop ids, the card's notes
+#: in config.json's "rq_jax" section) or a reader needs (the model card); conversion carries them along.
+RUNTIME_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md", "config.json")
 
 
 def save(directory: str | os.PathLike, model: LoopedLM, *, extra_files: tuple[str, ...] = (),
@@ -63,6 +68,27 @@ def restore(directory: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.
         if not bool(jnp.all(jnp.isfinite(var.get_value()))):
             raise ValueError(f"{directory}: parameter {'.'.join(map(str, path))} holds NaN or infinite values")
     return nnx.merge(graphdef, state)
+
+
+def runtime_files(folder: str | os.PathLike) -> tuple[str, ...]:
+    """The `RUNTIME_FILES` present in `folder` (paths)."""
+    paths = (os.path.join(os.fspath(folder), name) for name in RUNTIME_FILES)
+    return tuple(p for p in paths if os.path.exists(p))
+
+
+def read_config(path_or_id: str | os.PathLike) -> tuple[ModelConfig, str]:
+    """The `ModelConfig` of a checkpoint (a folder saved by `save`, an HF folder or a cached hub id) and
+    its resolved folder, without reading the weights. Raises FileNotFoundError for a missing checkpoint
+    or config file, ValueError for a config that is not one (see `rq_jax.config.from_hf_config`)."""
+    from rq_jax.config import from_hf_config
+    from rq_jax.convert.hf import resolve
+
+    folder = resolve(path_or_id)
+    if is_saved_model(folder):
+        return load_config(folder), folder
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"{folder} has no config.json (nor {CONFIG_FILE}): not a checkpoint folder")
+    return from_hf_config(folder), folder
 
 
 def load(path_or_id: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32) -> tuple[LoopedLM, str]:

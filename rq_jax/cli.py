@@ -1,26 +1,65 @@
-"""What the command-line scripts share: argument types (each parses one option or raises
-`argparse.ArgumentTypeError` naming what was wrong, and argparse then names the option), the model and
-cache-format options of generate.py and serve.py, and the shipped checkpoints' defaults."""
+"""What the command-line scripts share: a parser whose --help shows every default and whose errors are
+one line, argument types (each parses one option or raises `argparse.ArgumentTypeError` naming what was
+wrong, and argparse then names the option), the model and cache-format options of generate.py and
+serve.py with their checks against the model, output paths checked before any work, the runtime setup
+(compile cache, quiet XLA), and the shipped checkpoints' defaults."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import math
 import os
 import shlex
+import textwrap
 
-#: The shipped small models (trained here; see their README cards).
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints")
+from rq_jax.checkpoint import SHIPPED
+from rq_jax.tokenizer import STOP_STRINGS as STOP_STRINGS, eos_ids as eos_ids, stop_token_ids as stop_token_ids
+
 #: The shipped checkpoint each --model runs without --checkpoint: Huginn's, and for Ouro `ouro-small-qat`,
 #: `ouro-small` fine-tuned for the residual cache (the base model's sums do not survive a 2-bit cache).
 DEFAULT_CHECKPOINT = {"huginn": "huginn-small", "ouro": "ouro-small-qat"}
-#: End-of-turn texts whose token ids stop generation when a tokenizer has them.
-STOP_STRINGS = ("<|endoftext|>", "<|end_text|>", "<|end_turn|>", "<|im_end|>")
+#: 71226 + 98 with every number written least significant digit first (rq_jax.data.addition), the first
+#: held-out addition example: the shipped models answer "423170" (071324) and stop at the newline.
+SAMPLE_PROMPT = "62217+89000="
 #: Cache options of the command line (argparse dest) -> the policy field they set; a format takes the
 #: options whose field it has (`rq_jax.cache.base.policy_fields`), and --calibration when it reads one.
 POLICY_OPTIONS = {"bits": "bits", "group_size": "group_size", "rotation": "rotation", "cache_dtype": "dtype",
                   "super_scale": "super_scale", "residual_length": "residual_length"}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and ends every option's help with its default (none for
+    options without one, flags, or a help that already names it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or default is None or default is False or default == argparse.SUPPRESS \
+                or "(default" in text:
+            return text
+        if isinstance(default, (tuple, list)):  # as it is typed: `--context 1024 2048`, `--bits 2,2,2,4`
+            quote = shlex.quote if action.nargs else str
+            shown = (" " if action.nargs else ",").join(quote(str(x)) for x in default)
+        else:
+            shown = str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        """Wrapped at spaces only: paths and names such as checkpoints/ouro-small-qat stay whole."""
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The scripts' parser: `HelpFormatter`, and an error is one line `PROG: error: MESSAGE` with exit
+    status 2 (argparse's own shape, without the usage block)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def positive_int(text: str) -> int:
@@ -47,6 +86,30 @@ def finite_float(text: str) -> float:
     return value
 
 
+def nonnegative_float(text: str) -> float:
+    """A finite float ≥ 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in (0, 1]."""
+    value = finite_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
+    return value
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """Comma-separated integers, e.g. bit widths 2,2,2,4."""
     try:
@@ -68,16 +131,42 @@ def spelled_command(words: list[str], group: argparse._ArgumentGroup, args: argp
     return " ".join(shlex.quote(w) for w in words)
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    """--model, --checkpoint, --loops (alias --num-steps), --dtype and Huginn's --init-state."""
-    p.add_argument("--model", choices=("huginn", "ouro"), required=True)
+def add_model_options(p: argparse.ArgumentParser, *, infer_family: bool = False) -> None:
+    """--model, --checkpoint, --loops (alias --num-steps), --dtype and Huginn's --init-state. With
+    `infer_family`, --model may be left out when --checkpoint is given (`resolve_checkpoint` reads it)."""
+    p.add_argument("--model", choices=("huginn", "ouro"), required=not infer_family,
+                   help="model family; runs its shipped small model unless --checkpoint is given" +
+                   (" (default: the family --checkpoint's config names)" if infer_family else ""))
     p.add_argument("--checkpoint", help="checkpoint folder or cached hub id (default: checkpoints/huginn-small or "
                    "checkpoints/ouro-small-qat, Ouro fine-tuned for the residual cache)")
     p.add_argument("--loops", "--num-steps", dest="loops", type=positive_int,
                    help="loops (Ouro) or recurrence steps (Huginn); default the config's")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     p.add_argument("--init-state", choices=("zeros", "random"),
-                   help="Huginn's initial latent state (default random, seeded by the request's seed)")
+                   help="Huginn's initial latent state (default random, seeded by --seed)")
+
+
+def resolve_checkpoint(p: argparse.ArgumentParser, args: argparse.Namespace):
+    """The checkpoint's `ModelConfig` and folder, read before any weights: --checkpoint, or --model's
+    shipped one. Fills in --model from the config when it was left out; `p.error` for a checkpoint that
+    cannot be read, another family than --model, or Huginn-only options on Ouro."""
+    from rq_jax import checkpoint
+
+    if args.checkpoint is None and args.model is None:
+        p.error("give --model huginn or --model ouro (the shipped small models), or --checkpoint DIR")
+    source = checkpoint_source(args)
+    try:
+        config, folder = checkpoint.read_config(source)
+    except (OSError, ValueError) as err:
+        p.error(f"argument --checkpoint: {err}")
+    if args.model is None:
+        args.model = config.family
+    elif config.family != args.model:
+        p.error(f"argument --model: {args.model}, but --checkpoint {source} holds a {config.family} model "
+                f"(leave --model out to take the checkpoint's)")
+    if args.model == "ouro" and getattr(args, "init_state", None):
+        p.error("argument --init-state: Huginn's option; this is an Ouro model")
+    return config, folder
 
 
 def model_kwargs(args: argparse.Namespace) -> dict:
@@ -94,15 +183,19 @@ def add_cache_options(p: argparse.ArgumentParser, default: str = "residual") -> 
     from rq_jax.cache import available_formats
 
     p.add_argument("--cache", choices=available_formats(), default=default,
-                   help=f"KV cache format (default: {default}" + (", [2,2,2,4])" if default == "residual" else ")"))
+                   help="KV cache format" + (" (default: residual, bits 2,2,2,4)" if default == "residual" else ""))
     p.add_argument("--bits", type=int_list,
-                   help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi)")
-    p.add_argument("--group-size", type=positive_int, help="channel group size of the quantizers")
-    p.add_argument("--rotation", choices=("identity", "hadamard", "random"), help="uniform/rotated/residual")
-    p.add_argument("--cache-dtype", choices=("bfloat16", "float32"), help="storage dtype of the dense cache (bfloat16)")
+                   help="bits per loop in a group, e.g. 2,2,2,4 (residual) or 2 (uniform, kivi); default the format's")
+    p.add_argument("--group-size", type=positive_int,
+                   help="channel group size of the quantizers, a divisor of head_dim; default the format's (32)")
+    p.add_argument("--rotation", choices=("identity", "hadamard", "random"),
+                   help="uniform/rotated/residual: the rotation before quantizing; default the format's")
+    p.add_argument("--cache-dtype", choices=("bfloat16", "float32"),
+                   help="storage dtype of the dense cache (default: bfloat16)")
     p.add_argument("--super-scale", action="store_const", const=True,
                    help="uniform/rotated/residual: FP8 metadata relative to a per-vector bf16 super-scale")
-    p.add_argument("--residual-length", type=positive_int, help="kivi: recent tokens kept in full precision (128)")
+    p.add_argument("--residual-length", type=positive_int,
+                   help="kivi: recent tokens kept in full precision (default: 128)")
     p.add_argument("--calibration", help="calibration artifact (scripts/calibrate.py) or a folder holding one "
                    "for this schedule (default: the format's own, Hadamard)")
 
@@ -125,21 +218,123 @@ def cache_policy(args: argparse.Namespace) -> dict:
     return {field: getattr(args, name) for name, field in POLICY_OPTIONS.items() if getattr(args, name) is not None}
 
 
+def divisors(n: int) -> str:
+    """The divisors of n, comma-separated (what a group size of head_dim n may be)."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_group_sizes(p: argparse.ArgumentParser, option: str, sizes, head_dim: int) -> None:
+    """`p.error` naming `option` unless every group size divides the model's head_dim."""
+    bad = [g for g in ((sizes,) if isinstance(sizes, int) else sizes) if head_dim % g]
+    if bad:
+        p.error(f"argument {option}: {','.join(map(str, bad))} does not divide the model's head_dim {head_dim}; "
+                f"use one of {divisors(head_dim)}")
+
+
+def spelled(dest: str, value) -> str:
+    """An option as it was typed: `--bits 2,2,2,4`, `--super-scale`."""
+    flag = "--" + dest.replace("_", "-")
+    if value is True:
+        return flag
+    return f"{flag} {','.join(map(str, value)) if isinstance(value, tuple) else value}"
+
+
+def build_format(p: argparse.ArgumentParser, args: argparse.Namespace, config, num_loops: int):
+    """The cache format of --cache and its options (`add_cache_options`), checked against the model
+    before any work (`check_format`); `p.error` names the options otherwise."""
+    from rq_jax.cache import get_format
+
+    if args.group_size is not None:
+        check_group_sizes(p, "--group-size", args.group_size, config.head_dim)
+    what = " ".join([f"--cache {args.cache}"] + [spelled(name, getattr(args, name)) for name in POLICY_OPTIONS
+                                                  if getattr(args, name) is not None])
+    try:
+        fmt = get_format(args.cache, **cache_policy(args))
+    except ValueError as err:
+        p.error(f"{what}: {err}")
+    check_format(p, what, fmt, config, num_loops)
+    return fmt
+
+
+def check_format(p: argparse.ArgumentParser, what: str, fmt, config, num_loops: int) -> None:
+    """`p.error` (naming `what`, the options that chose `fmt`) unless the format can store this model's
+    K/V at `num_loops` loops: its bit accounting and a cache of the model built abstractly (group sizes
+    dividing head_dim, packable widths, ...; nothing allocated)."""
+    import jax
+
+    from rq_jax.cache import init_cache
+
+    try:
+        fmt.bits_per_element(num_loops, config.head_dim)
+        jax.eval_shape(lambda: init_cache(config, 1, 1, fmt, num_loops=num_loops))
+    except ValueError as err:
+        p.error(f"{what}: {err}")
+
+
 def checkpoint_source(args: argparse.Namespace) -> str:
     """--checkpoint, or the shipped default of --model (a relative path)."""
     return args.checkpoint or os.path.relpath(os.path.join(SHIPPED, DEFAULT_CHECKPOINT[args.model]))
 
 
-def eos_ids(folder: str) -> tuple[int, ...]:
-    """The checkpoint's end-of-sequence ids: generation_config.json's `eos_token_id` (an id or a list)."""
-    path = os.path.join(folder, "generation_config.json")
-    if not os.path.exists(path):
-        return ()
-    with open(path) as f:
-        eos = json.load(f).get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+# ---- outputs and runtime ------------------------------------------------------------------------------
 
 
-def stop_token_ids(tokenizer, folder: str) -> tuple[int, ...]:
-    """Ids that end generation: the tokenizer's `STOP_STRINGS` tokens, then the checkpoint's eos ids."""
-    return tuple(i for i in map(tokenizer.token_to_id, STOP_STRINGS) if i is not None) + eos_ids(folder)
+def output_folder(p: argparse.ArgumentParser, option: str, folder: str) -> str:
+    """Create `folder` (and its parents) now, before any work, and check that it is writable; `p.error`
+    naming `option` otherwise. Returns the folder."""
+    try:
+        os.makedirs(folder or ".", exist_ok=True)
+    except OSError as err:
+        p.error(f"argument {option}: cannot create {folder}: {err.strerror}")
+    if not os.access(folder or ".", os.W_OK):
+        p.error(f"argument {option}: {folder} is not writable")
+    return folder
+
+
+def output_file(p: argparse.ArgumentParser, option: str, path: str) -> str:
+    """`output_folder` for the folder of a file (or of an output prefix) `path`; returns `path`."""
+    if os.path.isdir(path):
+        p.error(f"argument {option}: {path} is a folder; give a file name or prefix in it")
+    output_folder(p, option, os.path.dirname(path))
+    return path
+
+
+def add_runtime_options(p: argparse.ArgumentParser) -> None:
+    """--no-compile-cache (see `start`)."""
+    from rq_jax.compilation import default_cache_dir
+
+    folder = default_cache_dir()
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile every program afresh; by default compiled programs are kept in "
+                   f"{folder or '$RQ_JAX_COMPILE_CACHE'} ($RQ_JAX_COMPILE_CACHE) and a second run loads them")
+
+
+def start(args: argparse.Namespace) -> None:
+    """What every script does before its work: XLA's C++ log lines silenced (`quiet_xla`), and JAX's
+    persistent compilation cache on unless --no-compile-cache (or $RQ_JAX_COMPILE_CACHE is empty)."""
+    from rq_jax.compilation import default_cache_dir, quiet_xla, use_persistent_cache
+
+    quiet_xla()
+    folder = default_cache_dir()
+    if folder and not getattr(args, "no_compile_cache", True):
+        use_persistent_cache(folder)
+
+
+@contextlib.contextmanager
+def compiling(what: str, *, quiet: bool = False):
+    """Print "compiling WHAT (first run only) ..." before the block and how long it compiled after it
+    (`rq_jax.compilation.CompileClock`), noting programs loaded from the persistent cache; `quiet`
+    prints nothing (processes other than the first)."""
+    import jax
+
+    from rq_jax.compilation import CompileClock
+
+    cached = bool(jax.config.jax_compilation_cache_dir)
+    if not quiet:
+        print(f"compiling {what}" + (" (first run only; later runs load them from the compile cache)" if cached
+                                     else "") + " ...", end=" ", flush=True)
+    with CompileClock() as clock:
+        yield clock
+    if not quiet:
+        hits = clock.cache_hits and f" (tracing; {clock.cache_hits} compiled programs came from the compile cache)"
+        print(f"{clock.seconds:.1f} s{hits or ''}", flush=True)

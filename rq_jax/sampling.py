@@ -25,6 +25,7 @@ from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.calib import CacheCalib, default_calib, fit_calib
 from rq_jax.cache.kv import KVCache, init_cache
+from rq_jax.compilation import CompileClock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,21 +48,40 @@ class SamplingConfig:
             raise ValueError(f"need top_k ≥ 0 and 0 < top_p ≤ 1, got top_k={self.top_k}, top_p={self.top_p}")
 
 
+def restrict_logits(logits: Float[Array, "b v"], temperature, top_k, top_p) -> Float[Array, "b v"]:
+    """float32 logits / temperature, restricted by top-k then top-p (the rest -inf): what a sampled token
+    is drawn from. Each parameter is a Python number, the same for every row (a filter it turns off,
+    top_k 0 or top_p 1, is not traced), or an array of one value per row [B] (traced: temperature > 0,
+    top_k 0 and top_p 1 off)."""
+    def per_row(x):
+        return x if isinstance(x, (int, float)) else jnp.asarray(x)[:, None]
+
+    temperature, top_k, top_p = per_row(temperature), per_row(top_k), per_row(top_p)
+    logits = logits.astype(jnp.float32) / temperature
+    if not isinstance(top_k, int):
+        kth = jnp.take_along_axis(-jnp.sort(-logits, axis=-1), jnp.clip(top_k - 1, 0, logits.shape[-1] - 1), axis=-1)
+        logits = jnp.where((top_k > 0) & (logits < kth), -jnp.inf, logits)
+    elif top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    traced_p = not isinstance(top_p, (int, float))
+    if traced_p or top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        keep_sorted = jnp.cumsum(probs, axis=-1) - probs < top_p  # always keeps the top token
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        if traced_p:
+            keep = keep | (top_p >= 1)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return logits
+
+
 def choose_tokens(logits: Float[Array, "b v"], rng: jax.Array, cfg: SamplingConfig) -> Int[Array, "b"]:
     """Greedy argmax, or a sample from softmax(logits / T) restricted by top-k then top-p."""
     if cfg.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / cfg.temperature
-    if cfg.top_k:
-        kth = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if cfg.top_p < 1:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        keep_sorted = jnp.cumsum(probs, axis=-1) - probs < cfg.top_p  # always keeps the top token
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-        logits = jnp.where(keep, logits, -jnp.inf)
+    logits = restrict_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
@@ -91,8 +111,10 @@ class DecodeState:
 
 class Generation(NamedTuple):
     """Generated tokens [B, N] (pad after a row stops), how many per row, optional logits [B, N, V],
-    the final cache, and wall seconds of prefill and decode (compilation included on the first call
-    with a new shape; prefill includes fitting the calibration on the prompt when a format needs it).
+    the final cache, and wall seconds: `prefill_seconds` and `decode_seconds` of running the programs
+    (prefill includes fitting the calibration on the prompt when a format needs it), and
+    `compile_seconds` spent tracing and compiling them (or loading them from the persistent compile
+    cache) — nonzero on the first call with a new shape only.
 
     With adaptive exit (Huginn with `decode_kwargs=dict(adaptive=AdaptiveExit(...))`, whose model
     calls report `steps_used`): `steps` [B, N] holds the core steps of the call that produced each
@@ -110,6 +132,17 @@ class Generation(NamedTuple):
     decode_seconds: float
     mean_steps: float | None = None
     steps: np.ndarray | None = None
+    compile_seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        from rq_jax.cache.kv import cache_nbytes
+
+        b, n = self.tokens.shape
+        extra = "" if self.mean_steps is None else f", mean_steps={self.mean_steps:.2f}"
+        return (f"Generation(tokens [{b}, {n}], num_generated={self.num_generated.tolist()}, "
+                f"{self.cache.fmt.name} cache of {self.cache.max_len} positions "
+                f"({cache_nbytes(self.cache):,} bytes), prefill {self.prefill_seconds:.3f} s, "
+                f"decode {self.decode_seconds:.3f} s, compile {self.compile_seconds:.1f} s{extra})")
 
 
 class Sampler:
@@ -156,8 +189,9 @@ class Sampler:
             calib = default_calib(jax.eval_shape(lambda: self._empty_cache(1, 1)))
         self.calib = sharding.shard_calib(calib, mesh, self.fmt, self.plain_fmt)
         self._calibrate = jax.jit(self._calibrate_fn)
-        self._prefill = jax.jit(self._prefill_fn)
-        self._decode = jax.jit(self._decode_fn)
+        # The cache is donated to both (updated in place): the prefill's empty cache, the decode loop's state.
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=4)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=2)
 
     def _empty_cache(self, batch: int, max_len: int, mesh: Mesh | None = None) -> KVCache:
         return sharding.init_sharded_cache(self.model_config, batch, max_len, self.fmt, mesh, num_loops=self.num_loops,
@@ -263,14 +297,16 @@ class Sampler:
             rows = sharding.batch_sharding(self.mesh, tokens.shape)
             tokens, lengths = sharding.put((tokens, lengths), rows)
             rng = sharding.put(rng, sharding.replicated(self.mesh))
-        start = time.perf_counter()
-        calib = self.calib
-        if calib is None:
-            calib = self._calibrate(self.params, tokens, lengths, jax.random.fold_in(rng, 1))
-        state = jax.block_until_ready(self._prefill(self.params, calib, tokens, lengths, cache, rng))
-        mid = time.perf_counter()
-        state = jax.block_until_ready(self._decode(self.params, calib, state))
-        end = time.perf_counter()
+        with CompileClock() as prefill_compile:
+            start = time.perf_counter()
+            calib = self.calib
+            if calib is None:
+                calib = self._calibrate(self.params, tokens, lengths, jax.random.fold_in(rng, 1))
+            state = jax.block_until_ready(self._prefill(self.params, calib, tokens, lengths, cache, rng))
+            mid = time.perf_counter()
+        with CompileClock() as decode_compile:
+            state = jax.block_until_ready(self._decode(self.params, calib, state))
+            end = time.perf_counter()
         logits = None if state.logits is None else np.asarray(state.logits)
         num_decoded = int(np.sum(np.asarray(state.num_generated) - 1))  # tokens fed through decode steps
         mean_steps = steps = None
@@ -278,5 +314,6 @@ class Sampler:
             steps = np.asarray(state.steps)
             if num_decoded:
                 mean_steps = float(np.sum(steps[:, 1:])) / num_decoded
+        compiled = prefill_compile.seconds, decode_compile.seconds
         return Generation(np.asarray(state.tokens), np.asarray(state.num_generated), logits, state.cache,
-                          mid - start, end - mid, mean_steps, steps)
+                          mid - start - compiled[0], end - mid - compiled[1], mean_steps, steps, sum(compiled))

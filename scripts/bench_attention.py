@@ -19,13 +19,13 @@ JAX's `decode_attention` (the outside peer).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 from pathlib import Path
 
 import jax
 
+from rq_jax import cli
 from rq_jax.cache.schemes import BENCH_ATTENTION, pick
 from rq_jax.config import PRESETS
 from rq_jax.perf import attention as pa
@@ -33,24 +33,29 @@ from rq_jax.perf import attention as pa
 
 def main(argv=None):
     on_gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=sorted(PRESETS), default=["huginn-0125", "ouro-1.4b"],
                    help="presets whose head shape the layer takes")
     p.add_argument("--formats", nargs="+", default=list(BENCH_ATTENTION), help="scheme labels of the catalog")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4] if on_gpu else [1])
-    p.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 32768] if on_gpu else [1024, 4096])
-    p.add_argument("--repeats", type=int, default=10 if on_gpu else 3)
-    p.add_argument("--inner", type=int, default=20 if on_gpu else 1, help="steps per timed call")
+    p.add_argument("--batch", type=cli.positive_int, nargs="+", default=[1, 4] if on_gpu else [1], help="rows")
+    p.add_argument("--context", type=cli.positive_int, nargs="+",
+                   default=[1024, 4096, 16384, 32768] if on_gpu else [1024, 4096], help="tokens cached")
+    p.add_argument("--repeats", type=cli.positive_int, default=10 if on_gpu else 3, help="timed calls (median)")
+    p.add_argument("--inner", type=cli.positive_int, default=20 if on_gpu else 1, help="steps per timed call")
     p.add_argument("--no-peer", action="store_true", help="skip the dense kernel rows on a GPU")
-    p.add_argument("--copy-mb", type=int, default=1024 if on_gpu else 128)
+    p.add_argument("--copy-mb", type=cli.positive_int, default=1024 if on_gpu else 128,
+                   help="MiB copied to measure the copy bandwidth")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--markdown", help="write the table here")
     args = p.parse_args(argv)
     try:
         schemes = pick(args.formats)
     except ValueError as err:
-        p.error(f"--formats: {err}")
+        p.error(f"argument --formats: {err}")
+    for option, path in (("--json", args.json), ("--markdown", args.markdown)):
+        if path:
+            cli.output_file(p, option, path)
+    cli.start(args)
     device = jax.devices()[0]
     copy_bw = pa.copy_bandwidth(args.copy_mb << 20, args.repeats)
     head = (f"device: {device.device_kind} ({device.platform}); jax {jax.__version__}; copy bandwidth "

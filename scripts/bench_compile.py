@@ -10,7 +10,6 @@ unrolled engine's first call measured on this 2-core
 CPU when the scan engine was proposed (issue 7); the scan engine's trace does not grow with depth.
 """
 
-import argparse
 import json
 import statistics
 import time
@@ -19,8 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rq_jax.cache import default_calib, get_format
-from rq_jax.config import ModelConfig, preset
+from rq_jax import cli
+from rq_jax.cache import available_formats, default_calib, get_format
+from rq_jax.compilation import quiet_xla
+from rq_jax.config import PRESETS, ModelConfig, preset
 from rq_jax.models import init_model
 from rq_jax.sampling import decode_step
 
@@ -66,15 +67,26 @@ def measure(config: ModelConfig, fmt_name: str, context: int, repeats: int) -> d
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--width", type=int, default=256, help="hidden size (heads x head dim)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--models", default="ouro-1.4b,huginn-0125")
-    p.add_argument("--formats", default="dense,residual")
+    p = cli.ArgumentParser(description=__doc__)
+    p.add_argument("--width", type=cli.positive_int, default=256, help="hidden size (heads x head dim)")
+    p.add_argument("--head-dim", type=cli.positive_int, default=128, help="head dim (divides --width)")
+    p.add_argument("--context", type=cli.positive_int, default=64, help="tokens cached")
+    p.add_argument("--repeats", type=cli.positive_int, default=5, help="timed calls after the first (median)")
+    p.add_argument("--models", default="ouro-1.4b,huginn-0125", help="comma-separated presets")
+    p.add_argument("--formats", default="dense,residual", help="comma-separated cache formats")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    if args.width % args.head_dim:
+        p.error(f"argument --head-dim: {args.head_dim} does not divide --width {args.width}")
+    bad = [m for m in args.models.split(",") if m not in PRESETS]
+    if bad:
+        p.error(f"argument --models: {', '.join(bad)}; the presets are {', '.join(sorted(PRESETS))}")
+    bad = [f for f in args.formats.split(",") if f not in available_formats()]
+    if bad:
+        p.error(f"argument --formats: {', '.join(bad)}; the formats are {', '.join(available_formats())}")
+    if args.json:
+        cli.output_file(p, "--json", args.json)
+    quiet_xla()  # and no persistent compile cache: this script measures compilation
     print(f"width {args.width} (head dim {args.head_dim}), context {args.context}, float32, "
           f"{jax.devices()[0].platform}, jax {jax.__version__}")
     print(f"{'model':12s} {'depth':>6s} {'format':9s} {'first call s':>13s} {'step ms':>8s} {'before s':>9s} "

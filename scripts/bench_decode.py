@@ -55,7 +55,10 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
+from rq_jax.cache import base
+from rq_jax.cache.context import SELF_TILE
 from rq_jax.cache.schemes import BENCH_DECODE, catalog
+from rq_jax.cli import HelpFormatter
 from rq_jax.config import ModelConfig, changes_from, parse_preset
 from rq_jax.perf.decode import DecodeBench, describe_device
 
@@ -105,35 +108,56 @@ def add_ratios(rows: list[dict], budget_rows: list[dict]) -> None:
         r["peak_x_dense"] = r["peak_tok_s"] / d["peak_tok_s"] if d and r["peak_tok_s"] and d["peak_tok_s"] else None
 
 
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / MiB:.1f}"
+
+
 def step_table(rows: list[dict]) -> list[str]:
-    cols = ("model", "context", "batch", "format", "stored", "ms/step", "tok/s", "tok/s × dense (read limit)",
-            "cache MiB", "bytes × dense (storage limit)", "step GiB (weights + cache + temp + other)")
+    cols = ("model", "context", "batch", "format", "tile", "ms/step", "tok/s", "tok/s × dense (read limit)",
+            "cache MiB", "dense bytes ÷ format bytes (storage limit)", "temp MiB (per row)",
+            "step GiB (weights + cache + temp + other)", "ms holding `filled` tokens (× full)")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         timed = r["ms"] is not None
-        cells = (r["model"], r["context"], r["batch"], r["format"], r["stored"],
+        filled = "-" if r.get("ms_filled") is None else \
+            f"{r['ms_filled']:.1f} at {r['filled']} ({r['ms_filled'] / r['ms']:.2f})"
+        cells = (r["model"], r["context"], r["batch"], r["format"], r["tile"],
                  f"{r['ms']:.1f}" if timed else r["run"], f"{r['tok_s']:.2f}" if timed else "-",
                  _ratio(r["tok_s_x_dense"], r["read_limit"]),
-                 f"{r['cache_nbytes'] / MiB:.1f}",
+                 _mib(r["cache_nbytes"]),
                  _ratio(r["bytes_x_dense"], r["storage_limit"]),
-                 _gib(r["memory"]))
+                 f"{_mib(r['memory']['temp'])} ({_mib(r['memory']['temp'] / r['batch'])})",
+                 _gib(r["memory"]), filled)
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
 
 def budget_table(rows: list[dict]) -> list[str]:
-    cols = ("model", "context", "format", "max batch", "GiB at max (w + c + t + o)", "GiB at max + 1",
-            "batch × dense (storage limit)", "peak tok/s", "peak × dense (storage limit)")
+    cols = ("model", "context", "format", "budget GiB", "max batch", "GiB at max (w + c + t + o)", "GiB at max + 1",
+            "MiB per added row (cache, temp per row)", "batch × dense (storage limit)", "peak tok/s",
+            "peak × dense (storage limit)")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         best = r["max_batch"] if r["max_batch"] else "none fits"
         if r["max_batch"] and r["next_batch"] is None:
             best = f"≥ {r['max_batch']} (cap)"
-        cells = (r["model"], r["context"], r["format"], best, _gib(r["memory"]),
-                 "-" if r["next_memory"] is None else f"{r['next_memory']['total'] / GiB:.2f}",
+        per_row = "-" if r["per_row"] is None else \
+            f"{_mib(r['per_row'])} ({_mib(r['cache_per_row'])}, {_mib(r['temp_per_row'])})"
+        cells = (r["model"], r["context"], r["format"], f"{r['budget'] / GiB:.2f}", best, _gib(r["memory"]),
+                 "-" if r["next_memory"] is None else f"{r['next_memory']['total'] / GiB:.2f}", per_row,
                  _ratio(r["batch_x_dense"], r["storage_limit"]),
                  f"{r['peak_tok_s']:.2f}" if r["peak_tok_s"] else r["peak_run"],
                  _ratio(r["peak_x_dense"], r["storage_limit"]))
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def prefill_table(rows: list[dict]) -> list[str]:
+    cols = ("model", "prompt tokens", "format", "cache MiB", "temp GiB", "step GiB (weights + cache + temp + other)")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        m = r["memory"]
+        cells = (r["model"], r["tokens"], r["format"], _mib(m["cache"]), f"{m['temp'] / GiB:.2f}", _gib(m))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
@@ -143,7 +167,8 @@ def budget_table(rows: list[dict]) -> list[str]:
 
 def main(argv=None):
     on_gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                formatter_class=HelpFormatter)
     p.add_argument("--models", nargs="+", default=GPU_MODELS if on_gpu else CPU_MODELS,
                    help=f"NAME[:field=value,...]: a preset with ModelConfig fields changed (Huginn at a CPU's "
                         f"scale: {CPU_HUGINN})")
@@ -152,76 +177,109 @@ def main(argv=None):
     p.add_argument("--formats", nargs="+", choices=labels, default=list(BENCH_DECODE), metavar="LABEL",
                    help=f"scheme labels of the catalog (rq_jax/cache/schemes.py), among {labels}")
     p.add_argument("--context", type=int, nargs="+",
-                   default=[1024, 2048, 4096, 8192, 16384] if on_gpu else [4096])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16] if on_gpu else [1])
+                   default=[1024, 2048, 4096, 8192, 16384] if on_gpu else [4096], help="tokens already cached")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16] if on_gpu else [1], help="rows per step")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16" if on_gpu else "float32",
                    help="compute dtype")
-    p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    p.add_argument("--memory-gb", type=float, default=32.0 if on_gpu else 2.5,
-                   help="memory budget in GiB for the largest-batch search (0: skip the search)")
+    p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights' dtype")
+    p.add_argument("--memory-gb", type=float, default=32.0 if on_gpu else None,
+                   help="one memory budget in GiB for every largest-batch search (0: skip the search; default "
+                        "on a CPU: --budget-rows)")
+    p.add_argument("--budget-rows", type=int, default=4,
+                   help="without --memory-gb: each (model, context)'s budget is the 'dense bf16' step's memory at "
+                        "this batch, so dense fits exactly that many rows")
     p.add_argument("--max-batch", type=int, default=4096, help="largest batch the search tries")
     p.add_argument("--machine-gb", type=float,
                    help="memory a run may use (default: the device's free memory; CPU: 60%% of MemAvailable)")
-    p.add_argument("--repeats", type=int, default=10 if on_gpu else 3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=10 if on_gpu else 3, help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     p.add_argument("--no-run", action="store_true", help="compile only: bytes and the budget search, no timing")
+    p.add_argument("--run-contexts", type=int, nargs="+",
+                   help="time only these contexts (the others compile only; default: every context)")
+    p.add_argument("--filled", type=int, help="also time each step with its cache holding only this many tokens")
+    p.add_argument("--prefill", type=int, nargs="+", default=[],
+                   help="also compile (batch 1, not run) one prefill call of this many tokens per format")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = p.parse_args(argv)
     if min(args.context) < 1 or min(args.batch) < 1 or args.repeats < 1 or args.warmup < 0 or args.max_batch < 1:
         p.error("contexts, batches, repeats and --max-batch must be positive, --warmup non-negative")
-    models = [parse_model(spec, args.layers, max(args.context)) for spec in args.models]
+    if args.memory_gb is None and "dense bf16" not in args.formats:
+        p.error("--budget-rows needs 'dense bf16' among --formats (or give --memory-gb)")
+    if args.budget_rows < 1 or (args.filled is not None and args.filled < 0) or min(args.prefill, default=1) < 1:
+        p.error("--budget-rows and --prefill must be positive, --filled non-negative")
+    run_contexts = set() if args.no_run else set(args.run_contexts or args.context)
+    models = [parse_model(spec, args.layers, max(args.context + args.prefill)) for spec in args.models]
     names = [m[0] for m in models]
     models = [(f"{n} ({i + 1})" if names.count(n) > 1 else n, c, d) for i, (n, c, d) in enumerate(models)]
-    budget = int(args.memory_gb * GiB)
+    fixed_budget = None if args.memory_gb is None else int(args.memory_gb * GiB)
+    search = fixed_budget != 0
+    budget_words = (f"{args.memory_gb:g} GiB" if fixed_budget is not None else
+                    f"the 'dense bf16' step's memory at batch {args.budget_rows} (per model and context)")
     command = "python scripts/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
     header = [
         f"device: {describe_device()}; jax {jax.__version__}",
-        f"dtypes: weights {args.weight_dtype}, compute {args.dtype}, cache per format (column 'stored')",
+        f"dtypes: weights {args.weight_dtype}, compute {args.dtype}, cache as each format's label says",
         *(f"model {label}: {c.num_layers} looped layers x {c.num_loops} loops"
           + (f" + {c.num_plain_layers} plain layers" if c.num_plain_layers else "")
           + f", {c.num_heads} heads x {c.head_dim}, hidden {c.hidden_size}, vocab {c.vocab_size} ({changed})"
           for label, c, changed in models),
         f"step: median of {args.repeats} after {args.warmup} warm-up, block_until_ready; cache filled by each "
-        "format's write (random K/V, one row repeated)",
-        f"memory: XLA memory_analysis of the compiled step; budget {args.memory_gb:g} GiB",
+        "format's write (random K/V, one row repeated); timed contexts: "
+        + (", ".join(map(str, sorted(run_contexts))) or "none (compile only)"),
+        f"attention: tiled, tile = rq_jax.cache.base.context_tile (a float32 operand of at most "
+        f"{base.TILE_ELEMENTS} elements, at least {base.MIN_TILE} tokens; column 'tile'); prompts over "
+        f"{SELF_TILE} tokens attend to themselves in {SELF_TILE} x {SELF_TILE} tiles",
+        f"memory: XLA memory_analysis of the compiled step; budget {budget_words}",
         f"command: {command}",
     ]
     for line in header:
         print(line)
-    per_model = len(args.formats) * len(args.context) * (len(args.batch) + (2 if budget else 0))
+    per_model = len(args.formats) * (len(args.context) * (len(args.batch) + (2 if search else 0)) + len(args.prefill))
     bar = tqdm(total=per_model * len(models), desc="bench_decode", unit="step", file=sys.stderr)
-    rows, budget_rows, compile_s, began = [], [], {}, time.perf_counter()
+    rows, budget_rows, prefill_rows, compile_s, began = [], [], [], {}, time.perf_counter()
     for label, config, _ in models:
-        bench = DecodeBench(label, config, args, run=not args.no_run)
+        bench = DecodeBench(label, config, args, run=bool(run_contexts))
         for context in args.context:
+            timed = context in run_contexts
+            budget = fixed_budget
+            if budget is None:
+                budget = bench.memory("dense bf16", context, args.budget_rows)["total"]
             for fmt in args.formats:
                 for batch in args.batch:
                     bar.set_postfix_str(f"{label.split()[0]} {context} {fmt} b{batch}")
-                    row = bench.measure(fmt, context, batch)
+                    row = bench.measure(fmt, context, batch, timed, args.filled)
                     rows.append(row)
                     bar.update()
                     tqdm.write(f"  {label} ctx {context} b{batch} {fmt}: "
                                + (f"{row['ms']:.1f} ms, {row['tok_s']:.2f} tok/s" if row["ms"] else row["run"])
-                               + f", cache {row['cache_nbytes'] / MiB:.1f} MiB, "
-                               f"step {row['memory']['total'] / GiB:.2f} GiB")
-                if not budget:
+                               + f", cache {row['cache_nbytes'] / MiB:.1f} MiB, temp {row['memory']['temp'] / MiB:.1f}"
+                               f" MiB, step {row['memory']['total'] / GiB:.2f} GiB")
+                if not search:
                     continue
                 bar.set_postfix_str(f"{label.split()[0]} {context} {fmt} budget search")
                 found = bench.largest_batch(fmt, context, budget, args.max_batch)
                 bar.update()
                 found["peak_tok_s"], found["peak_run"] = None, "none fits" if not found["max_batch"] else "-"
-                if found["max_batch"]:
+                if found["max_batch"] and timed:
                     bar.set_postfix_str(f"{label.split()[0]} {context} {fmt} b{found['max_batch']} (peak)")
                     done = next((r for r in rows if (r["model"], r["context"], r["format"], r["batch"])
                                  == (label, context, fmt, found["max_batch"])), None)
                     peak = done or bench.measure(fmt, context, found["max_batch"])
                     found["peak_tok_s"], found["peak_run"] = peak["tok_s"], peak["run"]
                     found["peak_ms"] = peak["ms"]
+                elif found["max_batch"]:
+                    found["peak_run"] = "not run (compile only)"
                 bar.update()
                 budget_rows.append(found)
                 tqdm.write(f"  {label} ctx {context} {fmt}: largest batch {found['max_batch']} in "
-                           f"{args.memory_gb:g} GiB ({len(found['totals'])} programs compiled), peak "
+                           f"{budget / GiB:.2f} GiB ({len(found['totals'])} programs compiled), peak "
                            + (f"{found['peak_tok_s']:.2f} tok/s" if found["peak_tok_s"] else found["peak_run"]))
+        for tokens in args.prefill:
+            for fmt in args.formats:
+                bar.set_postfix_str(f"{label.split()[0]} prefill {tokens} {fmt}")
+                mem = bench.prefill_memory(fmt, tokens)
+                prefill_rows.append(dict(model=label, tokens=tokens, format=fmt, memory=mem))
+                bar.update()
         compile_s[label] = bench.compile_seconds
         del bench
     bar.close()
@@ -230,17 +288,19 @@ def main(argv=None):
                   + ", ".join(f"{label} {secs:.0f} s" for label, secs in compile_s.items()))
     add_ratios(rows, budget_rows)
     lines = ["## Decode step", "", *step_table(rows)]
-    if budget:
-        lines += ["", f"## Largest batch in {args.memory_gb:g} GiB", "", *budget_table(budget_rows)]
+    if search:
+        lines += ["", f"## Largest batch in {budget_words}", "", *budget_table(budget_rows)]
+    if prefill_rows:
+        lines += ["", "## Prefill (compile only, batch 1)", "", *prefill_table(prefill_rows)]
     text = "\n".join(["# bench_decode", "", *(f"- {h}" for h in header), "", *lines]) + "\n"
     print("\n" + "\n".join(lines))
     if args.out:
         Path(args.out + ".md").write_text(text)
         Path(args.out + ".json").write_text(json.dumps(dict(
             header=header, device=describe_device(), platform=jax.default_backend(), jax=jax.__version__,
-            args=vars(args), budget=budget, wall_s=wall, compile_s=compile_s,
+            args=vars(args), budget=fixed_budget, wall_s=wall, compile_s=compile_s,
             models={label: dict(config=vars(c), changed=d) for label, c, d in models},
-            rows=rows, budget_rows=budget_rows), indent=2))
+            rows=rows, budget_rows=budget_rows, prefill_rows=prefill_rows), indent=2))
 
 
 if __name__ == "__main__":

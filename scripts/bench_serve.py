@@ -2,9 +2,9 @@
 
     python scripts/bench_serve.py --out docs/bench_serve              # Ouro-small, the vLLM comparison workload
 
-For each cache format it starts the server on 127.0.0.1 (twice for the first format: cold, then with the
-compile cache the cold start filled, to time both start-ups), then drives it with an async load
-generator (httpx, streamed completions) over held-out sums in the models' format (12-token prompts):
+For each cache format it starts the server on 127.0.0.1 twice (cold, then with the compile cache the
+cold start filled, to time both start-ups), then drives it with an async load generator (httpx,
+streamed completions) over held-out sums in the models' format (12-token prompts):
 fixed-concurrency points (`--concurrency`, `max` = every slot the budget holds) and Poisson arrival
 rates (`--rates`), each bounded by `--requests` and `--max-seconds`. Every request asks for exactly
 `--max-tokens` tokens (greedy, `ignore_eos`). Per request: time to first token, inter-token latency,
@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,7 +68,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), "--model", args.model, "--checkpoint",
                args.checkpoint, *extra, "--memory-gb", str(args.memory_gb), "--max-len", str(args.max_len),
-               "--max-waiting", "4096", "--compile-cache", compile_cache, "--host", "127.0.0.1", "--port", str(self.port)]
+               "--max-waiting", "4096", "--compile-cache", compile_cache, "--host", "127.0.0.1",
+               "--port", str(self.port)]
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         start = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
@@ -85,8 +87,7 @@ class Server:
         self.startup = time.perf_counter() - start
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(float(m.group(1)) for m in re.finditer(rf"^rq_serve_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        return metric(httpx.get(self.url + "/metrics", timeout=10).text, name)
 
     def rss_gb(self) -> float:
         """Peak resident memory of the server process (VmHWM)."""
@@ -103,21 +104,29 @@ class Server:
                 self.proc.kill()
 
 
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples in Prometheus text."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^rq_serve_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
 async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
-    """A streamed completion: arrival, first token and last token times, token count."""
+    """A streamed completion: time to first token, the gaps between tokens, end to end, tokens received
+    (counted from the chunks' token ids; a chunk carries the tokens of one engine step)."""
     start = time.perf_counter()
     times = []
-    body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True)
+    body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True, logprobs=0,
+                return_tokens_as_token_ids=True)
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return dict(error=r.status_code)
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    times.append(time.perf_counter())
-    ttft = times[0] - start
-    return dict(ttft=ttft, itl=list(np.diff(times)), e2e=times[-1] - start, tokens=max_tokens)
+                choices = json.loads(line[6:])["choices"]
+                now = time.perf_counter()
+                times += [now] * len(choices[0]["logprobs"]["tokens"] if choices else [])
+    if not times:
+        return dict(error="no tokens")
+    return dict(ttft=times[0] - start, itl=list(np.diff(times)), e2e=times[-1] - start, tokens=len(times))
 
 
 async def run_point(server: Server, prompts: list[str], args, concurrency: int | None = None,
@@ -131,9 +140,7 @@ async def run_point(server: Server, prompts: list[str], args, concurrency: int |
         nonlocal peak
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
             while not done.is_set():
-                text = (await http.get("/metrics")).text
-                used = sum(float(m.group(1)) for m in re.finditer(r"^rq_serve_slots_used(?:{[^}]*})? (\S+)$", text, re.M))
-                peak = max(peak, int(used))
+                peak = max(peak, int(metric((await http.get("/metrics")).text, "slots_used")))
                 await asyncio.sleep(0.05)
 
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
@@ -175,16 +182,17 @@ async def run_point(server: Server, prompts: list[str], args, concurrency: int |
                 e2e_ms_p99=ms([r["e2e"] for r in ok], 99))
 
 
-def bench_format(label: str, args, prompts: list[str], cache_dir: str, first: bool) -> dict:
+def bench_format(label: str, args, prompts: list[str], cache_dir: str) -> dict:
+    """Start-ups (cold, then from the compile cache the cold start filled) and every load point of one format."""
     out = dict(format=label, points=[])
-    if first:  # cold start, then a start from the compile cache it filled
-        cold = Server(args, FORMATS[label], cache_dir)
-        out["startup_cold_s"] = cold.startup
-        cold.stop()
+    cold = Server(args, FORMATS[label], cache_dir)
+    out["startup_cold_s"] = cold.startup
+    cold.stop()
     server = Server(args, FORMATS[label], cache_dir)
     out["startup_s"] = server.startup
     out["slots"] = int(server.metric("slots_total"))
-    print(f"{label}: {out['slots']} slots, started in {server.startup:.1f} s", flush=True)
+    print(f"{label}: {out['slots']} slots, started in {out['startup_cold_s']:.1f} s cold, {server.startup:.1f} s "
+          "from the compile cache", flush=True)
     try:
         for c in args.concurrency.split(","):
             c = out["slots"] if c == "max" else int(c)
@@ -203,17 +211,22 @@ def bench_format(label: str, args, prompts: list[str], cache_dir: str, first: bo
     return out
 
 
+def row(*cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def markdown(runs: list[dict], args) -> str:
     lines = [f"Ouro-small ({args.checkpoint}), {args.max_len}-token slots at a {args.memory_gb} GiB cache budget, "
-             f"12-token prompts, {args.max_tokens} output tokens (greedy, ignore_eos); medians and p99 of one run.", "",
-             "| format | load | requests | output tok/s | req/s | peak sequences | TTFT p50 / p99 ms | "
-             "ITL p50 / p99 ms | e2e p50 / p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+             f"12-token prompts, {args.max_tokens} output tokens (greedy, ignore_eos); medians and p99 of one run.",
+             "", row("format", "load", "requests", "output tok/s", "req/s", "peak sequences", "TTFT p50 / p99 ms",
+                     "ITL p50 / p99 ms", "e2e p50 / p99 ms"), row(*["---"] * 9)]
     for run in runs:
         for p in run["points"]:
             load = f"concurrency {p['concurrency']}" if p["concurrency"] else f"Poisson {p['rate']:g} req/s"
-            lines.append(f"| {run['format']} | {load} | {p['requests']} | {p['output_tok_s']:,.0f} | {p['req_s']:.1f} | "
-                         f"{p['peak_sequences']} | {p['ttft_ms_p50']:.1f} / {p['ttft_ms_p99']:.1f} | "
-                         f"{p['itl_ms_p50']:.1f} / {p['itl_ms_p99']:.1f} | {p['e2e_ms_p50']:.0f} / {p['e2e_ms_p99']:.0f} |")
+            lines.append(row(run["format"], load, p["requests"], f"{p['output_tok_s']:,.0f}", f"{p['req_s']:.1f}",
+                             p["peak_sequences"], f"{p['ttft_ms_p50']:.1f} / {p['ttft_ms_p99']:.1f}",
+                             f"{p['itl_ms_p50']:.1f} / {p['itl_ms_p99']:.1f}",
+                             f"{p['e2e_ms_p50']:.0f} / {p['e2e_ms_p99']:.0f}"))
     dense, residual = runs[0], runs[-1]
 
     def at(run, c):
@@ -222,25 +235,33 @@ def markdown(runs: list[dict], args) -> str:
     def sat(run):
         return max(p["output_tok_s"] for p in run["points"])
 
-    lines += ["", "| | slots at the budget | saturated output tok/s | start-up s | peak RSS GB |", "|---|---|---|---|---|"]
+    def peak(run):
+        return max(p["peak_sequences"] for p in run["points"])
+
+    lines += ["", row("", "slots at the budget", "peak concurrent sequences", "saturated output tok/s",
+                      "start-up s (cold / compile cache)", "peak RSS GB"), row(*["---"] * 6)]
     for run in runs:
-        lines.append(f"| {run['format']} | {run['slots']} | {sat(run):,.0f} | {run['startup_s']:.1f} | {run['rss_gb']:.2f} |")
-    lines.append(f"| residual / dense | {residual['slots'] / dense['slots']:.2f}x | {sat(residual) / sat(dense):.2f}x | | |")
-    c1, c32 = at(dense, 1), at(dense, 32)
-    r1, r32 = at(residual, 1), at(residual, 32)
-    if c1 and c32:
-        lines += ["", "The vLLM comparison workload (vLLM's figures from issue 24, measured there, not rerun here):", "",
-                  "| | vLLM 0.32 CPU (bf16 KV) | rq_jax dense bf16 | rq_jax residual [2,2,2,4] |", "|---|---|---|---|",
-                  f"| output tok/s, concurrency 1 | {VLLM['c1_tok_s']} | {c1['output_tok_s']:,.0f} | "
-                  f"{r1['output_tok_s']:,.0f} |",
-                  f"| TTFT ms, concurrency 1 | {VLLM['c1_ttft_ms']} | {c1['ttft_ms_p50']:.1f} | {r1['ttft_ms_p50']:.1f} |",
-                  f"| output tok/s, concurrency 32 | {VLLM['c32_tok_s']} | {c32['output_tok_s']:,.0f} | "
-                  f"{r32['output_tok_s']:,.0f} |",
-                  f"| TTFT ms, concurrency 32 | {VLLM['c32_ttft_ms']} | {c32['ttft_ms_p50']:.1f} | "
-                  f"{r32['ttft_ms_p50']:.1f} |",
-                  f"| start-up s, cold / compile cache | {VLLM['startup_cold_s']} / {VLLM['startup_cached_s']} | "
-                  f"{dense['startup_cold_s']:.1f} / {dense['startup_s']:.1f} | {residual['startup_s']:.1f} (cached: no) |",
-                  f"| peak RSS GB | {VLLM['rss_gb']} | {dense['rss_gb']:.2f} | {residual['rss_gb']:.2f} |"]
+        lines.append(row(run["format"], run["slots"], peak(run), f"{sat(run):,.0f}",
+                         f"{run['startup_cold_s']:.1f} / {run['startup_s']:.1f}", f"{run['rss_gb']:.2f}"))
+    lines.append(row("residual / dense", f"{residual['slots'] / dense['slots']:.2f}x",
+                     f"{peak(residual) / peak(dense):.2f}x", f"{sat(residual) / sat(dense):.2f}x", "", ""))
+    c1, c32, r1, r32 = at(dense, 1), at(dense, 32), at(residual, 1), at(residual, 32)
+    if c1 and c32 and r1 and r32:
+        lines += ["", "The vLLM comparison workload (vLLM's figures quoted from issue 24, not rerun here):", "",
+                  row("", "vLLM 0.32 CPU (bf16 KV)", "rq_jax dense bf16", "rq_jax residual [2,2,2,4]"),
+                  row(*["---"] * 4),
+                  row("output tok/s, concurrency 1", VLLM["c1_tok_s"], f"{c1['output_tok_s']:,.0f}",
+                      f"{r1['output_tok_s']:,.0f}"),
+                  row("TTFT ms (p50), concurrency 1", VLLM["c1_ttft_ms"], f"{c1['ttft_ms_p50']:.1f}",
+                      f"{r1['ttft_ms_p50']:.1f}"),
+                  row("output tok/s, concurrency 32", VLLM["c32_tok_s"], f"{c32['output_tok_s']:,.0f}",
+                      f"{r32['output_tok_s']:,.0f}"),
+                  row("TTFT ms (p50), concurrency 32", VLLM["c32_ttft_ms"], f"{c32['ttft_ms_p50']:.1f}",
+                      f"{r32['ttft_ms_p50']:.1f}"),
+                  row("start-up s, cold / compile cache", f"{VLLM['startup_cold_s']} / {VLLM['startup_cached_s']}",
+                      f"{dense['startup_cold_s']:.1f} / {dense['startup_s']:.1f}",
+                      f"{residual['startup_cold_s']:.1f} / {residual['startup_s']:.1f}"),
+                  row("peak RSS GB", VLLM["rss_gb"], f"{dense['rss_gb']:.2f}", f"{residual['rss_gb']:.2f}")]
     return "\n".join(lines) + "\n"
 
 
@@ -272,6 +293,7 @@ def plot(runs: list[dict], path: str) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench_serve.py: terminated"))  # servers stopped on the way out
     tokenizer = load_tokenizer(args.checkpoint)
     need = max(args.requests, 4096)
     prompts = [tokenizer.decode(list(e.prompt())) for e in Addition().examples("eval", min(need, 1024))]
@@ -279,7 +301,7 @@ def main(argv=None):
     runs = []
     with tempfile.TemporaryDirectory() as cache_dir:
         for i, label in enumerate(FORMATS):
-            runs.append(bench_format(label, args, prompts, os.path.join(cache_dir, str(i)), first=i == 0))
+            runs.append(bench_format(label, args, prompts, os.path.join(cache_dir, str(i))))
     table = markdown(runs, args)
     print(table)
     pathlib.Path(args.out + ".md").write_text(table)

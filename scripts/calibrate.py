@@ -6,21 +6,18 @@
 Runs the model over calibration rows from the data generators' "calib" split (fit and holdout parts,
 disjoint from each other and from evaluation data), fits the format's calibration, prints the per-head
 holdout losses before (default rotation) and after, and saves the artifact (default:
-<checkpoint>/calibration/<schedule>-<method>/) for `rq_jax.calibrate.load_calibration`.
+<checkpoint>/calibration/<schedule>-<method>/) for `rq_jax.calibrate.load_calibration`. Options,
+the checkpoint and the output folder are checked before any work.
 """
 
-import argparse
 import os
-import sys
 
 import numpy as np
 
-from rq_jax import checkpoint
-from rq_jax.cli import int_list, positive_int
+from rq_jax import checkpoint, cli
 from rq_jax.cache import available_formats, get_format
-from rq_jax.cache.base import policy_fields, segments
-from rq_jax.calibrate import (METHODS, OptRHConfig, artifact_name, calibrate_model, calibration_set,
-                              save_calibration)
+from rq_jax.cache.base import policy_fields
+from rq_jax.calibrate import METHODS, OptRHConfig, calibrate_model, calibration_set, save_calibration
 from rq_jax.data import TASKS, encode
 
 #: Formats that read a calibration (the others have nothing to fit).
@@ -28,44 +25,48 @@ FORMATS = sorted(name for name in available_formats() if get_format(name).needs_
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__)
     p.add_argument("--checkpoint", required=True, help="model folder (HF or saved) or cached hub id")
     p.add_argument("--cache", choices=FORMATS, default="residual", help="cache format to calibrate")
-    p.add_argument("--bits", type=int_list, help="bits per loop of a group, e.g. 2,2,2,4")
-    p.add_argument("--group-size", type=int_list, help="channel group size, or one per loop")
+    p.add_argument("--bits", type=cli.int_list, help="bits per loop of a group, e.g. 2,2,2,4; default the format's")
+    p.add_argument("--group-size", type=cli.int_list,
+                   help="channel group size, or one per loop, each a divisor of head_dim; default the format's")
     p.add_argument("--method", choices=METHODS, default="optr-h", help="rotation method (LoopQuant formats)")
     p.add_argument("--out", help="artifact folder (default <checkpoint>/calibration/<schedule>-<method>)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact folder")
-    p.add_argument("--loops", "--num-steps", dest="loops", type=positive_int, help="loops; default the config's")
-    p.add_argument("--steps", type=positive_int, default=80, help="OptR-H Adam steps")
-    p.add_argument("--lr", type=float, default=0.02, help="OptR-H learning rate")
-    p.add_argument("--rows-per-step", type=positive_int, default=2, help="OptR-H fit rows per step")
-    p.add_argument("--query-len", type=positive_int, default=64, help="query positions per row (last ones)")
-    p.add_argument("--candidate-every", type=positive_int, default=20,
+    p.add_argument("--loops", "--num-steps", dest="loops", type=cli.positive_int,
+                   help="loops; default the config's")
+    p.add_argument("--steps", type=cli.positive_int, default=80, help="OptR-H Adam steps")
+    p.add_argument("--lr", type=cli.positive_float, default=0.02, help="OptR-H learning rate")
+    p.add_argument("--rows-per-step", type=cli.positive_int, default=2, help="OptR-H fit rows per step")
+    p.add_argument("--query-len", type=cli.positive_int, default=64, help="query positions per row (last ones)")
+    p.add_argument("--candidate-every", type=cli.positive_int, default=20,
                    help="OptR-H checkpoints kept as holdout-selection candidates")
     p.add_argument("--no-key-means", dest="key_means", action="store_false", help="OptR-H without key means")
-    p.add_argument("--fit-rows", type=positive_int, default=128)
-    p.add_argument("--holdout-rows", type=positive_int, default=128)
-    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per calibration row")
+    p.add_argument("--fit-rows", type=cli.positive_int, default=128, help="calibration rows to fit on")
+    p.add_argument("--holdout-rows", type=cli.positive_int, default=128, help="rows to select and report on")
+    p.add_argument("--seq-len", type=cli.positive_int, default=256, help="tokens per calibration row")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--seed", type=int, default=0, help="data, row order and Huginn initial-state seed")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward pass when collecting")
+    p.add_argument("--batch-size", type=cli.positive_int, default=8, help="rows per forward pass when collecting")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    cli.add_runtime_options(p)
+    return p, p.parse_args(argv)
 
 
-def check_tokenizer(folder: str, vocab_size: int) -> None:
-    """Exit unless the model reads the byte-level ids of the calibration data."""
+def check_tokenizer(p, folder: str, vocab_size: int) -> None:
+    """`p.error` unless the model reads the byte-level ids of the calibration data."""
     if vocab_size < 259:
-        sys.exit(f"calibrate.py: the calibration data are byte-level token ids (0..258) but the model's vocabulary "
-                 f"has {vocab_size} entries")
+        p.error(f"argument --checkpoint: the calibration data are byte-level token ids (0..258) but the model's "
+                f"vocabulary has {vocab_size} entries")
     path = os.path.join(folder, "tokenizer.json")
     if os.path.exists(path):
         from rq_jax.tokenizer import load_tokenizer
 
         sample = "def f(x):\n    return x + 1  # é"
         if load_tokenizer(folder).encode(sample).ids != encode(sample).tolist():
-            sys.exit(f"calibrate.py: {path} is not the byte-level tokenizer the calibration data are written in")
+            p.error(f"argument --checkpoint: {path} is not the byte-level tokenizer the calibration data are "
+                    "written in")
 
 
 def print_table(report: dict) -> None:
@@ -90,51 +91,53 @@ def print_table(report: dict) -> None:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    p, args = parse_args(argv)
     fields = policy_fields(args.cache)
-    policy = {k: getattr(args, k) for k in ("bits", "group_size") if getattr(args, k) is not None and k in fields}
-    if len(policy.get("group_size", (0, 0))) == 1:
-        policy["group_size"] = policy["group_size"][0]  # one size for every loop
     given = [k for k in ("bits", "group_size") if getattr(args, k) is not None and k not in fields]
     if given:
-        flags = ", ".join("--" + g.replace("_", "-") for g in given)
-        sys.exit(f"calibrate.py: --cache {args.cache} does not take {flags}")
+        p.error(f"--cache {args.cache} does not take {', '.join('--' + g.replace('_', '-') for g in given)}")
+    policy = {k: getattr(args, k) for k in ("bits", "group_size") if getattr(args, k) is not None}
+    if len(policy.get("group_size", (0, 0))) == 1:
+        policy["group_size"] = policy["group_size"][0]  # one size for every loop
     tasks = tuple(t for t in args.tasks.split(",") if t)
     try:
+        config, folder = checkpoint.read_config(args.checkpoint)
+    except (OSError, ValueError) as err:
+        p.error(f"argument --checkpoint: {err}")
+    if args.group_size is not None:
+        cli.check_group_sizes(p, "--group-size", args.group_size, config.head_dim)
+    loops = args.loops or config.num_loops
+    what = " ".join([f"--cache {args.cache}"] + [cli.spelled(k, getattr(args, k)) for k in policy])
+    try:
         fmt = get_format(args.cache, **policy)
-        config = OptRHConfig(steps=args.steps, lr=args.lr, rows_per_step=args.rows_per_step,
-                             query_len=args.query_len, candidate_every=args.candidate_every,
-                             key_means=args.key_means, seed=args.seed)
     except ValueError as err:
-        sys.exit(f"calibrate.py: {err}")
-    model, folder = checkpoint.load(args.checkpoint)
-    c = model.config
-    loops = args.loops or c.num_loops
+        p.error(f"{what}: {err}")
+    cli.check_format(p, what, fmt, config, loops)
     try:
-        fmt.bits_per_element(loops, c.head_dim)
-        fmt.init(segments(loops, fmt.group_len)[0], 1, 1, 1, 1, c.head_dim)  # group sizes must divide D
-    except ValueError as err:
-        sys.exit(f"calibrate.py: bad --cache policy for this model: {err}")
-    check_tokenizer(folder, c.vocab_size)
-    try:
+        opt = OptRHConfig(steps=args.steps, lr=args.lr, rows_per_step=args.rows_per_step, query_len=args.query_len,
+                          candidate_every=args.candidate_every, key_means=args.key_means, seed=args.seed)
         fit = calibration_set("fit", args.fit_rows, args.seq_len, seed=args.seed, tasks=tasks)
         holdout = calibration_set("holdout", args.holdout_rows, args.seq_len, seed=args.seed, tasks=tasks)
     except ValueError as err:
-        sys.exit(f"calibrate.py: {err}")
-    cal = calibrate_model(model, fmt, fit.tokens, holdout.tokens, method=args.method, num_loops=loops,
-                          config=config, seed=args.seed, batch_size=args.batch_size, progress=not args.quiet,
+        p.error(str(err))
+    check_tokenizer(p, folder, config.vocab_size)
+    method = args.method if fmt.learns_rotations else "format"
+    out = args.out or os.path.join(folder, "calibration", f"{fmt.schedule_name(loops)}-{method}")
+    if os.path.isdir(out) and os.listdir(out) and not args.overwrite:
+        p.error(f"argument --out: {out} exists and is not empty; pass --overwrite to replace it")
+    cli.output_folder(p, "--out", os.path.dirname(os.path.abspath(out)))
+    cli.start(args)
+    model, _ = checkpoint.load(folder)
+    cal = calibrate_model(model, fmt, fit.tokens, holdout.tokens, method=args.method, num_loops=loops, config=opt,
+                          seed=args.seed, batch_size=args.batch_size, progress=not args.quiet,
                           data_info=dict(fit=fit.info, holdout=holdout.info))
     cal.meta["checkpoint"] = os.path.abspath(folder)
-    out = args.out or os.path.join(folder, "calibration", artifact_name(cal))
+    c = config
     print(f"model: {args.checkpoint} ({c.family}, {c.num_layers} layers, {c.num_kv_heads} kv heads, D={c.head_dim}), "
           f"{loops} loops; cache {fmt.name} ({cal.meta['schedule']}); method {cal.meta['method']}; "
           f"{args.fit_rows} fit + {args.holdout_rows} holdout rows of {args.seq_len} tokens")
     print_table(cal.report)
-    try:
-        path = save_calibration(out, cal, overwrite=args.overwrite)
-    except FileExistsError as err:
-        sys.exit(f"calibrate.py: {err}")
-    print(f"saved: {path}")
+    print(f"saved: {save_calibration(out, cal, overwrite=args.overwrite)}")
 
 
 if __name__ == "__main__":

@@ -2,19 +2,25 @@
 
     python scripts/eval.py --model ouro --out results/ouro
 
+Without --checkpoint it scores the shipped base model of --model (checkpoints/ouro-small or
+checkpoints/huginn-small: the models as trained, where generate.py's Ouro default is the
+quantization-aware fine-tuned ouro-small-qat); with --checkpoint, --model may be left out.
+
 Each row scores the eval split through that format's cache (`rq_jax.eval.loops`): exact match of
 greedy answers (addition, 43-pair retrieval) with a paired-bootstrap 95% CI of the difference to a
 float32 dense cache, agreement with the dense greedy tokens, answer NLL, KL to the dense next-token
 distributions and stdlib bits per byte, beside bits per element and cache bytes per token. Writes
 PREFIX.md, PREFIX.json, PREFIX_accuracy.png (accuracy vs bits per element) and PREFIX_kv_error.png
-(K/V reconstruction error per layer and loop of the `[2,2,2,4]` format on retrieval prompts).
+(K/V reconstruction error per layer and loop of the `[2,2,2,4]` format on retrieval prompts); the
+output folder is created first. The progress bar counts answers (sums, retrieval queries, text
+windows) as their batches finish.
 """
 
-import argparse
 import dataclasses
 import json
 import os
 import platform
+import re
 import sys
 import time
 
@@ -23,49 +29,59 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from rq_jax import checkpoint, memory, sharding
+from rq_jax import checkpoint, cli, memory, sharding
 from rq_jax.cache import get_format
 from rq_jax.cache.kv_error import dense_kv, reconstruction_error
 from rq_jax.cache.schemes import calibrated_schemes, table_schemes
-from rq_jax.cli import int_list, positive_int
 from rq_jax.data import collate
 from rq_jax.eval.table import Tasks, evaluate
 
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints")
+#: The checkpoint each --model scores without --checkpoint: the shipped base models.
+EVAL_CHECKPOINT = {"huginn": "huginn-small", "ouro": "ouro-small"}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("huginn", "ouro"), required=True)
-    p.add_argument("--checkpoint", help="checkpoint folder (default: the shipped small model)")
-    p.add_argument("--loops", type=positive_int, help="loops / recurrence steps (default: the config's)")
-    p.add_argument("--n", type=positive_int, default=1000,
+    from rq_jax.calibrate import METHODS
+
+    p = cli.ArgumentParser(description=__doc__)
+    p.add_argument("--model", choices=("huginn", "ouro"),
+                   help="model family: scores checkpoints/huginn-small or checkpoints/ouro-small without --checkpoint "
+                   "(default: the family --checkpoint's config names)")
+    p.add_argument("--checkpoint", help="checkpoint folder (default: the shipped base model of --model)")
+    p.add_argument("--loops", type=cli.positive_int, help="loops / recurrence steps (default: the config's)")
+    p.add_argument("--n", type=cli.positive_int, default=1000,
                    help="held-out answers per task (addition examples, retrieval queries)")
-    p.add_argument("--retrieval-pairs", type=positive_int, default=43,
+    p.add_argument("--retrieval-pairs", type=cli.positive_int, default=43,
                    help="key-value pairs of every retrieval example")
-    p.add_argument("--text-windows", type=positive_int, default=64, help="stdlib windows for bits per byte")
-    p.add_argument("--batch", type=positive_int, default=64,
+    p.add_argument("--text-windows", type=cli.positive_int, default=64, help="stdlib windows for bits per byte")
+    p.add_argument("--batch", type=cli.positive_int, default=64,
                    help="rows per compiled call (a multiple of the mesh's data size)")
-    p.add_argument("--group-sizes", type=int_list, default=(32, 16), help="group sizes of the ablation ladder")
-    p.add_argument("--only", action="append", help="keep the schemes whose label contains this (repeatable)")
-    p.add_argument("--rotations", default="", help="comma-separated calibration methods (oscar, optr-h) to add as "
-                   "rows beside Hadamard, fitted on the calib split's fit/holdout rows")
-    p.add_argument("--calibration-rows", type=positive_int, default=32, help="fit and holdout rows for --rotations")
+    p.add_argument("--group-sizes", type=cli.int_list, default=(32, 16), help="group sizes of the ablation ladder")
+    labels = ", ".join(s.label for s in table_schemes((32, 16)))
+    p.add_argument("--only", action="append", metavar="TEXT",
+                   help=f"keep the schemes whose label contains TEXT (repeatable); the labels at the default group "
+                   f"sizes: {labels}; with --rotations also 'rotated INT2 g32 oscar', '+rotation g32 oscar', "
+                   "'[2,2,2,4] g32 oscar' and the same per group size and method")
+    p.add_argument("--rotations", default="", help=f"comma-separated calibration methods ({', '.join(METHODS)}) to "
+                   "add as rows beside Hadamard, fitted on the calib split's fit/holdout rows")
+    p.add_argument("--calibration-rows", type=cli.positive_int, default=32, help="fit and holdout rows for --rotations")
     p.add_argument("--calibration", help="folder of saved calibration artifacts (scripts/calibrate.py): rows whose "
                    "schedule has one use it (label suffixed with its method)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
-    p.add_argument("--out", required=True, help="output prefix: PREFIX.md, PREFIX.json, PREFIX_*.png")
+    p.add_argument("--out", required=True, help="output prefix: PREFIX.md, PREFIX.json, PREFIX_*.png (its folder is "
+                   "created)")
     p.add_argument("--resume", action="store_true", help="keep the rows PREFIX.json already holds from a run with the "
                    "same model and data settings (it is rewritten after every row) and score only the others")
     p.add_argument("--no-progress", action="store_true", help="no progress bar; one line per finished row instead")
+    cli.add_runtime_options(p)
     args = p.parse_args(argv)
-    from rq_jax.calibrate import METHODS
-
     args.rotations = tuple(m for m in args.rotations.split(",") if m)
     bad = [m for m in args.rotations if m not in METHODS]
     if bad:
-        p.error(f"--rotations takes {', '.join(METHODS)}, got {', '.join(bad)}")
-    return args
+        p.error(f"argument --rotations: {', '.join(bad)}; the methods are {', '.join(METHODS)}")
+    if any(g < 1 for g in args.group_sizes):
+        p.error(f"argument --group-sizes: must be positive, got {','.join(map(str, args.group_sizes))}")
+    return p, args
 
 
 def saved_calibration(folder: str, model, scheme, loops: int):
@@ -79,8 +95,8 @@ def saved_calibration(folder: str, model, scheme, loops: int):
     return load_calibration(path, model, scheme.fmt, num_loops=loops), read_artifact(path)[0]["method"]
 
 
-def finished_rows(path: str, settings: dict) -> dict[str, dict]:
-    """Rows of an earlier run's JSON at `path`, by scheme label; {} when there is none. Exits when
+def finished_rows(p, path: str, settings: dict) -> dict[str, dict]:
+    """Rows of an earlier run's JSON at `path`, by scheme label; {} when there is none. `p.error` when
     that run scored other data or another model (its `settings` differ)."""
     if not os.path.exists(path):
         return {}
@@ -88,7 +104,7 @@ def finished_rows(path: str, settings: dict) -> dict[str, dict]:
         earlier = json.load(f)
     theirs = {k: earlier["meta"].get(k) for k in settings}
     if theirs != settings:
-        sys.exit(f"eval.py: --resume: {path} was written with {theirs}, not {settings}")
+        p.error(f"argument --resume: {path} was written with {theirs}, not {settings}")
     return {r["scheme"]: r for r in earlier["rows"]}
 
 
@@ -131,25 +147,65 @@ def markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Marker of each scheme family in the accuracy figure (by label prefix; the ladder's rows are the rest:
+#: circles at the first group size, pentagons at the others).
+MARKERS = {"dense": "s", "uniform": "v", "direct": "v", "rotated": "^", "kivi": "D", "residual_vq": "X"}
+
+
+def bit_ticks(bits: list[float]) -> list[float]:
+    """Ticks of the log bits axis: whole numbers within the range, halves when fewer than three fit,
+    else the values themselves."""
+    lo, hi = min(bits) / 1.15, max(bits) * 1.15
+    for candidates in ((1, 2, 3, 4, 5, 6, 8, 12, 16), (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12, 16)):
+        ticks = [b for b in candidates if lo <= b <= hi]
+        if len(ticks) >= 3:
+            return ticks
+    return bits
+
+
 def figures(rows: list[dict], kv_err: dict, loops: int, prefix: str) -> None:
+    """PREFIX_accuracy.png (exact match against bits per element, a hollow marker and a colour per
+    scheme, the legend naming them) and PREFIX_kv_error.png (K and V NMSE per loop and layer)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullLocator
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    tab = plt.get_cmap("tab20").colors
+    colors = tab[0::2] + tab[1::2]  # the ten strong hues first, then their light twins
+    sizes = [m[0] for r in rows if (m := re.findall(r"\bg\d+\b", r["scheme"]))]
+    first_g = sizes[0] if sizes else None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    bits = sorted({r["bits_per_element"] for r in rows})
     for ax, task in zip(axes, ("addition", "retrieval")):
-        for r in rows:
-            ax.scatter(r["bits_per_element"], 100 * r[task]["accuracy"], s=18)
-            ax.annotate(r["scheme"], (r["bits_per_element"], 100 * r[task]["accuracy"]), fontsize=6)
-        ax.set(xscale="log", xlabel="bits per element", ylabel="exact match (%)", title=task)
-    fig.tight_layout()
+        for i, r in enumerate(rows):
+            label = r["scheme"]
+            marker = next((m for k, m in MARKERS.items() if label.startswith(k)),
+                          "o" if first_g is None or first_g in label.split() else "p")
+            ax.scatter(r["bits_per_element"], 100 * r[task]["accuracy"], s=60, marker=marker, linewidths=1.5,
+                       facecolors="none", edgecolors=colors[i % len(colors)], label=label, clip_on=False, zorder=3)
+        low = min(100 * r[task]["accuracy"] for r in rows)
+        ax.set(xscale="log", xlabel="bits per element (log scale)", ylabel="exact match (%)",
+               ylim=(max(0, 10 * (low // 10) - 10), 100))
+        ax.set_title(task, pad=12)  # clear of the markers at 100%
+        ax.xaxis.set_major_locator(FixedLocator(bit_ticks(bits)))
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlim(min(bits) / 1.15, max(bits) * 1.15)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.8, 0.5), fontsize=7, frameon=False,
+               title="scheme", title_fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     fig.savefig(f"{prefix}_accuracy.png", dpi=150)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for ax, name in zip(axes, ("k", "v")):
-        im = ax.imshow(np.asarray(kv_err[f"{name}_layer"]).T, aspect="auto", cmap="viridis")
+        err = np.asarray(kv_err[f"{name}_layer"]).T  # [layers, loops]
+        im = ax.imshow(err, aspect="auto", cmap="viridis", origin="lower")
         ax.set(xlabel="loop", ylabel="layer", title=f"{name.upper()} NMSE, {kv_err['scheme']}")
         ax.set_xticks(range(loops))
+        ax.set_yticks(range(err.shape[0]))
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(f"{prefix}_kv_error.png", dpi=150)
@@ -157,38 +213,58 @@ def figures(rows: list[dict], kv_err: dict, loops: int, prefix: str) -> None:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    p, args = parse_args(argv)
+    if args.checkpoint is None and args.model is None:
+        p.error("give --model huginn or --model ouro (the shipped small models), or --checkpoint DIR")
+    source = args.checkpoint or os.path.relpath(os.path.join(checkpoint.SHIPPED, EVAL_CHECKPOINT[args.model]))
+    try:
+        config, folder = checkpoint.read_config(source)
+    except (OSError, ValueError) as err:
+        p.error(f"argument --checkpoint: {err}")
+    if args.model is not None and config.family != args.model:
+        p.error(f"argument --model: {args.model}, but --checkpoint {source} holds a {config.family} model "
+                f"(leave --model out to take the checkpoint's)")
+    cli.check_group_sizes(p, "--group-sizes", args.group_sizes, config.head_dim)
+    tasks = Tasks(n=args.n, retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows)
+    rows_to_run = table_schemes(args.group_sizes) + calibrated_schemes(args.group_sizes, args.rotations)
+    if args.only:
+        rows_to_run = [s for s in rows_to_run if any(k in s.label for k in args.only)]
+        if not rows_to_run:
+            p.error(f"argument --only: {', '.join(args.only)} matches no scheme; the labels are "
+                    f"{', '.join(s.label for s in table_schemes(args.group_sizes))}")
+    cli.output_file(p, "--out", args.out)
+    cli.start(args)
     sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
     try:
         mesh = sharding.parse_mesh(args.mesh)
     except ValueError as err:
-        sys.exit(f"eval.py: bad --mesh: {err}")
+        p.error(f"argument --mesh: {err}")
     if args.batch % sharding.axis_size(mesh, "data"):
-        sys.exit(f"eval.py: --batch {args.batch} is not a multiple of the mesh's data axis")
-    folder = args.checkpoint or os.path.join(SHIPPED, f"{args.model}-small")
+        p.error(f"argument --batch: {args.batch} is not a multiple of the mesh's data axis "
+                f"({sharding.axis_size(mesh, 'data')})")
+    loops = args.loops or config.num_loops
+    settings = dict(checkpoint=os.path.abspath(folder), family=config.family, loops=loops, n=args.n,
+                    retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows,
+                    python=platform.python_version())
+    done = finished_rows(p, f"{args.out}.json", settings) if args.resume else {}
     model, _ = checkpoint.load(folder)
-    loops = args.loops or model.config.num_loops
     length = max(Tasks().text_len,
                  Tasks(retrieval_pairs=args.retrieval_pairs).retrieval.max_length(args.retrieval_pairs))
     try:  # the format's cache and the float32 dense reference, a batch of the longest rows
         memory.check_fits(model, get_format("dense", dtype="float32"), batch=args.batch, prompt_len=length,
                           max_len=length, num_loops=loops, caches=2, what="this eval", advice="use a smaller --batch")
     except MemoryError as err:
-        sys.exit(f"eval.py: {err}")
-    tasks = Tasks(n=args.n, retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows)
-    rows_to_run = table_schemes(args.group_sizes) + calibrated_schemes(args.group_sizes, args.rotations)
-    if args.only:
-        rows_to_run = [s for s in rows_to_run if any(k in s.label for k in args.only)]
-        if not rows_to_run:
-            sys.exit(f"--only {args.only} matches no scheme of {[s.label for s in table_schemes(args.group_sizes)]}")
-    bar = tqdm(total=3 * len(rows_to_run), disable=args.no_progress, desc="eval")
-    settings = dict(checkpoint=os.path.abspath(folder), family=model.config.family, loops=loops, n=args.n,
-                    retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows,
-                    python=platform.python_version())
-    done = finished_rows(f"{args.out}.json", settings) if args.resume else {}
+        p.error(str(err))
+    per_row = tasks.num_answers()
+    bar = tqdm(total=per_row * len(rows_to_run), disable=args.no_progress, desc="eval", unit="answer")
     command = "python scripts/eval.py " + " ".join(argv if argv is not None else sys.argv[1:])
     writer = not jax.process_index()  # several processes: the first writes the results
     rows = []
+
+    def progress(status: str, answers: int) -> None:
+        bar.set_postfix_str(status, refresh=False)
+        bar.update(answers)
+
     for scheme in rows_to_run:
         calib, extra = None, {}
         if args.calibration and not scheme.method and scheme.fmt.needs_calib and (
@@ -197,17 +273,17 @@ def main(argv=None):
             scheme = dataclasses.replace(scheme, label=f"{scheme.label} {method}", method=method)
         if scheme.label in done:
             rows.append(done[scheme.label])
-            bar.update(3)
+            bar.update(per_row)
             continue
         start = time.perf_counter()
         if calib is None and scheme.method:  # a --rotations row (a saved artifact's row has its calib)
-            bar.set_postfix_str(f"{scheme.label}: calibrating")
+            progress(f"{scheme.label}: calibrating", 0)
             from rq_jax.calibrate import fit_rotations
 
             calib, extra["calibration"] = fit_rotations(model, scheme.fmt, scheme.method, loops,
                                                         rows=args.calibration_rows)
         row = evaluate(model, scheme, tasks, batch=args.batch, calib=calib, mesh=mesh, num_loops=loops,
-                       progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
+                       progress=progress)
         rows.append({**row, **extra, "seconds": time.perf_counter() - start})
         if args.no_progress:
             print(f"eval: {scheme.label}: addition {100 * row['addition']['accuracy']:.1f}%, retrieval "
@@ -223,7 +299,7 @@ def main(argv=None):
     err = reconstruction_error(mixed.fmt, k, v)
     kv_err = {"scheme": mixed.label, **{name: np.asarray(x).tolist() for name, x in err.items()}}
     meta = dict(settings, seconds=sum(r.get("seconds", 0.0) for r in rows), command=command)  # older files: no timings
-    header = (f"# {model.config.family} ({meta['checkpoint']}), {loops} loops; {args.n} held-out examples per task, "
+    header = (f"# {config.family} ({meta['checkpoint']}), {loops} loops; {args.n} held-out examples per task, "
               f"{args.retrieval_pairs}-pair retrieval, {args.text_windows} stdlib windows (Python {meta['python']})\n\n"
               "Accuracy: exact match through the cache, with the 95% paired-bootstrap CI of its difference to the "
               "float32 dense cache.")

@@ -133,7 +133,8 @@ def main(argv=None):
     engine = runner.engine
     print(f"model: {name} from {source}; cache {args.cache}: {engine.num_slots} slots of {engine.max_len} tokens, "
           f"{engine.slot_bytes:,} bytes each (dense bf16: {engine.dense_slot_bytes:,}); prefill buckets "
-          f"{list(engine.buckets)}" + ("" if chat_template else "; no chat template"), flush=True)
+          f"{list(engine.buckets)}, decode buckets {list(engine.decode_buckets)}"
+          + ("" if chat_template else "; no chat template"), flush=True)
     if mesh is not None:
         print("\n".join(sharding.describe(engine.config, mesh, batch=engine.num_slots)), flush=True)
 

@@ -9,13 +9,35 @@ from rq_jax.cache import Dense
 from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
 
 
-def test_no_retrace_for_same_shapes(ouro):
+def test_no_retrace_for_same_shapes_and_compile_time_apart(ouro):
+    """One compilation per shape; the first call's compile seconds are reported apart from its run
+    seconds, the second call compiles nothing; the repr is one short line (not the cache's arrays)."""
     model, ref = ouro
     sampler = Sampler(model, SamplingConfig(max_new_tokens=4, temperature=0.7))
-    sampler(ref["input_ids"].tolist(), seed=0)
+    first = sampler(ref["input_ids"].tolist(), seed=0)
     assert sampler.num_compiled() == 2  # prefill + decode loop
-    sampler(ref["input_ids"][::-1].tolist(), seed=1)
+    second = sampler(ref["input_ids"][::-1].tolist(), seed=1)
     assert sampler.num_compiled() == 2
+    assert first.compile_seconds > 1.0 and second.compile_seconds == 0.0
+    assert 0 < second.prefill_seconds < first.compile_seconds and 0 < second.decode_seconds < first.compile_seconds
+    text = repr(second)
+    assert text.startswith("Generation(tokens [2, 4], num_generated=[4, 4], dense cache of 14 positions (") and \
+        "\n" not in text and len(text) < 200
+
+
+def test_text_generator_applies_the_checkpoint_stop_ids():
+    """Text in, text out: the shipped Huginn's answer to the sample sum, cut at the newline that its
+    generation_config.json names as a stop id (the Sampler without stop ids runs on past it)."""
+    from rq_jax import TextGenerator
+    from rq_jax.cli import SAMPLE_PROMPT
+    from tests.conftest import SHIPPED
+
+    gen = TextGenerator(SHIPPED / "huginn-small", cache="dense", max_new_tokens=12)
+    assert gen(SAMPLE_PROMPT) == "423170" and int(gen.last.num_generated[0]) == 7
+    assert gen.tokenizer.decode(gen.last.tokens[0, :7].tolist()) == "423170\n"
+    assert gen([SAMPLE_PROMPT, SAMPLE_PROMPT]) == ["423170", "423170"]
+    with pytest.raises(ValueError, match="every prompt needs at least one character"):
+        gen("")
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(huginn):

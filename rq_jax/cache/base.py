@@ -19,6 +19,13 @@ over the p positions of a group of the format's slot pytree, every leaf laid out
 
 so the model scans over groups and layers and indexes a slot with `(group, layer)` (`Index`).
 A format's calibration for a segment is a pytree with the same leading [G, N] axes (or None).
+
+Attention to the stored past is tiled (`tiled_partial`): a loop over static-size context tiles that
+skips every tile past max(lengths), each tile read straight out of the stacked state (`slot_tile`),
+decoded and folded into the running softmax `Partial` by the exact `merge`. Nothing of the cache's
+length is ever decoded or scored at once, and a cache holding few tokens costs few tiles. The tile
+(`context_tile`) holds a fixed number of float32 elements whatever the batch, so the temporaries of a
+step are bounded by a constant, not by the context or the batch.
 """
 
 from __future__ import annotations
@@ -35,6 +42,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 _NEG = -1e30  # finite "minus infinity": fully masked rows keep m finite and l = 0, never NaN.
 TOKEN_AXIS = 4  # of every state leaf: [G, N, B, K, S, ...]
+#: Float32 elements of one context tile's largest decoded operand (K or V [B, K, tile, D], or the scores
+#: [B, T, H, tile]): 2**21 (8 MiB). Attention keeps a handful of such operands alive, so a step's
+#: attention temporaries stay near 50 MiB at any batch and context; the tile is also ≥ `MIN_TILE`
+#: tokens, so that a loop iteration does enough work to hide its overhead on a CPU (about 10 µs).
+TILE_ELEMENTS = 2**21
+MIN_TILE = 16
 Index = tuple[Int[Array, ""], Int[Array, ""]]  # (group, layer) of a slot within a segment
 
 
@@ -92,13 +105,21 @@ def finalize(p: Partial) -> Float[Array, "b t h d"]:
     return jnp.where(l > 0, p.acc / jnp.where(l > 0, l, 1.0), 0.0)
 
 
+def empty_partial(b: int, t: int, h: int, d: int) -> Partial:
+    """The partial over no key: acc 0 [B, T, H, D], m = −∞ (finite), l = 0; `merge` leaves the other side
+    unchanged."""
+    return Partial(jnp.zeros((b, t, h, d), jnp.float32), jnp.full((b, t, h), _NEG, jnp.float32),
+                   jnp.zeros((b, t, h), jnp.float32))
+
+
 def softmax_partial(
     scores: Float[Array, "b t h s"],
     mask: Bool[Array, "b t s"],
 ) -> tuple[Float[Array, "b t h s"], Float[Array, "b t h"], Float[Array, "b t h"]]:
-    """Masked, max-shifted probabilities p = exp(s − m), with m and l = Σp, all float32."""
+    """Masked, max-shifted probabilities p = exp(s − m), with m and l = Σp, all float32 (float64 for
+    float64 scores)."""
     mask = mask[:, :, None, :]
-    scores = jnp.where(mask, scores.astype(jnp.float32), _NEG)
+    scores = jnp.where(mask, scores.astype(jnp.promote_types(scores.dtype, jnp.float32)), _NEG)
     m = jnp.max(scores, axis=-1)
     p = jnp.where(mask, jnp.exp(scores - m[..., None]), 0.0)
     return p, m, jnp.sum(p, axis=-1)
@@ -116,15 +137,17 @@ def dense_partial(
     v: Float[Array, "b k s d"],
     mask: Bool[Array, "b t s"],
 ) -> Partial:
-    """Softmax partial of queries over explicit keys/values (GQA by head grouping), f32 accumulation.
+    """Softmax partial of queries over explicit keys/values (GQA by head grouping), f32 accumulation
+    (f64 for float64 queries: a float64 run stays float64).
 
     Scores are scaled by 1/sqrt(D). `mask[b, t, s]` says whether query t of row b may see key s.
     """
     b, t, h, d = q.shape
+    acc_dtype = jnp.promote_types(q.dtype, jnp.float32)
     qg = group_queries(q, k.shape[1])
-    scores = jnp.einsum("btkgd,bksd->btkgs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    scores = jnp.einsum("btkgd,bksd->btkgs", qg, k, preferred_element_type=acc_dtype) * d**-0.5
     p, m, l = softmax_partial(scores.reshape(b, t, h, -1), mask)
-    acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, k.shape[1], -1, p.shape[-1]), v.astype(jnp.float32))
+    acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, k.shape[1], -1, p.shape[-1]), v.astype(acc_dtype))
     return Partial(acc.reshape(b, t, h, d), m, l)
 
 
@@ -137,6 +160,68 @@ def past_mask(lengths: Int[Array, "b"], num_queries: int, max_len: int) -> Bool[
     """Mask of stored positions s < lengths[b], the same for every query of the call."""
     valid = valid_tokens(lengths, max_len)
     return jnp.broadcast_to(valid[:, None, :], (lengths.shape[0], num_queries, max_len))
+
+
+def context_tile(batch: int, num_queries: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 max_len: int) -> int:
+    """Tokens per context tile: as many as keep a tile's decoded K or V [B, K, tile, D] and its scores
+    [B, T, H, tile] within `TILE_ELEMENTS` float32 elements, a multiple of `MIN_TILE` and at least that;
+    at most `max_len` (one tile then covers the whole cache)."""
+    per_token = batch * max(num_kv_heads * head_dim, num_queries * num_heads)
+    return min(max(TILE_ELEMENTS // per_token // MIN_TILE * MIN_TILE, MIN_TILE), max_len)
+
+
+def slot_tile(tree: Any, index: Index, start: Int[Array, ""], size: int) -> Any:
+    """Tokens start .. start + size − 1 of slot `index` of every leaf [G, N, B, K, S, ...]: [B, K, size, ...].
+
+    The slice is taken behind an optimization barrier with `start`: XLA:CPU widens a bfloat16 or fp8
+    dynamic slice to float32, and inside a loop it would hoist that conversion of the whole stacked leaf
+    out of the loop (a float32 copy of the cache); behind the barrier only the tile is converted.
+    """
+    tree, start = jax.lax.optimization_barrier((tree, start))
+
+    def one(x):
+        at = (index[0], index[1], 0, 0, start) + (0,) * (x.ndim - 5)
+        return jax.lax.dynamic_slice(x, at, (1, 1, *x.shape[2:4], size, *x.shape[5:]))[0, 0]
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def slot_tokens(tree: Any, index: Index, positions: Int[Array, "m"]) -> Any:
+    """Positions `positions` [M] (each inside the leaf) of slot `index` of every leaf [G, N, B, K, S, ...]:
+    [B, K, M, ...]; behind the barrier of `slot_tile`, for the same reason."""
+    tree, positions = jax.lax.optimization_barrier((tree, positions))
+    return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x[index[0], index[1], :, :, positions], 0, 2), tree)
+
+
+def tiled_partial(part: Callable[[Int[Array, ""], Bool[Array, "b s"]], Partial], shape: tuple[int, int, int, int],
+                  lengths: Int[Array, "b"], max_len: int, tile: int,
+                  visible: Bool[Array, "b s"] | None = None) -> Partial:
+    """The partial over stored positions s < lengths[b] (and `visible[b, s]`), one context tile at a time.
+
+    `part(start, valid)` is the partial over positions start .. start + tile − 1 where `valid` [B, tile];
+    the tiles are merged in order by `merge`. The loop has a static trip count, ⌈max_len / tile⌉ (so it
+    can be differentiated), and skips (`lax.cond`) every tile at or past max(lengths): its cost follows
+    the filled length, not `max_len`. The last tile of a cache that `tile` does not divide ends at
+    max_len instead (`valid` hides the positions an earlier tile covered). shape: (B, T, H, D) of the
+    output; needs tile ≤ max_len.
+    """
+    filled = jnp.max(lengths)
+
+    def body(acc, i):
+        first = i * tile
+
+        def fold(acc):
+            start = jnp.minimum(first, max_len - tile)
+            pos = start + jnp.arange(tile)
+            valid = (pos >= first)[None, :] & (pos[None, :] < lengths[:, None])
+            if visible is not None:
+                valid = valid & jax.lax.dynamic_slice_in_dim(visible, start, tile, axis=1)
+            return merge(acc, part(start, valid))
+
+        return jax.lax.cond(first < filled, fold, lambda acc: acc, acc), None
+
+    return jax.lax.scan(body, empty_partial(*shape), jnp.arange(-(-max_len // tile)))[0]
 
 
 class Written(NamedTuple):
@@ -206,10 +291,12 @@ class CacheFormat:
         raise NotImplementedError
 
     def attend(self, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
-               lengths: Int[Array, "b"], calib: Any) -> Partial:
-        """Partial attention to the stored tokens s < lengths[b] of slot `index`, group position `loop`.
-        Default: `reference_attend` (decode the slot, then dense attention)."""
-        return reference_attend(self, state, index, loop, q, lengths, calib)
+               lengths: Int[Array, "b"], calib: Any, visible: Bool[Array, "b s"] | None = None) -> Partial:
+        """Partial attention to the stored tokens s < lengths[b] of slot `index`, group position `loop`,
+        that `visible` [B, S] (None: all) shows; equal to `reference_attend`. Default: `tiled_attend`
+        (each context tile decoded by `reconstruct`, then dense attention), for a state whose every leaf
+        has one entry per stored position on its token axis."""
+        return tiled_attend(self, state, index, loop, q, lengths, calib, visible)
 
     # ---- calibration -----------------------------------------------------------------------------
 
@@ -269,6 +356,25 @@ def reference_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loo
     return dense_partial(q, k, v, mask if visible is None else mask & visible[:, None, :])
 
 
+def tiled_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
+                 lengths: Int[Array, "b"], calib: Any, visible: Bool[Array, "b s"] | None = None) -> Partial:
+    """`reference_attend` one context tile at a time (`tiled_partial`): every state leaf sliced on its
+    token axis to a tile (`slot_tile`), decoded by `fmt.reconstruct` as a one-slot cache of `tile`
+    positions, then dense attention. For states whose leaves all have one entry per stored position."""
+    b, t, h, d = q.shape
+    leaf = jax.tree_util.tree_leaves(state)[0]
+    max_len = leaf.shape[TOKEN_AXIS]
+    tile = context_tile(b, t, h, leaf.shape[3], d, max_len)
+    calib = jax.tree_util.tree_map(lambda x: x[index][None, None], calib)  # the slot's, as a [1, 1] stack
+
+    def part(start, valid):
+        window = jax.tree_util.tree_map(lambda x: x[None, None], slot_tile(state, index, start, tile))
+        k, v = fmt.reconstruct(window, (0, 0), loop, jnp.clip(lengths - start, 0, tile), calib)
+        return dense_partial(q, k, v, jnp.broadcast_to(valid[:, None, :], (b, t, tile)))
+
+    return tiled_partial(part, (b, t, h, d), lengths, max_len, tile, visible)
+
+
 FormatFactory = Callable[..., CacheFormat]
 _REGISTRY: dict[str, FormatFactory] = {}
 
@@ -308,23 +414,54 @@ def policy_fields(name: str) -> frozenset[str]:
 
 
 def scatter_tokens(store: Any, new: Any, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Any:
-    """Write every leaf of `new` into the same leaf of `store` along the token axis.
+    """Write every leaf of `new` into the same leaf of `store` along the token axis, in place.
 
     Leaves are laid out [G, N, B, K, S, ...] (`new` has T in place of S). Token t of row b goes to
     position lengths[b] + t when t < num_new[b]; the rest, and anything past S, are dropped — never
-    wrapped around.
+    wrapped around. On a CPU each row is one read-merge-write of a T-token block (`_write_rows`):
+    XLA:CPU widens a bfloat16 or fp8 scatter to float32, copying the whole leaf twice; a
+    dynamic-update-slice is done in place. Elsewhere it is one scatter.
     """
+    write = _write_rows if jax.default_backend() == "cpu" else _scatter
+    return jax.tree_util.tree_map(lambda old, val: write(old, val, lengths, num_new), store, new)
 
-    def one(old, val):
-        b, t, s = val.shape[2], val.shape[TOKEN_AXIS], old.shape[TOKEN_AXIS]
-        steps = jnp.arange(t)[None, :]
-        pos = jnp.where(steps < num_new[:, None], lengths[:, None] + steps, s)
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        index = (slice(None), slice(None), rows, slice(None), pos)
-        # The two advanced indices are split by a slice, so their [B, T] dims lead the update.
-        return old.at[index].set(jnp.moveaxis(val, (2, TOKEN_AXIS), (0, 1)).astype(old.dtype), mode="drop")
 
-    return jax.tree_util.tree_map(one, store, new)
+def _scatter(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
+    """`scatter_tokens` of one leaf as one scatter."""
+    b, t, s = val.shape[2], val.shape[TOKEN_AXIS], old.shape[TOKEN_AXIS]
+    steps = jnp.arange(t)[None, :]
+    pos = jnp.where(steps < num_new[:, None], lengths[:, None] + steps, s)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    index = (slice(None), slice(None), rows, slice(None), pos)
+    # The two advanced indices are split by a slice, so their [B, T] dims lead the update.
+    return old.at[index].set(jnp.moveaxis(val, (2, TOKEN_AXIS), (0, 1)).astype(old.dtype), mode="drop")
+
+
+def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
+    """`scatter_tokens` of one leaf as one dynamic-update-slice per row: row b's block of T positions
+    from min(lengths[b], S − T), its new tokens merged into what the block held (read, for all rows at
+    once, before the first write). The merge works on the values' bits: XLA:CPU widens float selects
+    and reads, and a widened read inside the loop would copy the whole leaf."""
+    s = old.shape[TOKEN_AXIS]
+    t = min(val.shape[TOKEN_AXIS], s)  # tokens past S can never land
+    bits = jnp.dtype(f"uint{8 * old.dtype.itemsize}")
+    val = jax.lax.bitcast_convert_type(jax.lax.slice_in_dim(val, 0, t, axis=TOKEN_AXIS).astype(old.dtype), bits)
+    start = jnp.minimum(lengths, s - t)  # [B]
+    step = start[:, None] + jnp.arange(t)[None, :] - lengths[:, None]  # the call's token at each block position
+    per_token = (1, 1, old.shape[2], 1, t) + (1,) * (old.ndim - TOKEN_AXIS - 1)
+
+    def along_tokens(x, index):
+        return jnp.take_along_axis(x, jnp.broadcast_to(index.reshape(per_token), val.shape), axis=TOKEN_AXIS)
+
+    held = jax.lax.bitcast_convert_type(along_tokens(old, start[:, None] + jnp.arange(t)[None, :]), bits)
+    keep = ((step < 0) | (step >= num_new[:, None])).reshape(per_token)
+    merged = jnp.where(keep, held, along_tokens(val, jnp.clip(step, 0, t - 1)))
+
+    def row(i, old):
+        block = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice_in_dim(merged, i, 1, axis=2), old.dtype)
+        return jax.lax.dynamic_update_slice(old, block, (0, 0, i, 0, start[i]) + (0,) * (old.ndim - TOKEN_AXIS - 1))
+
+    return jax.lax.fori_loop(0, old.shape[2], row, old)
 
 
 def tree_nbytes(tree: Any) -> int:

@@ -53,7 +53,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, UInt8
+from jaxtyping import Array, Bool, Float, Int, UInt8
 
 from rq_jax.cache import base
 from rq_jax.quant import affine, packing
@@ -253,77 +253,63 @@ class Kivi(base.CacheFormat):
         return KiviState(k_codes, k_scale, k_offset, k_full, v_codes, v_scale, v_offset, v_full)
 
     def attend(self, state: tuple[KiviState], index: base.Index, loop: int, q: Float[Array, "b t h d"],
-               lengths: Int[Array, "b"], calib) -> base.Partial:
-        """Partial attention (float32) of q [B, T, H, D] to the stored tokens s < lengths[b] of a slot.
-
-        Works from the codes: key scores q·k̂_s = Σ_c q_c·o_{j,c} + Σ_c (q_c·σ_{j,c})·code_{s,c} for
-        quantized keys (scale folded into the query), q·k_s for the full-precision ones; value output
-        Σ_s p_s·v̂_s = Σ_s (p_s·σ_{s,grp})·code_s + Σ_s p_s·o_{s,grp} (scale folded into the
-        probabilities) over the quantized values plus Σ p_s·v_s over the window.
-        """
-        return _attend_slot(self, base.at(state[0], index), q, lengths)
-
-    def _attend_slot(self, st: KiviState, q, lengths) -> base.Partial:
-        """`attend` on one slot's arrays ([B, K, ...]), compiled by `_attend_slot` below."""
+               lengths: Int[Array, "b"], calib, visible: Bool[Array, "b s"] | None = None) -> base.Partial:
+        """Partial attention (float32) of q [B, T, H, D] to the stored tokens s < lengths[b] of a slot
+        (those `visible` [B, S] shows), one context tile at a time (`base.tiled_partial`): each tile's
+        keys and values decoded at its positions (`_decode_at`), then dense attention."""
         b, t, h, d = q.shape
-        kh, r, gk, gv = st.v_full.shape[1], self.residual_length, self.key_group, self.value_group
-        sq, sv, wk, wv = st.k_codes.shape[2], st.v_codes.shape[2], st.k_full.shape[2], st.v_full.shape[2]
-        s_len, f32 = sv + wv, jnp.float32
-        qg = base.group_queries(q.astype(f32), kh) * d**-0.5  # [B, T, K, H/K, D], 1/sqrt(D) folded in
-        pos = jnp.arange(s_len)
+        st = state[0]
+        max_len = st.v_codes.shape[base.TOKEN_AXIS] + st.v_full.shape[base.TOKEN_AXIS]
+        tile = base.context_tile(b, t, h, st.v_full.shape[3], d, max_len)
 
-        scores = jnp.zeros((b, t, kh, h // kh, s_len), f32)
-        if sq:
-            groups = sq // gk
-            k_codes = packing.unpack(st.k_codes, self.bits, d).astype(f32).reshape(b, kh, groups, gk, d)
-            quant = (jnp.einsum("btkhd,bkjd,bkjid->btkhji", qg, st.k_scale.astype(f32), k_codes)
-                     + jnp.einsum("btkhd,bkjd->btkhj", qg, st.k_offset.astype(f32))[..., None])
-            scores = jnp.pad(quant.reshape(*quant.shape[:4], sq), ((0, 0),) * 4 + ((0, s_len - sq),))
-        if wk:
-            full = jnp.einsum("btkhd,bkid->btkhi", qg, st.k_full.astype(f32))[..., jnp.minimum(pos % r, wk - 1)]
-            in_full = (pos[None, :] >= (lengths - lengths % r)[:, None])[:, None, None, None, :]
-            scores = jnp.where(in_full, full, scores)
+        def part(start, valid):
+            k, v = self._decode_at(state, index, lengths, start + jnp.arange(tile))
+            return base.dense_partial(q, k, v, jnp.broadcast_to(valid[:, None, :], (b, t, tile)))
 
-        p, m, l = base.softmax_partial(scores.reshape(b, t, h, s_len), base.past_mask(lengths, t, s_len))
-        pk = p.reshape(b, t, kh, h // kh, s_len)
-        acc = jnp.zeros((b, t, kh, h // kh, d), f32)
-        if sv:
-            pq = jnp.where((pos[None, :sv] < (lengths - r)[:, None])[:, None, None, None, :], pk[..., :sv], 0.0)
-            v_codes = packing.unpack(st.v_codes, self.bits, d).astype(f32).reshape(b, kh, sv, d // gv, gv)
-            acc = (jnp.einsum("btkhs,bksj,bksjc->btkhjc", pq, st.v_scale.astype(f32), v_codes)
-                   + jnp.einsum("btkhs,bksj->btkhj", pq, st.v_offset.astype(f32))[..., None]).reshape(acc.shape)
-        held = _ring_positions(lengths, wv, r)  # [B, Wv]: the window's positions (negative: empty)
-        pw = jnp.take_along_axis(pk, jnp.maximum(held, 0)[:, None, None, None, :], axis=-1)
-        pw = jnp.where((held >= 0)[:, None, None, None, :], pw, 0.0)
-        acc = acc + jnp.einsum("btkhi,bkid->btkhd", pw, st.v_full.astype(f32))
-        return base.Partial(acc.reshape(b, t, h, d), m, l)
+        return base.tiled_partial(part, (b, t, h, d), lengths, max_len, tile, visible)
 
     def reconstruct(self, state: tuple[KiviState], index: base.Index, loop: int, lengths: Int[Array, "b"], calib
                     ) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
-        """The stored K, V of slot (loop, layer) as float32 [B, K, S, D]: dequantized keys s < L − L mod R
-        and values s < L − R, the full-precision tokens for the rest; zero past each row's length."""
-        st = base.at(state[0], index)
-        b, kh, _, d = st.v_full.shape
-        r, gk = self.residual_length, self.key_group
-        sq, sv, wk, wv = st.k_codes.shape[2], st.v_codes.shape[2], st.k_full.shape[2], st.v_full.shape[2]
-        s_len, f32 = sv + wv, jnp.float32
-        pos = jnp.arange(s_len)
-        codes = packing.unpack(st.k_codes, self.bits, d).reshape(b, kh, sq // gk, gk, d).swapaxes(-1, -2)
-        kq = affine.dequantize(affine.Quantized(codes, st.k_scale[..., None], st.k_offset[..., None]),
-                               self.key_config).swapaxes(-1, -2).reshape(b, kh, sq, d)
-        kq = jnp.pad(kq, ((0, 0), (0, 0), (0, s_len - sq), (0, 0)))
-        vq = affine.dequantize(affine.Quantized(packing.unpack(st.v_codes, self.bits, d), st.v_scale, st.v_offset),
-                               self.value_config)
-        vq = jnp.pad(vq, ((0, 0), (0, 0), (0, s_len - sv), (0, 0)))
-        def where(mask):  # [B, S] -> [B, 1, S, 1]
+        """The stored K, V of slot (loop, layer) as float32 [B, K, S, D] (`_decode_at` every position),
+        zero past each row's length."""
+        st = state[0]
+        max_len = st.v_codes.shape[base.TOKEN_AXIS] + st.v_full.shape[base.TOKEN_AXIS]
+        valid = base.valid_tokens(lengths, max_len)[:, None, :, None]
+        return tuple(jnp.where(valid, x, 0.0) for x in self._decode_at(state, index, lengths, jnp.arange(max_len)))
+
+    def _decode_at(self, state: tuple[KiviState], index: base.Index, lengths: Int[Array, "b"],
+                   pos: Int[Array, "m"]) -> tuple[Float[Array, "b k m d"], Float[Array, "b k m d"]]:
+        """K and V of slot `index` at positions `pos` [M] (each < S) as float32 [B, K, M, D]: dequantized
+        keys at p < L − L mod R and values at p < L − R, the full-precision tokens for the rest (what a
+        position ≥ L holds is unspecified). Only those positions are read (`base.slot_tokens`)."""
+        st = state[0]
+        r, gk, f32 = self.residual_length, self.key_group, jnp.float32
+        sq, sv, wk, wv = (x.shape[base.TOKEN_AXIS] for x in (st.k_codes, st.v_codes, st.k_full, st.v_full))
+        b, kh, m, d = lengths.shape[0], st.v_full.shape[3], pos.shape[0], st.v_full.shape[-1]
+
+        def where(mask):  # [B, M] -> [B, 1, M, 1]
             return mask[:, None, :, None]
-        k = kq
+
+        k = jnp.zeros((b, kh, m, d), f32)
+        if sq:  # per channel over groups of G tokens: position p reads its group's scale and offset
+            at = jnp.minimum(pos, sq - 1)
+            codes = packing.unpack(base.slot_tokens(st.k_codes, index, at), self.bits, d)
+            scale, offset = base.slot_tokens((st.k_scale, st.k_offset), index, at // gk)
+            per_position = dataclasses.replace(self.key_config, group_size=1)
+            k = affine.dequantize(affine.Quantized(codes[..., None], scale[..., None], offset[..., None]),
+                                  per_position)[..., 0]
         if wk:
-            kf = st.k_full.astype(f32)[:, :, jnp.minimum(pos % r, wk - 1)]
-            k = jnp.where(where(pos[None, :] >= (lengths - lengths % r)[:, None]), kf, kq)
-        v = jnp.where(where(pos[None, :] >= (lengths - r)[:, None]), st.v_full.astype(f32)[:, :, pos % r % wv], vq)
-        valid = where(base.valid_tokens(lengths, s_len))
-        return jnp.where(valid, k, 0.0), jnp.where(valid, v, 0.0)
+            full = base.slot_tokens(st.k_full, index, jnp.minimum(pos % r, wk - 1)).astype(f32)
+            k = jnp.where(where(pos[None, :] >= (lengths - lengths % r)[:, None]), full, k)
+        v = jnp.zeros((b, kh, m, d), f32)
+        if sv:
+            codes, scale, offset = base.slot_tokens((st.v_codes, st.v_scale, st.v_offset), index,
+                                                    jnp.minimum(pos, sv - 1))
+            v = affine.dequantize(affine.Quantized(packing.unpack(codes, self.bits, d), scale, offset),
+                                  self.value_config)
+        full = base.slot_tokens(st.v_full, index, pos % r % wv).astype(f32)
+        v = jnp.where(where(pos[None, :] >= (lengths - r)[:, None]), full, v)
+        return k, v
 
     def bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
         """Bits per cached K or V element, the mean over K and V.
@@ -351,6 +337,5 @@ class Kivi(base.CacheFormat):
                 f"{short[self.residual_dtype]}")
 
 
-# Compiled once per format and shape, also when the model runs eagerly (under an outer jit they inline).
+# Compiled once per format and shape, also when the model runs eagerly (under an outer jit it inlines).
 _write = jax.jit(Kivi._write, static_argnums=0)
-_attend_slot = jax.jit(Kivi._attend_slot, static_argnums=0)

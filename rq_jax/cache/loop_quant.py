@@ -24,8 +24,9 @@ chain store — packed codes, metadata, α, key means — without unpacking anyt
 implementation (`ATTEND_IMPLS`, chosen by the policy's `attend_impl`) computes the partial from the
 rotated queries: s_r = α_r·s_p(r) + q̃·D(c_r) + q̃·μ_r (recursively down to the anchor), and values
 through the same recursion, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated basis. The
-caller rotates the queries and un-rotates the output once. `reconstruct` (toolbox decode, un-rotate)
-is the reference.
+caller rotates the queries and un-rotates the output once. The XLA implementation does this one
+context tile at a time (`base.tiled_partial`); the Pallas kernel walks its own tiles. `reconstruct`
+(toolbox decode, un-rotate) is the reference.
 
 Calibration (`RotationCalib`, per segment): rotations [G, N, K, D, D] for keys and values and key means
 [G, N, p, K, D] (rotated basis, or None). `default_calib`: the policy's rotation kind, no means;
@@ -43,7 +44,7 @@ from typing import Callable, ClassVar, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from rq_jax.cache import base
 from rq_jax.quant import affine, bits as qbits, residual, rotation, ste
@@ -73,10 +74,10 @@ class LoopSlot(NamedTuple):
 class LoopOperands(NamedTuple):
     """What attention to one slot reads, nothing unpacked: the loop's reference chain, loop first.
 
-    `k`/`v`: packed codes of each chain link, still stacked [G, N, B, K, S, ...] — `index` selects the
-    slot (a kernel picks it in its index map). `k_alpha`/`v_alpha`: link i's α [G, N, B, K, S] scaling
-    link i + 1 (None: α = 1); one fewer than links. `k_mean`: link i's key mean [K, D] (rotated basis)
-    or None.
+    `k`/`v`: packed codes of each chain link as stored (a super-scale not folded in), still stacked
+    [G, N, B, K, S, ...] — `index` selects the slot (a kernel picks it in its index map).
+    `k_alpha`/`v_alpha`: link i's α [G, N, B, K, S] scaling link i + 1 (None: α = 1); one fewer than links.
+    `k_mean`: link i's key mean [K, D] (rotated basis) or None.
     """
 
     index: base.Index
@@ -87,31 +88,48 @@ class LoopOperands(NamedTuple):
     k_mean: tuple[Array | None, ...]
 
 
-def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
-    """Softmax partial of rotated queries over a slot's stored tokens s < lengths[b] (XLA).
+def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"],
+                   visible: Bool[Array, "b s"] | None = None) -> base.Partial:
+    """Softmax partial of rotated queries over a slot's stored tokens s < lengths[b] that `visible`
+    (None: all) shows (XLA), one context tile at a time (`base.tiled_partial`): only a tile's codes,
+    metadata and α are read out of the stacked state and dequantized.
 
     q_rot: [B, T, K, H/K, D] float32. Returns acc [B, T, H, D] in the rotated value basis, m, l [B, T, H].
     """
     b, t, heads, per_kv, d = q_rot.shape
-    def at(x):
-        return None if x is None else x[ops.index]
+    max_len = ops.k[0].codes.shape[base.TOKEN_AXIS]
+    tile = base.context_tile(b, t, heads * per_kv, heads, d, max_len)
+
+    def part(start, valid):
+        k, v, k_alpha, v_alpha = base.slot_tile((ops.k, ops.v, ops.k_alpha, ops.v_alpha), ops.index, start, tile)
+        return _rotated_partial(q_rot, k, v, k_alpha, v_alpha, ops.k_mean, valid)
+
+    return base.tiled_partial(part, (b, t, heads * per_kv, d), lengths, max_len, tile, visible)
+
+
+def _rotated_partial(q_rot: Float[Array, "b t k g d"], k: tuple[PackedCodes, ...], v: tuple[PackedCodes, ...],
+                     k_alpha: tuple[Array | None, ...], v_alpha: tuple[Array | None, ...],
+                     k_mean: tuple[Array | None, ...], valid: Bool[Array, "b s"]) -> base.Partial:
+    """`attend_rotated` over one tile: the chain's codes [B, K, S, ...] and α [B, K, S] (`LoopOperands`'
+    order), positions where `valid` [B, S]."""
+    b, t, heads, per_kv, d = q_rot.shape
     scores = None
-    for i in reversed(range(len(ops.k))):  # from the anchor up: s_i = q̃·D(c_i) + q̃·μ_i + α_i·s_{i+1}
-        s = jnp.einsum("btkqd,bksd->btkqs", q_rot, ops.k[i].map(at).dequantize())
-        if ops.k_mean[i] is not None:
-            s = s + jnp.einsum("btkqd,kd->btkq", q_rot, ops.k_mean[i])[..., None]
+    for i in reversed(range(len(k))):  # from the anchor up: s_i = q̃·D(c_i) + q̃·μ_i + α_i·s_{i+1}
+        s = jnp.einsum("btkqd,bksd->btkqs", q_rot, k[i].effective().dequantize())
+        if k_mean[i] is not None:
+            s = s + jnp.einsum("btkqd,kd->btkq", q_rot, k_mean[i])[..., None]
         if scores is not None:
-            alpha = at(ops.k_alpha[i])
-            s = s + (scores if alpha is None else _per_token(alpha) * scores)
+            s = s + (scores if k_alpha[i] is None else _per_token(k_alpha[i]) * scores)
         scores = s
     scores = scores * d**-0.5
-    p, m, l = base.softmax_partial(scores.reshape(b, t, heads * per_kv, -1),
-                                   base.past_mask(lengths, t, scores.shape[-1]))
+    size = scores.shape[-1]
+    p, m, l = base.softmax_partial(scores.reshape(b, t, heads * per_kv, size),
+                                   jnp.broadcast_to(valid[:, None, :], (b, t, size)))
     w, acc = p.reshape(scores.shape), 0.0
-    for i in range(len(ops.v)):  # Σ_s w_s ẑ_i,s, the weights scaled by α on the way down the chain
-        acc = acc + jnp.einsum("btkqs,bksd->btkqd", w, ops.v[i].map(at).dequantize())
-        if i + 1 < len(ops.v) and ops.v_alpha[i] is not None:
-            w = w * _per_token(at(ops.v_alpha[i]))
+    for i in range(len(v)):  # Σ_s w_s ẑ_i,s, the weights scaled by α on the way down the chain
+        acc = acc + jnp.einsum("btkqs,bksd->btkqd", w, v[i].effective().dequantize())
+        if i + 1 < len(v) and v_alpha[i] is not None:
+            w = w * _per_token(v_alpha[i])
     return base.Partial(acc.reshape(b, t, heads * per_kv, d), m, l)
 
 
@@ -128,6 +146,7 @@ def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: 
     def flat(x):  # [G, N, ...] → [G·N, ...]
         return None if x is None else x.reshape(-1, *x.shape[2:])
     def streams(codes):
+        codes = map(PackedCodes.effective, codes)
         return tuple(QuantStream(flat(c.codes), flat(c.scale), flat(c.offset)) for c in codes)
     means = tuple(None if mu is None else jnp.einsum("bkrd,kd->bkr", q, mu) for mu in ops.k_mean)
     acc, m, l = residual_decode_attention(
@@ -164,6 +183,8 @@ class LoopQuant(base.CacheFormat):
 
     bits: tuple[int, ...] = (2, 2, 2, 4)
     group_size: int | tuple[int, ...] = 32
+    bits_v: tuple[int, ...] | None = None
+    group_size_v: int | tuple[int, ...] | None = None
     meta_dtype: str = "float8_e4m3fn"
     rotation: str = "hadamard"
     residual: bool = True
@@ -176,36 +197,53 @@ class LoopQuant(base.CacheFormat):
     name: str = "residual"
     needs_calib: bool = dataclasses.field(default=True, init=False)
     needs_data: bool = dataclasses.field(default=False, init=False)
-    schedule_fields: ClassVar[tuple[str, ...]] = ("name", "bits", "group_size", "meta_dtype", "residual",
-                                                   "least_squares", "reference")
+    schedule_fields: ClassVar[tuple[str, ...]] = ("name", "bits", "group_size", "bits_v", "group_size_v",
+                                                   "meta_dtype", "residual", "least_squares", "reference")
     calib_head_axes: ClassVar[Mapping[str, int]] = MappingProxyType({"key_rot": 2, "value_rot": 2, "key_mean": 3})
     learns_rotations: ClassVar[bool] = True
     reports_out_of_range: ClassVar[bool] = True
 
     def __post_init__(self):
         object.__setattr__(self, "bits", tuple(int(b) for b in np.atleast_1d(self.bits)))
-        sizes = self.group_size
-        sizes = (int(sizes),) * len(self.bits) if np.ndim(sizes) == 0 else tuple(int(g) for g in sizes)
-        object.__setattr__(self, "group_size", sizes)
-        if len(sizes) != len(self.bits):
-            raise ValueError(f"{self.name}: group_size {sizes} needs one entry per loop of bits {self.bits}")
+        object.__setattr__(self, "group_size", self._sizes(self.group_size, self.bits, "group_size"))
+        if self.bits_v is not None:
+            object.__setattr__(self, "bits_v", tuple(int(b) for b in np.atleast_1d(self.bits_v)))
+            if len(self.bits_v) != len(self.bits):
+                raise ValueError(f"{self.name}: bits_v {self.bits_v} needs one entry per loop of bits {self.bits}")
+        if self.group_size_v is not None:
+            object.__setattr__(self, "group_size_v", self._sizes(self.group_size_v, self.bits, "group_size_v"))
         if self.rotation not in rotation.ROTATION_KINDS:
             raise ValueError(f"unknown rotation {self.rotation!r}: expected one of {rotation.ROTATION_KINDS}")
         if self.attend_impl != "auto" and self.attend_impl not in ATTEND_IMPLS:
             raise ValueError(f"unknown attend_impl {self.attend_impl!r}: available {['auto', *sorted(ATTEND_IMPLS)]}")
-        self.group_config(len(self.bits))  # validates bits, group sizes, metadata dtype and reference
+        for kind in "kv":  # validates bits, group sizes, metadata dtype and reference
+            self.group_config(len(self.bits), kind)
+
+    def _sizes(self, sizes, bits, field: str) -> tuple[int, ...]:
+        sizes = (int(sizes),) * len(bits) if np.ndim(sizes) == 0 else tuple(int(g) for g in sizes)
+        if len(sizes) != len(bits):
+            raise ValueError(f"{self.name}: {field} {sizes} needs one entry per loop of bits {bits}")
+        return sizes
 
     @property
     def group_len(self) -> int:
         """Loops per group: len(bits)."""
         return len(self.bits)
 
-    def group_config(self, size: int) -> residual.ResidualConfig:
-        """Toolbox config of a group of `size` loops (least squares only with residuals)."""
+    def schedule(self, kind: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(bits, group sizes) per group position of keys (kind "k") or values ("v"; the keys' unless
+        `bits_v` / `group_size_v` say otherwise)."""
+        if kind == "k":
+            return self.bits, self.group_size
+        return self.bits_v or self.bits, self.group_size_v or self.group_size
+
+    def group_config(self, size: int, kind: str = "k") -> residual.ResidualConfig:
+        """Toolbox config of a group of `size` loops for keys or values (least squares only with residuals)."""
+        bits, sizes = self.schedule(kind)
         if self.residual:
-            bits, sizes = self.bits[-size:], self.group_size[-size:]
+            bits, sizes = bits[-size:], sizes[-size:]
         else:
-            bits, sizes = self.bits[:size], self.group_size[:size]
+            bits, sizes = bits[:size], sizes[:size]
         return residual.ResidualConfig(bits, sizes, meta_dtype=self.meta_dtype,
                                        least_squares=self.least_squares and self.residual,
                                        reference=self.reference, super_scale=self.super_scale)
@@ -224,20 +262,22 @@ class LoopQuant(base.CacheFormat):
 
     def init(self, seg, num_layers, batch, max_len, num_kv_heads, head_dim) -> tuple[LoopSlot, ...]:
         """Zeroed codes, metadata and α for every position of the segment's groups."""
-        bad = sorted({g for g in self.group_size if head_dim % g})
+        bad = sorted({g for kind in "kv" for g in self.schedule(kind)[1] if head_dim % g})
         if bad:
             raise ValueError(f"{self.name} cache: group size(s) {bad} do not divide head_dim {head_dim}")
         lead = (seg.groups, num_layers, batch, num_kv_heads, max_len)
-        cfg = self.group_config(seg.size)
-        slots = []
-        for r in range(seg.size):
+        cfgs = {kind: self.group_config(seg.size, kind) for kind in "kv"}
+
+        def zeros(cfg, r):
             qc = cfg.quant_config(r)
             proto = jax.eval_shape(
-                lambda qc=qc: PackedCodes.from_quantized(affine.quantize(jnp.zeros(head_dim), qc), qc))
-            codes = jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, p.dtype), proto)
-            alpha = jnp.zeros(lead, cfg.alpha_dtype) if self._has_alpha(cfg, r) else None
-            slots.append(LoopSlot(codes, codes, alpha, alpha))
-        return tuple(slots)
+                lambda: PackedCodes.from_quantized(affine.quantize(jnp.zeros(head_dim), qc), qc))
+            return jax.tree_util.tree_map(lambda p: jnp.zeros(lead + p.shape, p.dtype), proto)
+
+        def alpha(r):  # every leaf an array of its own: a donated cache must not hold one buffer twice
+            return jnp.zeros(lead, cfgs["k"].alpha_dtype) if self._has_alpha(cfgs["k"], r) else None
+
+        return tuple(LoopSlot(zeros(cfgs["k"], r), zeros(cfgs["v"], r), alpha(r), alpha(r)) for r in range(seg.size))
 
     def default_calib(self, seg, num_layers, num_kv_heads, head_dim) -> RotationCalib:
         """The policy's rotation for every group, layer and kv head (random: seeded), no key means."""
@@ -266,8 +306,12 @@ class LoopQuant(base.CacheFormat):
 
     def schedule_name(self, num_loops: int) -> str:
         """E.g. "residual-b2.2.2.4-g32-L4" (group sizes once when they are all equal)."""
-        sizes = self.group_size if len(set(self.group_size)) > 1 else self.group_size[:1]
-        return f"{self.name}-b{'.'.join(map(str, self.bits))}-g{'.'.join(map(str, sizes))}-L{num_loops}"
+        def spell(bits, sizes):
+            sizes = sizes if len(set(sizes)) > 1 else sizes[:1]
+            return f"b{'.'.join(map(str, bits))}-g{'.'.join(map(str, sizes))}"
+
+        keys, values = spell(*self.schedule("k")), spell(*self.schedule("v"))
+        return f"{self.name}-{keys}" + ("" if values == keys else f"-v{values}") + f"-L{num_loops}"
 
     def fit_key_means(self, k: Float[Array, "g p n b k s d"], lengths: Int[Array, "b"],
                       key_rot: Float[Array, "g n k d d"]) -> Float[Array, "g n p k d"]:
@@ -292,9 +336,9 @@ class LoopQuant(base.CacheFormat):
     def _encode_kv(self, k, v, calib: RotationCalib) -> dict[str, residual.EncodedGroup]:
         """Rotate and encode K/V [G, p, N, B, K, T, D] (non-finite entries zeroed and counted):
         {"k": ..., "v": ...}, each EncodedGroup over [p, G, N, B, K, T, D]."""
-        cfg = self.group_config(k.shape[1])
         enc = {}
         for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
+            cfg = self.group_config(k.shape[1], kind)
             x = x.astype(jnp.float32)
             finite = jnp.isfinite(x)
             z = jnp.einsum("gpnbktd,gnked->pgnbkte", jnp.where(finite, x, 0.0), u, precision=_HI)
@@ -308,10 +352,11 @@ class LoopQuant(base.CacheFormat):
         """Rotate and encode every group of K/V [G, p, N, B, K, T, D]; store at lengths[b] + t. Per row,
         the new tokens' (t < num_new[b]) metadata values the metadata dtype could not hold (saturated or
         flushed to zero) plus their non-finite entries, summed over slots, are the out-of-range count."""
-        cfg = self.group_config(k.shape[1])
+        cfgs = {kind: self.group_config(k.shape[1], kind) for kind in "kv"}
         enc = self._encode_kv(k, v, calib)
+        cfg = cfgs["k"]  # the α layout (which positions have one) is the same for keys and values
         new = tuple(
-            LoopSlot(*(PackedCodes.from_quantized(enc[kind].loops[r], cfg.quant_config(r)) for kind in "kv"),
+            LoopSlot(*(PackedCodes.from_quantized(enc[kind].loops[r], cfgs[kind].quant_config(r)) for kind in "kv"),
                      *(enc[kind].alpha[cfg.alpha_index(r)] if self._has_alpha(cfg, r) else None for kind in "kv"))
             for r in range(cfg.num_loops))
         fresh = jnp.arange(k.shape[5])[None, :] < num_new[:, None]  # [B, T]
@@ -335,9 +380,9 @@ class LoopQuant(base.CacheFormat):
                    calib: RotationCalib) -> tuple[Array, Array]:
         """What `write` then `reconstruct` give for K/V [G, p, N, B, K, T, D], float32, with straight-
         through gradients to k and v (references stopped) — for quantization-aware training."""
-        cfg = self.group_config(k.shape[1])
         out = []
         for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
+            cfg = self.group_config(k.shape[1], kind)
             z = jnp.einsum("gpnbktd,gnked->pgnbkte", x.astype(jnp.float32), u, precision=_HI)
             mean = None if kind == "v" or calib.key_mean is None else \
                 jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :]  # [p, G, N, 1, K, 1, D]
@@ -357,12 +402,13 @@ class LoopQuant(base.CacheFormat):
         means = None if calib.key_mean is None else calib.key_mean[index]  # [p, K, D]
         return LoopOperands(
             index,
-            tuple(state[r].k.effective() for r in links), tuple(state[r].v.effective() for r in links),
+            tuple(state[r].k for r in links), tuple(state[r].v for r in links),
             tuple(state[r].k_alpha for r in links[:-1]), tuple(state[r].v_alpha for r in links[:-1]),
             tuple(None if means is None else means[r] for r in links))
 
-    def attend(self, state, index, loop, q, lengths, calib: RotationCalib) -> base.Partial:
-        """Rotate the queries, run `attend_impl` on the slot's operands (XLA fallback), un-rotate."""
+    def attend(self, state, index, loop, q, lengths, calib: RotationCalib, visible=None) -> base.Partial:
+        """Rotate the queries, run `attend_impl` on the slot's operands (XLA fallback; XLA too under a
+        `visible` mask), un-rotate."""
         b, t, h, d = q.shape
         key_rot, value_rot = calib.key_rot[index], calib.value_rot[index]  # [K, D, D]
         q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, key_rot.shape[0]).astype(jnp.float32),
@@ -370,7 +416,10 @@ class LoopQuant(base.CacheFormat):
         ops = self.operands(state, index, loop, calib)
         impl = self.attend_impl if self.attend_impl != "auto" else "pallas" if jax.default_backend() == "gpu" else "xla"
         try:
-            part = ATTEND_IMPLS[impl](q_rot, ops, lengths)
+            if visible is not None:  # the kernels take no mask
+                part = attend_rotated(q_rot, ops, lengths, visible)
+            else:
+                part = ATTEND_IMPLS[impl](q_rot, ops, lengths)
         except NotImplementedError as why:
             log.warning("%s attend_impl=%r does not cover this slot (%s); using xla", self.name, impl, why)
             part = attend_rotated(q_rot, ops, lengths)
@@ -380,10 +429,10 @@ class LoopQuant(base.CacheFormat):
 
     def reconstruct(self, state, index, loop, lengths, calib: RotationCalib):
         """Decode slot `index` at position `loop` with the toolbox, then un-rotate: [B, K, S, D] each."""
-        cfg = self.group_config(len(state))
         mean = None if calib.key_mean is None else calib.key_mean[index][:, None, :, None, :]  # [p, 1, K, 1, D]
         out = []
         for kind, u in (("k", calib.key_rot[index]), ("v", calib.value_rot[index])):
+            cfg = self.group_config(len(state), kind)
             slots = [base.at(s, index) for s in state]
             codes = tuple(getattr(s, kind).unpacked() for s in slots)
             m = None if kind == "v" else mean
@@ -399,15 +448,16 @@ class LoopQuant(base.CacheFormat):
         return tuple(out)
 
     def bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
-        """Average stored bits per K or V element over the loops, by the toolbox's accounting (the same
-        at every context length)."""
+        """Average stored bits per K or V element over the loops and over K and V, by the toolbox's
+        accounting (the same at every context length)."""
         total = Fraction(0)
         for seg in base.segments(num_loops, self.group_len):
-            cfg = self.group_config(seg.size)
-            group = (qbits.residual_bits(cfg, head_dim) if self.residual else
-                     qbits.direct_bits([cfg.quant_config(r) for r in range(seg.size)], head_dim))
-            total += group * seg.num_loops
-        return total / num_loops
+            for kind in "kv":
+                cfg = self.group_config(seg.size, kind)
+                group = (qbits.residual_bits(cfg, head_dim) if self.residual else
+                         qbits.direct_bits([cfg.quant_config(r) for r in range(seg.size)], head_dim))
+                total += group * seg.num_loops
+        return total / (2 * num_loops)
 
     def read_bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
         """Bits attention reads per cached element, averaged over the loops: a residual loop reads its
@@ -417,22 +467,29 @@ class LoopQuant(base.CacheFormat):
             return self.bits_per_element(num_loops, head_dim)
         total = Fraction(0)
         for seg in base.segments(num_loops, self.group_len):
-            cfg = self.group_config(seg.size)
-            for r in range(seg.size):
-                links = self.chain(cfg, r)
-                bits = sum(qbits.affine_bits(cfg.quant_config(i), head_dim) for i in links)
-                if cfg.least_squares:
-                    bits += Fraction(8 * cfg.alpha_dtype.itemsize * (len(links) - 1), head_dim)
-                total += bits * seg.groups
-        return total / num_loops
+            for kind in "kv":
+                cfg = self.group_config(seg.size, kind)
+                for r in range(seg.size):
+                    links = self.chain(cfg, r)
+                    bits = sum(qbits.affine_bits(cfg.quant_config(i), head_dim) for i in links)
+                    if cfg.least_squares:
+                        bits += Fraction(8 * cfg.alpha_dtype.itemsize * (len(links) - 1), head_dim)
+                    total += bits * seg.groups
+        return total / (2 * num_loops)
 
     def describe(self) -> str:
-        """E.g. "INT2/INT4 g32 codes + fp8 meta + bf16 α, Hadamard-rotated residuals"."""
-        widths = "/".join(f"INT{b}" for b in sorted(set(self.bits)))
-        sizes = "/".join(f"g{g}" for g in sorted(set(self.group_size)))
+        """E.g. "INT2/INT4 g32 codes + fp8 meta + bf16 α, Hadamard-rotated residuals" (K and V schedules
+        spelled apart when they differ)."""
+        def codes(kind):
+            bits, sizes = self.schedule(kind)
+            return (f"{'/'.join(f'INT{b}' for b in sorted(set(bits)))} "
+                    f"{'/'.join(f'g{g}' for g in sorted(set(sizes)))}")
+
+        keys, values = codes("k"), codes("v")
+        spelled = keys if keys == values else f"K {keys}, V {values}"
         meta = {"float8_e4m3fn": "fp8", "bfloat16": "bf16", "float16": "fp16", "float32": "f32"}.get(
             self.meta_dtype, self.meta_dtype)
-        out = f"{widths} {sizes} codes + {meta} meta" + (" + bf16 super-scale" if self.super_scale else "")
+        out = f"{spelled} codes + {meta} meta" + (" + bf16 super-scale" if self.super_scale else "")
         if self.residual and self.least_squares:
             out += " + bf16 α"
         how = [{"identity": "", "hadamard": "Hadamard-rotated", "random": "randomly rotated"}[self.rotation]]

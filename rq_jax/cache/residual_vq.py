@@ -40,7 +40,8 @@ per group) and contract with the probabilities; the "probability-weighted codebo
 needs a one-hot [S, D/group, 16] per stage (8× the decoded values) or a scatter-add, so it is not
 cheaper in XLA. Building the table costs R·(D/group)·256 entries for R = T·H/K query rows per kv head;
 decoding K costs S·D. `attend_path="auto"` takes the table when it is the cheaper one (S > 64·R, i.e.
-decode steps over a long cache) and otherwise decodes K too ("decode": exactly `base.reference_attend`).
+decode steps over a long cache) and otherwise decodes K too ("decode": `base.tiled_attend`, which is
+`base.reference_attend` a tile at a time). Either way the cache is read one context tile at a time.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from typing import ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, UInt8
+from jaxtyping import Array, Bool, Float, Int, UInt8
 
 from rq_jax.cache import base
 from rq_jax.quant import bits, rvq
@@ -194,32 +195,40 @@ class ResidualVQ(base.CacheFormat):
                      for codes, books in ((slot.k, calib.k), (slot.v, calib.v)))
 
     def attend(self, state: tuple[RVQSlot], index: base.Index, loop: int, q: Float[Array, "b t h d"],
-               lengths: Int[Array, "b"], calib: RVQCalib) -> base.Partial:
-        """Partial attention of q [B, T, H, D] to the stored tokens s < lengths[b] of slot `index`.
+               lengths: Int[Array, "b"], calib: RVQCalib, visible: Bool[Array, "b s"] | None = None) -> base.Partial:
+        """Partial attention of q [B, T, H, D] to the stored tokens s < lengths[b] of slot `index` (those
+        `visible` [B, S] shows), one context tile at a time (`base.tiled_partial`).
 
-        Equals `base.reference_attend` to float tolerance; scores come from per-query byte tables.
+        Equals `base.reference_attend` to float tolerance; scores come from per-query byte tables, built
+        once, then looked up by each tile's key bytes; each tile's values are decoded.
         """
         b, t, h, d = q.shape
         heads, max_len, groups = state[0].k.shape[3:]
         rows = t * (h // heads)
         use_lut = self.attend_path == "lut" or (self.attend_path == "auto" and max_len * self.group > _NIBBLE**2 * rows)
         if not use_lut:
-            return base.reference_attend(self, state, index, loop, q, lengths, calib)
+            return base.tiled_attend(self, state, index, loop, q, lengths, calib, visible)
         books = calib.k
         # Per-query tables: qs[b, t, k, g, G, j] = q·scale/sqrt(D) over group G; LUT over the code byte.
-        slot = base.at(state[0], index)
         qs = base.group_queries(q.astype(jnp.float32), heads) * books.scale[index][:, None, :] * d**-0.5
         qs = qs.reshape(b, t, heads, h // heads, groups, self.group)
         lut1, lut2 = (jnp.einsum("btkhGj,cj->bktGhc", qs, _pad_codes(c[index])) for c in (books.c1, books.c2))
         lut = (lut2[..., :, None] + lut1[..., None, :]).reshape(b, heads, t, groups, -1, _NIBBLE**2)
-        # scores[b, k, t, h, s] = Σ_G lut[b, k, t, G, h, byte[b, k, s, G]]
-        codes = jnp.moveaxis(slot.k.astype(jnp.int32), -1, 2)  # [B, K, G, S]
-        gathered = jnp.take_along_axis(lut, codes[:, :, None, :, None, :], axis=-1)  # [B, K, T, G, Hg, S]
-        scores = jnp.moveaxis(jnp.sum(gathered, axis=3), 1, 2).reshape(b, t, h, max_len)
-        p, m, l = base.softmax_partial(scores, base.past_mask(lengths, t, max_len))
-        values = rvq.decode(slot.v, _slot_books(calib.v, index))  # [B, K, S, D]
-        acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, heads, -1, max_len), values)
-        return base.Partial(acc.reshape(b, t, h, d), m, l)
+        value_books = _slot_books(calib.v, index)
+        tile = base.context_tile(b, t * groups, h, heads, d, max_len)  # the gathered table entries dominate
+
+        def part(start, valid):
+            slot = base.slot_tile(state[0], index, start, tile)
+            # scores[b, k, t, h, s] = Σ_G lut[b, k, t, G, h, byte[b, k, s, G]]
+            codes = jnp.moveaxis(slot.k.astype(jnp.int32), -1, 2)  # [B, K, G, S]
+            gathered = jnp.take_along_axis(lut, codes[:, :, None, :, None, :], axis=-1)  # [B, K, T, G, Hg, S]
+            scores = jnp.moveaxis(jnp.sum(gathered, axis=3), 1, 2).reshape(b, t, h, tile)
+            p, m, l = base.softmax_partial(scores, jnp.broadcast_to(valid[:, None, :], (b, t, tile)))
+            values = rvq.decode(slot.v, value_books)  # [B, K, S, D]
+            acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, heads, -1, tile), values)
+            return base.Partial(acc.reshape(b, t, h, d), m, l)
+
+        return base.tiled_partial(part, (b, t, h, d), lengths, max_len, tile, visible)
 
     def write(self, state: tuple[RVQSlot], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
               lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: RVQCalib) -> base.Written:

@@ -63,7 +63,7 @@ def value_targets(fmt: LoopQuant, v: np.ndarray) -> np.ndarray:
     """Z_V [p, ..., D] of one group's values v [p, ..., D] (float64): see the module docstring."""
     if not fmt.residual:
         return v
-    cfg = fmt.group_config(v.shape[0])
+    cfg = fmt.group_config(v.shape[0], "v")
     out = v.copy()
     for r in range(cfg.num_loops):
         if r == cfg.anchor:

@@ -30,19 +30,24 @@ class CheckpointError(ValueError):
 
 
 def resolve(path_or_id: str | os.PathLike) -> str:
-    """A local folder, or a hub model id already in the local Hugging Face cache (never the network)."""
+    """A local folder, or a hub model id already in the local Hugging Face cache (never the network).
+    Raises FileNotFoundError naming the path: a file, a missing folder (a path whose parent folder
+    exists, or that starts with `.`, `/` or `~`), or an id that is not in the cache."""
     path = os.fspath(path_or_id)
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
         raise FileNotFoundError(f"{path} is a file; expected a checkpoint folder with config.json")
+    local = path.startswith((".", "/", "~")) or (os.sep in path and os.path.isdir(os.path.dirname(path)))
     from huggingface_hub import snapshot_download
 
     try:
         return snapshot_download(path, local_files_only=True)
-    except Exception as err:  # the hub library raises several types for "not cached" / bad ids
-        raise FileNotFoundError(f"{path!r} is neither a local folder nor a model in the local Hugging Face "
-                                f"cache ({type(err).__name__}: {err})") from None
+    except Exception:  # the hub library raises several types for "not cached" / bad ids
+        if local:
+            raise FileNotFoundError(f"no checkpoint folder {path}") from None
+        raise FileNotFoundError(f"{path!r} is neither a local folder nor a model in the local Hugging Face cache "
+                                "(rq_jax never downloads: fetch it with `huggingface-cli download` first)") from None
 
 
 def read_tensors(folder: str) -> dict[str, np.ndarray]:

@@ -13,10 +13,11 @@ Operand lengths are drawn uniformly in 1..max_digits (a built-in curriculum of e
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
-from rq_jax.data.common import Example, sample_in_split, stream_rng
+from rq_jax.data.common import Example, decode, sample_in_split, stream_rng
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,27 @@ class Addition:
         prompt = f"{a:0{d}d}"[::-1].encode() + b"+" + f"{b:0{d}d}"[::-1].encode() + b"="
         answer = f"{a + b:0{d + 1}d}"[::-1].encode() + b"\n"
         return Example.from_segments("addition", [(prompt, False), (answer, True)], key=b"add:%d+%d" % (a, b))
+
+    def parse(self, prompt: str) -> tuple[int, int] | None:
+        """The operands of a prompt in this format ("62217+89000=" → (71226, 98)), or None."""
+        d = self.max_digits
+        match = re.fullmatch(rf"(\d{{{d}}})\+(\d{{{d}}})=", prompt)
+        return None if match is None else (int(match[1][::-1]), int(match[2][::-1]))
+
+    def read(self, answer: str) -> int | None:
+        """The sum an answer spells ("423170\n" → 71324): its first max_digits + 1 characters read least
+        significant digit first; None when they are not all digits."""
+        digits = answer[: self.max_digits + 1]
+        return int(digits[::-1]) if len(digits) == self.max_digits + 1 and digits.isdigit() else None
+
+    def describe(self) -> str:
+        """The format in one line, with the first held-out example."""
+        d = self.max_digits
+        ex = self.examples("eval", 1)[0]
+        prompt, answer = decode(ex.prompt()).decode(), decode(ex.answer()).decode()
+        a, b = self.parse(prompt)
+        return (f"sums of {d}-digit operands (zero-padded), every number written least significant digit first: "
+                f"{prompt!r} is {a} + {b}, answered {answer.strip()!r} = {a + b}")
 
     def draw(self, rng: np.random.Generator) -> Example:
         """One example, split unchecked: each operand's digit count uniform in 1..max_digits."""

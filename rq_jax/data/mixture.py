@@ -54,6 +54,13 @@ class MixtureConfig:
             raise ValueError(f"seq_len {self.seq_len} too short for {self.retrieval.max_pairs} retrieval pairs "
                              f"({self.retrieval.max_length()} tokens)")
 
+    @classmethod
+    def from_json(cls, raw: dict) -> "MixtureConfig":
+        """The config `dataclasses.asdict` wrote (a checkpoint card's `train_config.data`)."""
+        raw = dict(raw)
+        return cls(**{**raw, "addition": Addition(**raw["addition"]), "retrieval": Retrieval(**raw["retrieval"]),
+                      "rows": tuple(raw["rows"])})
+
     def retrieval_max_pairs(self, step: int) -> int:
         """The curriculum: retrieval's max pair count at `step`."""
         frac = min(1.0, step / max(1, self.curriculum_steps))

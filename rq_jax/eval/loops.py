@@ -17,7 +17,7 @@ true earlier answers (teacher forcing between answers, token by token through th
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -176,24 +176,29 @@ class CacheScorer:
         return Scores(*map(np.asarray, sharding.to_host(self._score(self.params, calib, tokens, prefix, lengths))))
 
 
-def score_examples(scorer: CacheScorer, examples: Sequence[Example], length: int, batch: int
-                   ) -> tuple[Scores, np.ndarray, np.ndarray]:
+def score_examples(scorer: CacheScorer, examples: Sequence[Example], length: int, batch: int,
+                   progress: Callable[[int], None] | None = None) -> tuple[Scores, np.ndarray, np.ndarray]:
     """Score examples (each alone in a row, prefix = the tokens before its first answer) in batches of
     `batch` rows of `length` tokens, the last batch padded with unscored rows (one shape, one compile).
+    `progress(k)` is called after each batch with the k answers it scored.
     Returns the Scores [N, length], tokens [N, length] and answer_id [N, length]."""
     tokens, answer_id = collate(examples, length)
     prefix = np.array([len(ex.prompt(1)) for ex in examples], np.int32)
     lengths = np.array([len(ex) for ex in examples], np.int32)
-    return _batched(scorer, tokens, prefix, lengths, batch), tokens, answer_id
+    counts = np.array([ex.num_answers for ex in examples])
+    return _batched(scorer, tokens, prefix, lengths, batch, progress, counts), tokens, answer_id
 
 
-def score_windows(scorer: CacheScorer, windows: np.ndarray, prefix: int, batch: int) -> Scores:
-    """Score text windows [N, T]: prefill the first `prefix` tokens, then feed the rest one by one."""
+def score_windows(scorer: CacheScorer, windows: np.ndarray, prefix: int, batch: int,
+                  progress: Callable[[int], None] | None = None) -> Scores:
+    """Score text windows [N, T]: prefill the first `prefix` tokens, then feed the rest one by one;
+    `progress(k)` after each batch of k windows."""
     n, t = windows.shape
-    return _batched(scorer, windows, np.full(n, prefix, np.int32), np.full(n, t, np.int32), batch)
+    return _batched(scorer, windows, np.full(n, prefix, np.int32), np.full(n, t, np.int32), batch, progress,
+                    np.ones(n, int))
 
 
-def _batched(scorer, tokens, prefix, lengths, batch) -> Scores:
+def _batched(scorer, tokens, prefix, lengths, batch, progress, counts) -> Scores:
     parts = []
     for i in range(0, len(tokens), batch):
         pad = batch - len(tokens[i : i + batch])
@@ -201,6 +206,8 @@ def _batched(scorer, tokens, prefix, lengths, batch) -> Scores:
                 for x, fill in ((tokens, np.full((1, tokens.shape[1]), EOS, np.int32)),
                                 (prefix, np.ones(1, np.int32)), (lengths, np.ones(1, np.int32)))]
         parts.append(Scores(*(x[: batch - pad] for x in scorer(*rows))))
+        if progress is not None:
+            progress(int(counts[i : i + batch].sum()))
     return Scores(*map(np.concatenate, zip(*parts)))
 
 

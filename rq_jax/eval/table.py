@@ -37,6 +37,11 @@ class Tasks:
         """Row length that holds every example."""
         return max(self.addition.length, self.retrieval.max_length(self.retrieval_pairs), self.text_len)
 
+    def num_answers(self) -> int:
+        """What `evaluate` scores per row: the answers of `answer_sets` (sums, retrieval queries) and
+        the text windows (the unit of its `progress`)."""
+        return sum(ex.num_answers for _, examples, _ in self.answer_sets() for ex in examples) + self.text_windows
+
     def answer_sets(self) -> list[tuple[str, list, int]]:
         """(task, held-out examples, row length) of the answer tasks: `n` addition examples, and enough
         retrieval sequences for `n` queries (each query is one answer)."""
@@ -48,22 +53,28 @@ class Tasks:
 
 
 def evaluate(model, scheme: Scheme, tasks: Tasks, *, batch: int = 32, text: StdlibText | None = None,
-             calib: CacheCalib | None = None, mesh=None, progress: Callable[[str], None] = lambda _: None,
-             **model_kwargs) -> dict:
+             calib: CacheCalib | None = None, mesh=None,
+             progress: Callable[[str, int], None] = lambda status, answers: None, **model_kwargs) -> dict:
     """One table row: per-task metrics of `loops.task_metrics` / `loops.text_metrics` through the
     scheme's cache (with `calib` when given, else the format's default), bits per element (the
     format's accounting at the row length) and bytes per token (the arrays of a cache of
-    `tasks.length` positions, batch 1, all layers). `mesh`: see `loops.CacheScorer`."""
+    `tasks.length` positions, batch 1, all layers). `mesh`: see `loops.CacheScorer`.
+    `progress(status, k)` reports, after each batch, the k answers (or text windows) it scored —
+    `tasks.num_answers()` in all — and with k = 0 the task about to start."""
     scorer = loops.CacheScorer(model, scheme.fmt, calib=calib, seed=tasks.seed, mesh=mesh, **model_kwargs)
     row = {"scheme": scheme.label, "ladder": scheme.ladder, "method": scheme.method or "default"}
     for name, examples, length in tasks.answer_sets():
-        progress(f"{scheme.label}: {name}")
-        scores, _, answer_id = loops.score_examples(scorer, examples, length, batch)
+        status = f"{scheme.label}: {name}"
+        progress(status, 0)
+        scores, _, answer_id = loops.score_examples(scorer, examples, length, batch,
+                                                    lambda k, status=status: progress(status, k))
         row[name] = loops.task_metrics(scores, answer_id)
-    progress(f"{scheme.label}: text")
+    status = f"{scheme.label}: text"
+    progress(status, 0)
     text = text or StdlibText()
     windows = text.eval_windows(tasks.text_len, tasks.text_windows)
-    row["text"] = loops.text_metrics(loops.score_windows(scorer, windows, tasks.text_prefix, batch))
+    row["text"] = loops.text_metrics(loops.score_windows(scorer, windows, tasks.text_prefix, batch,
+                                                         lambda k: progress(status, k)))
     cache = init_cache(model.config, 1, tasks.length, scheme.fmt, num_loops=scorer.num_loops)
     row["bytes_per_token"] = cache_nbytes(cache) / tasks.length
     row["bits_per_element"] = float(scheme.fmt.bits_per_element(scorer.num_loops, model.config.head_dim, tasks.length))

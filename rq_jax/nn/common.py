@@ -24,7 +24,7 @@ from rq_jax.cache.calib import CacheCalib, check_calib
 from rq_jax.cache.context import CacheContext, CallContext, ContextSource
 from rq_jax.cache.kv import KV, Group, KVCache, check_overflow, init_cache
 from rq_jax.config import ModelConfig
-from rq_jax.nn.layers import linear
+from rq_jax.nn.layers import Linear, linear, matmul, wide
 
 #: attend(q [B, T, H, D], k [B, K, T, D], v [B, K, T, D]) -> (o [B, T, H, D], the (k, v) to store);
 #: the slot attention also takes `skipped` [B, T] (see `CacheContext.attend`).
@@ -53,7 +53,7 @@ class LoopedModule(nnx.Module):
                           track_steps=track_steps)
 
 
-def embedding_and_head(c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype) -> tuple[nnx.Embed, nnx.Linear | None]:
+def embedding_and_head(c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype) -> tuple[nnx.Embed, Linear | None]:
     """The token embedding N(0, init_std²) and the output projection (None when tied to the embedding)."""
     embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
                       embedding_init=nnx.initializers.normal(c.init_std), rngs=rngs)
@@ -62,9 +62,11 @@ def embedding_and_head(c: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype) ->
     return embed, head
 
 
-def output_logits(embed: nnx.Embed, head: nnx.Linear | None, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
-    """Logits in float32 through `head`, or the embedding's transpose when tied."""
-    return (embed.attend(x) if head is None else head(x)).astype(jnp.float32)
+def output_logits(embed: nnx.Embed, head: Linear | None, x: Float[Array, "... e"]) -> Float[Array, "... v"]:
+    """Logits in float32 (float64 for float64 x) through `head`, or the embedding's transpose when tied
+    (weights as stored)."""
+    logits = head(x) if head is not None else matmul(x, embed.embedding[...].T, embed.dtype or x.dtype)
+    return logits.astype(wide(x.dtype))
 
 
 def stacked(make: Callable[[], nnx.Module], n: int) -> nnx.Module | None:
@@ -86,14 +88,21 @@ def scan_layers(layers: nnx.Module, x: Array, call: Callable[[nnx.Module, Array,
     """
     graphdef, params = nnx.split(layers)
     n = jax.tree_util.tree_leaves(params)[0].shape[0]
+    narrow = any(jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize < 4
+                 for w in jax.tree_util.tree_leaves(params))
 
     def body(x, xs):
         p, i, e = xs
+        if narrow:  # slice layer i out of the stacks inside the loop body (see below)
+            p = jax.tree_util.tree_map(lambda w: w[i], jax.lax.optimization_barrier((params, i))[0])
         return call(nnx.merge(graphdef, p), i, x, e)
 
     if _REMAT.get():
         body = jax.checkpoint(body, prevent_cse=False)
-    return jax.lax.scan(body, x, (params, jnp.arange(n), extra))
+    # XLA:CPU widens a dynamic slice of bf16 to float32 and hoists the conversion of the whole stack
+    # out of the loop: a float32 copy of every layer's weights in each call. Behind a barrier with the
+    # layer index only the layer's slice is made (float32 stacks keep the plain scan, as training does).
+    return jax.lax.scan(body, x, (None if narrow else params, jnp.arange(n), extra))
 
 
 _REMAT = contextvars.ContextVar("rq_jax_remat_layers", default=False)
@@ -113,11 +122,13 @@ def remat_layers(enabled: bool = True):
 
 
 def run_loops(segments: tuple[base.Segment, ...], carry: Any,
-              step: Callable[[Any, int, Array, int], tuple[Any, Any]]) -> tuple[Any, tuple[Any, ...]]:
+              step: Callable[[Any, int, Array, int], tuple[Any, Any]]) -> tuple[Any, tuple[tuple[Any, ...], ...]]:
     """Run every loop: per segment a `jax.lax.scan` over its groups, the group's positions unrolled.
 
     `step(carry, segment, group, position) -> (carry, out)` runs one loop (`group` is traced).
-    Returns the final carry and, per segment, the outputs stacked [G, p, ...].
+    Returns the final carry and, per segment, a tuple over the group positions of the outputs stacked
+    over the groups [G, ...]. Positions are kept apart: stacking them would copy every loop's
+    in-flight K/V of a long prompt at once (`flatten_loops` stacks what is small).
     """
     outs = []
     for si, seg in enumerate(segments):
@@ -126,17 +137,19 @@ def run_loops(segments: tuple[base.Segment, ...], carry: Any,
             for r in range(seg.size):
                 carry, out = step(carry, si, g, r)
                 results.append(out)
-            return carry, jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *results)
+            return carry, tuple(results)
 
         carry, out = jax.lax.scan(group, carry, jnp.arange(seg.groups))
         outs.append(out)
     return carry, tuple(outs)
 
 
-def flatten_loops(per_segment: tuple[Any, ...]) -> Any:
-    """Per-segment outputs [G, p, ...] → one [L, ...] stack in loop order."""
-    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate([x.reshape(-1, *x.shape[2:]) for x in xs]),
-                                  *per_segment)
+def flatten_loops(per_segment: tuple[tuple[Any, ...], ...]) -> Any:
+    """`run_loops`' outputs (per segment, per position [G, ...]) → one [L, ...] stack in loop order."""
+    def segment(positions):
+        return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]), *positions)
+
+    return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *map(segment, per_segment))
 
 
 def slot_attend(ctx: CallContext, group: Group, seg: int, index: base.Index, loop: int) -> Attend:

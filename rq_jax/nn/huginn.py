@@ -295,7 +295,7 @@ class Huginn(common.LoopedModule):
                  adaptive, context) -> common.ModelOutput:
         c = self.config
         ctx = common.start_call(tokens, cache, num_new, num_loops, calib, context)
-        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
+        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta, self.wte.dtype)
         e = self.wte(tokens) * jnp.asarray(c.embed_scale, self.wte.dtype)
         prelude_kv = None
         if self.prelude is not None:

@@ -151,7 +151,7 @@ class Ouro(common.LoopedModule):
         num_loops = c.num_loops if num_loops is None else num_loops
         exit = exit or ExitRule("threshold", c.early_exit_threshold)
         ctx = common.start_call(tokens, cache, num_new, num_loops, calib, context)
-        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
+        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta, self.embed_tokens.dtype)
 
         def loop(h, seg, g, r):
             def layer(module, i, h, _):
@@ -162,8 +162,8 @@ class Ouro(common.LoopedModule):
             return h, (h, self.early_exit_gate(h)[..., 0].astype(jnp.float32), kv)
 
         h, outs = common.run_loops(ctx.segments("looped", num_loops), self.embed_tokens(tokens), loop)
-        hidden, gates = common.flatten_loops(tuple(o[:2] for o in outs))
-        new_cache, left = ctx.finish(tuple(o[2] for o in outs), None)
+        hidden, gates = common.flatten_loops(tuple(tuple(o[:2] for o in seg) for seg in outs))
+        new_cache, left = ctx.finish(tuple(tuple(o[2] for o in seg) for seg in outs), None)
         pdf = exit_distribution(gates)
         steps = jnp.broadcast_to(jnp.int32(0), pdf.shape[1:])
         if exit.kind == "weighted":

@@ -50,6 +50,17 @@ def greedy_step(graphdef):
     return jax.jit(step, donate_argnums=2)
 
 
+def prefill_step(graphdef):
+    """jit(params, tokens [B, T], cache, calib, rng) -> (next tokens [B], cache): one model call over the
+    whole prompt into the cache, then the argmax; the cache donated."""
+
+    def step(params, tokens, cache, calib, rng):
+        out = nnx.merge(graphdef, params)(tokens, cache, calib=calib, rng=rng, last_only=True)
+        return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+
+    return jax.jit(step, donate_argnums=2)
+
+
 # ---- caches -----------------------------------------------------------------------------------------
 
 
@@ -118,7 +129,7 @@ class DecodeBench:
         graphdef, self.param_shapes = nnx.split(nnx.eval_shape(make))
         self.params = nnx.split(make())[1] if run else None
         self.weights = base.tree_nbytes(self.param_shapes)
-        self.step = greedy_step(graphdef)
+        self.step, self.prefill = greedy_step(graphdef), prefill_step(graphdef)
         self.rng = jax.random.key(0)
         self.calibs, self.compiled, self.compile_seconds, self.filled = {}, {}, 0.0, (None, None)
 
@@ -149,6 +160,18 @@ class DecodeBench:
             self.compiled[key] = compiled, memory.step_memory(compiled, self.weights, nbytes), nbytes
         return self.compiled[key]
 
+    def prefill_memory(self, label: str, tokens: int) -> dict:
+        """The memory of one prefill call of `tokens` tokens (batch 1) into an empty cache of `tokens + 1`
+        positions, compiled for abstract inputs (with LLVM optimisation off on a CPU, as a search)."""
+        cache = jax.eval_shape(lambda: init_cache(self.config, 1, tokens + 1, self.fmt(label)))
+        lowered = self.prefill.lower(self.param_shapes, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache,
+                                     self.calib(label), self.rng)
+        start = time.perf_counter()
+        options = SEARCH_OPTIONS if jax.default_backend() == "cpu" else None
+        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+        self.compile_seconds += time.perf_counter() - start
+        return memory.step_memory(compiled, self.weights, base.tree_nbytes((cache.looped, cache.plain)))
+
     def memory(self, label: str, context: int, batch: int) -> dict:
         """The step's memory at a batch: from a program already compiled for a run, else a search compile."""
         done = [v for k, v in self.compiled.items() if k[:3] == (label, context, batch)]
@@ -166,14 +189,21 @@ class DecodeBench:
         avail = memory.available_bytes()
         return None if avail is None else int(0.6 * avail)
 
-    def measure(self, label: str, context: int, batch: int) -> dict:
-        """Latency, tokens/s, cache bytes and step memory at (format, context, batch); times None with
-        the reason in `run` when the step is not run."""
+    def tile(self, context: int, batch: int) -> int:
+        """Tokens per context tile of the step's tiled attention (`base.context_tile`, one query per row)."""
+        c = self.config
+        return base.context_tile(batch, 1, c.num_heads, c.num_kv_heads, c.head_dim, context + 1)
+
+    def measure(self, label: str, context: int, batch: int, run: bool = True, filled: int | None = None) -> dict:
+        """Latency, tokens/s, cache bytes and step memory at (format, context, batch), and with `filled`
+        the latency of the same cache holding only `filled` tokens; times None with the reason in `run`
+        when the step is not run (`run` False: compile only)."""
         row = dict(model=self.label, context=context, batch=batch, format=label, stored=self.fmt(label).describe(),
-                   ms=None, tok_s=None, run="ok", **memory.byte_limits(self.fmt(label), self.config, context))
-        if self.params is None:  # compile only: a search's program has the same buffers
+                   ms=None, tok_s=None, run="ok", tile=self.tile(context, batch), filled=None, ms_filled=None,
+                   **memory.byte_limits(self.fmt(label), self.config, context))
+        if self.params is None or not run:  # compile only: a search's program has the same buffers
             mem = self.memory(label, context, batch)
-            return {**row, "cache_nbytes": mem["cache"], "memory": mem, "run": "not run (--no-run)"}
+            return {**row, "cache_nbytes": mem["cache"], "memory": mem, "run": "not run (compile only)"}
         compiled, mem, nbytes = self.compile(label, context, batch)
         row.update(cache_nbytes=nbytes, memory=mem)
         room = self.room()
@@ -192,17 +222,21 @@ class DecodeBench:
         row["fill_s"] = time.perf_counter() - start
         row["cache_nbytes"] = cache_nbytes(cache)
         tokens = jnp.zeros((batch, 1), jnp.int32)
-        times, begin = [], time.perf_counter()
-        for i in range(self.args.warmup + self.args.repeats):
-            start = time.perf_counter()
-            tokens, cache = jax.block_until_ready(compiled(self.params, tokens, cache, self.calib(label), self.rng))
-            if i >= self.args.warmup:
-                times.append(time.perf_counter() - start)
-            cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))  # a fresh buffer: donated
+        begin = time.perf_counter()
+        for held in (context, filled) if filled is not None and filled < context else (context,):
+            times = []
+            for i in range(self.args.warmup + self.args.repeats):
+                cache = cache.replace(lengths=jnp.full((batch,), held, jnp.int32))  # a fresh buffer: donated
+                start = time.perf_counter()
+                tokens, cache = jax.block_until_ready(compiled(self.params, tokens, cache, self.calib(label), self.rng))
+                if i >= self.args.warmup:
+                    times.append(time.perf_counter() - start)
+            if held == context:
+                row["ms"], row["tok_s"] = 1e3 * statistics.median(times), batch / statistics.median(times)
+            else:
+                row["filled"], row["ms_filled"] = held, 1e3 * statistics.median(times)
         del cache
         row["run_s"] = time.perf_counter() - begin
-        row["ms"] = 1e3 * statistics.median(times)
-        row["tok_s"] = batch / statistics.median(times)
         return row
 
     def largest_batch(self, label: str, context: int, budget: int, cap: int) -> dict:
@@ -214,9 +248,13 @@ class DecodeBench:
             return memories[b]["total"]
 
         best, seen = memory.largest_fitting(total, budget, cap)
+        at, after = memories.get(best), memories.get(best + 1)
         return dict(model=self.label, context=context, format=label, budget=budget, max_batch=best,
-                    memory=memories.get(best), next_batch=best + 1 if best + 1 in seen else None,
-                    next_memory=memories.get(best + 1), totals={b: seen[b] for b in sorted(seen)},
+                    memory=at, next_batch=best + 1 if best + 1 in seen else None, next_memory=after,
+                    totals={b: seen[b] for b in sorted(seen)},
+                    per_row=None if at is None or after is None else after["total"] - at["total"],
+                    cache_per_row=None if at is None else at["cache"] / best,
+                    temp_per_row=None if at is None else at["temp"] / best,
                     **memory.byte_limits(self.fmt(label), self.config, context))
 
 

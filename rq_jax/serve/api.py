@@ -303,7 +303,8 @@ class Server:
             return f"token_id:{t}" if as_ids else self.token_text(t)
 
         texts = [self.token_text(t) for t in tokens]
-        return dict(tokens=[name(t) for t in tokens], token_logprobs=[None if e is None else e.logprob for e in entries],
+        return dict(tokens=[name(t) for t in tokens],
+                    token_logprobs=[None if e is None else e.logprob for e in entries],
                     top_logprobs=[None if e is None else {name(i): lp for i, lp in e.top} for e in entries],
                     text_offset=list(itertools.accumulate([len(t) for t in texts[:-1]], initial=0)))
 
@@ -328,7 +329,8 @@ class Server:
         stream = _boolean(body, "stream")
         echo = _boolean(body, "echo")
         as_ids = _boolean(body, "return_tokens_as_token_ids")
-        logprobs = _integer(body, "logprobs", None, lambda v: 0 <= v <= TOP_LOGPROBS, f"an integer in [0, {TOP_LOGPROBS}]")
+        logprobs = _integer(body, "logprobs", None, lambda v: 0 <= v <= TOP_LOGPROBS,
+                            f"an integer in [0, {TOP_LOGPROBS}]")
         params = sampling_params(body, logprobs=logprobs or 0, echo=echo and logprobs is not None)
         prompts = prompts_of(body, self.tokenizer)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -407,8 +409,9 @@ class Server:
             return sse(self.stream(choices, events, chunk, first, usage if include_usage else None))
         await self.results(request, choices, events)
         return JSONResponse({**head, "choices": [
-            dict(index=c.index, message={"role": "assistant", "content": "".join(c.text)}, finish_reason=c.finish_reason,
-                 logprobs=self.chat_logprobs(c.logprobs, bool(top)) if want else None) for c in choices],
+            dict(index=c.index, message={"role": "assistant", "content": "".join(c.text)},
+                 finish_reason=c.finish_reason, logprobs=self.chat_logprobs(c.logprobs, bool(top)) if want else None)
+            for c in choices],
             "usage": self.usage(choices)})
 
 

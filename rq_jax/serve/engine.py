@@ -3,9 +3,9 @@
 A request waits for a free slot; its prompt is prefilled alone into a staging row (lengths bucketed to
 powers of two so compiles stay few; a prompt longer than `chunk` runs chunk by chunk, interleaved with
 decode steps so running streams keep flowing), written once into the served format and inserted into
-the slot; one compiled decode step advances every occupied slot, each with its own sampling
-parameters and PRNG key; a finished or cancelled request frees its slot at once and the next waiting
-request takes it.
+the slot; one compiled decode step advances every occupied slot (over the fewest leading slots that
+hold them, from a few compiled sizes), each with its own sampling parameters and PRNG key; a finished
+or cancelled request frees its slot at once and the next waiting request takes it.
 
     engine = Engine(model, tokenizer, get_format("residual"), eos_ids=(0,), max_len=256, memory_bytes=2**30)
     engine.warm_up()                                   # compiles every program; seconds per program
@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 import time
@@ -63,10 +64,10 @@ class SamplingParams:
     """How one request is generated. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
 
     `stop` strings end the text before them; `stop_token_ids` add to the engine's eos ids (the token
-    is counted, its text is not part of the output), which `ignore_eos` leaves out. `seed` seeds the request's PRNG chain (the
-    Sampler's `seed`: sampling, and Huginn's random initial state). `logprobs` alternatives (0 to
-    `TOP_LOGPROBS`) are reported per token beside the chosen token's own log-probability;
-    `prompt_logprobs` adds the prompt's (the API's `echo`).
+    is counted, its text is not part of the output), which `ignore_eos` leaves out. `seed` seeds the
+    request's PRNG chain (the Sampler's `seed`: sampling, and Huginn's random initial state).
+    `logprobs` alternatives (0 to `TOP_LOGPROBS`) are reported per token beside the chosen token's own
+    log-probability; `prompt_logprobs` adds the prompt's (the API's `echo`).
     """
 
     max_tokens: int = 16
@@ -186,6 +187,15 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+def quarters(num_slots: int) -> tuple[int, ...]:
+    """num_slots, then a quarter of the last (rounded up) while that is at least 8, ascending: the decode
+    step sizes (a step over R slots wastes at most 4x on the slots it runs idle)."""
+    out = [num_slots]
+    while -(-out[-1] // 4) >= 8:
+        out.append(-(-out[-1] // 4))
+    return tuple(reversed(out))
+
+
 def row_bytes(config, fmt: CacheFormat, max_len: int, num_loops: int, plain_fmt: CacheFormat | None = None) -> int:
     """Bytes of one slot's stored K/V and metadata in `fmt` (the arrays' own, via `jax.eval_shape`;
     the per-row counters excluded, as in `cache_nbytes`)."""
@@ -205,8 +215,11 @@ class Engine:
     `num_slots`, or as many slots as `memory_bytes` of cache hold (`row_bytes` each, rounded down to a
     multiple of the mesh's `data` size), each `max_len` tokens long (prompt + max_tokens − 1 must
     fit). Prompts run in chunks of at most `chunk` tokens, padded to a bucket (`powers_of_two(16,
-    chunk)`); each `step` spends up to `prefill_budget` bucket tokens (default `chunk`) on prefill
-    chunks, then runs one decode step. `eos_ids` end every request. `calib`, `plain_fmt`, `mesh` and
+    chunk)`); each `step` spends up to `prefill_budget` bucket tokens (default max(chunk, 512)) on
+    prefill chunks, then runs one decode step over the first R slots, R the smallest of
+    `decode_buckets` (`quarters(num_slots)`; all slots on a mesh split over `data`) that holds
+    every running request: a request takes the lowest free slot, so few requests cost a small step.
+    `eos_ids` end every request. `calib`, `plain_fmt`, `mesh` and
     `model_kwargs` (e.g. `num_loops`, Huginn's `init_scale`) are the Sampler's. `metrics` (a
     `ServeMetrics`) is kept up to date when given.
     """
@@ -229,7 +242,7 @@ class Engine:
         self.max_len = max_len
         self.chunk = min(chunk, max_len)
         self.buckets = powers_of_two(min(16, self.chunk), self.chunk)
-        self.prefill_budget = prefill_budget or self.chunk
+        self.prefill_budget = prefill_budget or max(self.chunk, 512)
         self.slot_bytes = row_bytes(config, self.fmt, max_len, self.num_loops, self.plain_fmt)
         self.dense_slot_bytes = row_bytes(config, Dense("bfloat16"), max_len, self.num_loops)
         data = sharding.axis_size(mesh, sharding.DATA)
@@ -238,13 +251,16 @@ class Engine:
                 raise ValueError("give num_slots or memory_bytes")
             num_slots = memory_bytes // self.slot_bytes // data * data
             if num_slots < 1:
+                per_shard = f", {data} per data shard" if data > 1 else ""
                 raise ValueError(f"{memory_bytes:,} bytes of cache hold no slot of {max_len} tokens "
-                                 f"({self.slot_bytes:,} bytes each" + (f", {data} per data shard)" if data > 1 else ")"))
+                                 f"({self.slot_bytes:,} bytes each{per_shard})")
         if num_slots < 1:
             raise ValueError(f"num_slots must be ≥ 1, got {num_slots}")
         self.num_slots = num_slots
+        # Slicing a data-sharded batch would move rows between devices: sharded, every step runs all slots.
+        self.decode_buckets = quarters(num_slots) if data == 1 else (num_slots,)
 
-        graphdef, params = nnx.split(model)
+        self._graphdef, params = nnx.split(model)
         self.params = sharding.shard_state(params, config, mesh)
         stage_fmt = Dense(compute_dtype(model))
         self._stage = sharding.init_sharded_cache(config, 1, max_len, stage_fmt, mesh, num_loops=self.num_loops)
@@ -258,19 +274,14 @@ class Engine:
         self.calib = sharding.shard_calib(calib, mesh, self.fmt, self.plain_fmt)
         self.slots = self._put(jax.jit(programs.empty_slots, static_argnums=0)(num_slots))
 
-        def forward(params, calib, tokens, cache, num_new, rng, last_only):
-            out = nnx.merge(graphdef, params)(tokens, cache, num_new=num_new, rng=rng, last_only=last_only,
-                                              calib=calib, **self.model_kwargs)
-            return out._replace(cache=sharding.constrain_cache(out.cache, mesh))
-
-        self._prefill = {echo: jax.jit(functools.partial(programs.prefill_chunk, forward, echo)) for echo in (False, True)}
+        self._prefill = {echo: jax.jit(functools.partial(self._prefill_fn, echo)) for echo in (False, True)}
         self._admit = jax.jit(self._admit_fn, donate_argnums=(0, 1))
-        self._decode = jax.jit(functools.partial(programs.decode_step, forward), donate_argnums=(2, 3))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(2, 3))  # a program per len(active)
         self._keys = jax.jit(programs.request_keys)
 
         self._ids = itertools.count()
         self._waiting: collections.deque[Request] = collections.deque()
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # a heap: a request takes the lowest free slot
         self._running: dict[int, Request] = {}
         self._job: _Prefill | None = None
         self._finished: list[Request] = []
@@ -279,9 +290,20 @@ class Engine:
 
     # ---- compiled programs ---------------------------------------------------------------------
 
+    def _prefill_fn(self, echo, params, tokens, num_new, stage, model_rng, sampling, pick_rng, targets):
+        model = nnx.merge(self._graphdef, params)
+        stage, picked, prompt = programs.prefill_chunk(model, echo, tokens, num_new, stage, model_rng, sampling,
+                                                       pick_rng, targets, **self.model_kwargs)
+        return sharding.constrain_cache(stage, self.mesh), picked, prompt
+
+    def _decode_fn(self, params, calib, cache, slots, active):
+        model = nnx.merge(self._graphdef, params)
+        cache, slots, picked = programs.decode_slots(model, calib, cache, slots, active, **self.model_kwargs)
+        return sharding.constrain_cache(cache, self.mesh), slots, picked
+
     def _admit_fn(self, cache, slots, stage, calib, slot, first, sampling):
         row = programs.encode_row(self.config, self.fmt, self.plain_fmt, stage, calib)
-        cache = sharding.constrain_cache(programs.insert_row(cache, row, slot), self.mesh)
+        cache = sharding.constrain_cache(programs.insert_rows(cache, row, slot), self.mesh)
         return cache, programs.insert_slot(slots, slot, first, sampling)
 
     def _put(self, tree):
@@ -289,8 +311,8 @@ class Engine:
 
     def warm_up(self, echo: bool = False) -> dict[str, float]:
         """Compile every program (a prefill per bucket — also with prompt log-probabilities when `echo`
-        — the admit and the decode step) by running it once; returns wall seconds per program. Leaves
-        every slot free."""
+        — the admit and a decode step per decode bucket) by running it once; returns wall seconds per
+        program. Leaves every slot free."""
         seconds = {}
         for echo_ in (False, True) if echo else (False,):
             for bucket in self.buckets:
@@ -304,11 +326,12 @@ class Engine:
                                              job.picked.tokens, job.sampling)
         jax.block_until_ready(self.cache)
         seconds["admit"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self.cache, self.slots, picked = self._decode(self.params, self.calib, self.cache, self.slots,
-                                                      np.zeros(self.num_slots, bool))
-        jax.block_until_ready(picked)
-        seconds["decode"] = time.perf_counter() - start
+        for rows in self.decode_buckets:
+            start = time.perf_counter()
+            self.cache, self.slots, picked = self._decode(self.params, self.calib, self.cache, self.slots,
+                                                          np.zeros(rows, bool))
+            jax.block_until_ready(picked)
+            seconds[f"decode {rows}"] = time.perf_counter() - start
         self.ready = True
         return seconds
 
@@ -336,8 +359,8 @@ class Engine:
         """Queue a request (checked by `check`); `sink` receives its `Delta`s. Returns its id."""
         self.check(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id, [int(t) for t in prompt], params, sink,
-                          (frozenset() if params.ignore_eos else self.eos_ids) | {int(t) for t in params.stop_token_ids},
+        stops = (frozenset() if params.ignore_eos else self.eos_ids) | {int(t) for t in params.stop_token_ids}
+        request = Request(request_id, [int(t) for t in prompt], params, sink, stops,
                           TextStream(self.tokenizer, params.stop), time.perf_counter() if arrival is None else arrival)
         self._waiting.append(request)
         self._update_gauges()
@@ -357,7 +380,7 @@ class Engine:
                 return True
         if self._job is not None and self._job.request.id == request_id:
             request, self._job = self._job.request, None
-            self._free.append(request.slot)
+            heapq.heappush(self._free, request.slot)
             self._finish(request, "cancelled")
             return True
         for slot, request in self._running.items():
@@ -392,7 +415,7 @@ class Engine:
             if self._job is None:
                 if not self._waiting or not self._free:
                     break
-                self._job = self._begin(self._waiting.popleft(), self._free.pop())
+                self._job = self._begin(self._waiting.popleft(), heapq.heappop(self._free))
             budget -= self._run_chunk(self._job)
             if self._job.done == len(self._job.chunks):
                 job, self._job = self._job, None
@@ -418,7 +441,8 @@ class Engine:
             ids.append(self.add_request(tokens, p, sink=lambda d: collected[d.request_id].append(d)))
         while self.has_work():
             for request in self.step():
-                done[request.id] = completion(request, collected.pop(request.id))
+                if request.id in collected:  # not a request added by someone else (e.g. cancelled earlier)
+                    done[request.id] = completion(request, collected.pop(request.id))
         return [done[i] for i in ids]
 
     # ---- internals -----------------------------------------------------------------------------
@@ -475,7 +499,9 @@ class Engine:
         self._emit(request, *(x[0] for x in picked))
 
     def _decode_all(self) -> None:
-        active = np.zeros(self.num_slots, bool)
+        """One decode step over the first R slots, R the smallest decode bucket holding every running one."""
+        rows = next(r for r in self.decode_buckets if r > max(self._running))
+        active = np.zeros(rows, bool)
         active[list(self._running)] = True
         self.cache, self.slots, picked = self._decode(self.params, self.calib, self.cache, self.slots, active)
         tokens, logprob, top_ids, top_lps = sharding.to_host(picked)
@@ -512,7 +538,7 @@ class Engine:
         request = self._running.pop(slot)
         if self.metrics is not None:
             self.metrics.out_of_range.inc(int(sharding.to_host(self.cache.out_of_range)[slot]))
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
         request.slot = None
 
     def _finish(self, request: Request, reason: str) -> None:

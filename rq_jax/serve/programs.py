@@ -4,13 +4,13 @@
                     dtype (every chunk reads the earlier ones exactly as its own in-flight K/V)
     encode_row      the staged prompt written once into a row of the served format (one `write`, as a
                     single-call prefill writes it)
-    insert_row      a row cache into slot i of the batched cache: every leaf's batch axis
-    decode_step     one token for every slot, each with its own sampling parameters and PRNG key
+    insert_rows     a row cache into slot i of the batched cache: every leaf's batch axis
+    decode_slots    one token for every slot of the first R (`rq_jax.sampling.decode_step`, the Sampler's),
+                    each with its own sampling parameters and PRNG key
 
-`forward(params, calib, tokens, cache, num_new, rng, last_only)` is the model call (static keywords
-bound); the engine jits these with it. Each slot follows the `Sampler`'s PRNG chain for its request
-alone — `rng, model_rng, pick_rng = split(key, 3)` per call — so a request's tokens never depend on its
-batch-mates.
+`model` is the merged model and `model_kwargs` its static keywords; the engine jits these with them.
+Each slot follows the `Sampler`'s PRNG chain for its request alone — `rng, model_rng, pick_rng =
+split(key, 3)` per call — so a request's tokens never depend on its batch-mates.
 
 Shapes: B slots · T chunk tokens · V vocab · n `TOP_LOGPROBS`.
 """
@@ -18,13 +18,14 @@ Shapes: B slots · T chunk tokens · V vocab · n `TOP_LOGPROBS`.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
 
+from rq_jax import sampling
 from rq_jax.cache import base
 from rq_jax.cache.calib import CacheCalib
 from rq_jax.cache.context import CacheContext
@@ -33,9 +34,6 @@ from rq_jax.config import ModelConfig
 
 #: Alternatives reported per token (OpenAI's completions allow up to 5).
 TOP_LOGPROBS = 5
-
-Forward = Callable[..., "object"]
-
 
 @struct.dataclass
 class Slots:
@@ -73,22 +71,6 @@ def empty_slots(num_slots: int) -> Slots:
                  jax.random.split(jax.random.key(0), num_slots))
 
 
-def sample_row(logits: Float[Array, "v"], key: jax.Array, temperature: Float[Array, ""], top_k: Int[Array, ""],
-               top_p: Float[Array, ""]) -> Int[Array, ""]:
-    """`rq_jax.sampling.choose_tokens` for one row with traced parameters: argmax at temperature 0,
-    else a sample from softmax(logits / T) restricted by top-k (0: off) then top-p (1: off), drawn as
-    a batch of one row (the same draw as the Sampler's for a one-prompt batch)."""
-    x = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    kth = jnp.sort(x)[::-1][jnp.clip(top_k - 1, 0, x.shape[0] - 1)]
-    x = jnp.where((top_k > 0) & (x < kth), -jnp.inf, x)
-    order = jnp.argsort(-x)
-    probs = jax.nn.softmax(x[order])
-    keep = jnp.zeros(x.shape, bool).at[order].set(jnp.cumsum(probs) - probs < top_p)  # always keeps the top token
-    x = jnp.where((top_p < 1) & ~keep, -jnp.inf, x)
-    sample = jax.random.categorical(key, x[None], axis=-1)[0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sample, jnp.argmax(logits).astype(jnp.int32))
-
-
 def top_logprobs(logits: Float[Array, "... v"]) -> tuple[Float[Array, "... v"], Int[Array, "... n"],
                                                          Float[Array, "... n"]]:
     """Log-softmax of `logits` and its `TOP_LOGPROBS` largest entries (ids, values)."""
@@ -98,8 +80,17 @@ def top_logprobs(logits: Float[Array, "... v"]) -> tuple[Float[Array, "... v"], 
 
 
 def choose(logits: Float[Array, "b v"], slots: Slots, keys: jax.Array) -> Picked:
-    """Each row's token under its own parameters and pick key [B], with log-probabilities."""
-    tokens = jax.vmap(sample_row)(logits, keys, slots.temperature, slots.top_k, slots.top_p)
+    """Each row's token under its own parameters and pick key [B], with log-probabilities: argmax at
+    temperature 0, else a draw from `sampling.restrict_logits` of its row as a batch of one row (the
+    Sampler's draw for a one-prompt batch)."""
+    restricted = sampling.restrict_logits(logits, jnp.where(slots.temperature > 0, slots.temperature, 1.0),
+                                          slots.top_k, slots.top_p)
+
+    def draw(key, row):
+        return jax.random.categorical(key, row[None], axis=-1)[0]
+
+    sampled = jax.vmap(draw)(keys, restricted).astype(jnp.int32)
+    tokens = jnp.where(slots.temperature > 0, sampled, jnp.argmax(logits, axis=-1).astype(jnp.int32))
     logp, ids, values = top_logprobs(logits)
     return Picked(tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0], ids, values)
 
@@ -109,19 +100,20 @@ def request_keys(seed: Int[Array, ""]) -> jax.Array:
     return jax.random.split(jax.random.key(seed), 3)
 
 
-def prefill_chunk(forward: Forward, echo: bool, params, tokens: Int[Array, "1 t"], num_new: Int[Array, "1"],
-                  stage: KVCache, model_rng: jax.Array, sampling: Slots, pick_rng: jax.Array,
-                  targets: Int[Array, "1 t"] | None = None) -> tuple[KVCache, Picked, PromptLogprobs | None]:
+def prefill_chunk(model, echo: bool, tokens: Int[Array, "1 t"], num_new: Int[Array, "1"], stage: KVCache,
+                  model_rng: jax.Array, slot: Slots, pick_rng: jax.Array, targets: Int[Array, "1 t"] | None = None,
+                  **model_kwargs) -> tuple[KVCache, Picked, PromptLogprobs | None]:
     """Run a prompt chunk (num_new[0] of its T tokens real) into the staging row `stage`; the token
-    chosen after its last real token (used after the prompt's last chunk) and, with `echo`, the
-    log-probabilities of `targets` (the prompt's next tokens) at every position."""
-    out = forward(params, None, tokens, stage, num_new, model_rng, not echo)
+    chosen after its last real token under the one-row sampling `slot` (used after the prompt's last
+    chunk) and, with `echo`, the log-probabilities of `targets` (the prompt's next tokens) at every
+    position."""
+    out = model(tokens, stage, num_new=num_new, rng=model_rng, last_only=not echo, **model_kwargs)
     logits, prompt = out.logits, None
     if echo:
         logp, ids, values = top_logprobs(logits)
         prompt = PromptLogprobs(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], ids, values)
         logits = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    return out.cache, choose(logits, sampling, pick_rng[None]), prompt
+    return out.cache, choose(logits, slot, pick_rng[None]), prompt
 
 
 def encode_row(config: ModelConfig, fmt, plain_fmt, stage: KVCache, calib: CacheCalib | None) -> KVCache:
@@ -138,36 +130,61 @@ def encode_row(config: ModelConfig, fmt, plain_fmt, stage: KVCache, calib: Cache
     return ctx.finish(looped, plain)[0]
 
 
-def insert_row(cache: KVCache, row: KVCache, slot: Int[Array, ""]) -> KVCache:
-    """`cache` with slot `slot` replaced by the one-row cache `row` (same format and length): state leaves
-    [G, N, B, K, S, ...] along axis 2, the per-row counters along axis 0."""
+def _rows(cache: KVCache, fn, *others: KVCache) -> KVCache:
+    """`cache` with `fn(axis, leaf, *other_leaves)` applied to every leaf along its batch axis: the state
+    leaves [G, N, B, K, S, ...] along axis 2, the per-row counters along axis 0."""
     def along(axis):
-        return functools.partial(jax.tree_util.tree_map,
-                                 lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype),
-                                                                                        slot, axis))
+        return functools.partial(jax.tree_util.tree_map, functools.partial(fn, axis))
 
-    per_row = along(0)
-    return cache.replace(looped=along(2)(cache.looped, row.looped),
-                         plain=None if cache.plain is None else along(2)(cache.plain, row.plain),
-                         lengths=per_row(cache.lengths, row.lengths), overflow=per_row(cache.overflow, row.overflow),
-                         out_of_range=per_row(cache.out_of_range, row.out_of_range),
-                         steps=None if cache.steps is None else per_row(cache.steps, row.steps))
+    state, per_row = along(2), along(0)
+    return cache.replace(looped=state(cache.looped, *(c.looped for c in others)),
+                         plain=None if cache.plain is None else state(cache.plain, *(c.plain for c in others)),
+                         lengths=per_row(cache.lengths, *(c.lengths for c in others)),
+                         overflow=per_row(cache.overflow, *(c.overflow for c in others)),
+                         out_of_range=per_row(cache.out_of_range, *(c.out_of_range for c in others)),
+                         steps=None if cache.steps is None else per_row(cache.steps, *(c.steps for c in others)))
 
 
-def insert_slot(slots: Slots, slot: Int[Array, ""], first: Int[Array, "1"], sampling: Slots) -> Slots:
-    """`slots` with slot `slot` set to a new request's first token [1] and its one-row sampling `sampling`."""
+def insert_rows(cache: KVCache, rows: KVCache, start: Int[Array, ""]) -> KVCache:
+    """`cache` with rows [start, start + R) replaced by the R-row cache `rows` (same format and length)."""
+    def put(axis, big, small):
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), start, axis)
+
+    return _rows(cache, put, rows)
+
+
+def first_rows(cache: KVCache, count: int) -> KVCache:
+    """Rows [0, count) of `cache` (`count` static)."""
+    def take(axis, leaf):
+        return jax.lax.slice_in_dim(leaf, 0, count, axis=axis)
+
+    return _rows(cache, take)
+
+
+def insert_slot(slots: Slots, slot: Int[Array, ""], first: Int[Array, "1"], request: Slots) -> Slots:
+    """`slots` with slot `slot` set to a new request's first token [1] and its one-row sampling `request`."""
     def put(big, small):
         return big.at[slot].set(small[0])
 
-    return jax.tree_util.tree_map(put, slots, sampling.replace(last=first))
+    return jax.tree_util.tree_map(put, slots, request.replace(last=first))
 
 
-def decode_step(forward: Forward, params, calib: CacheCalib | None, cache: KVCache, slots: Slots,
-                active: Bool[Array, "b"]) -> tuple[KVCache, Slots, Picked]:
-    """One token for every active slot (the inactive ones compute and store nothing): the model on each
-    slot's last token, then each slot's choice under its own parameters and key."""
-    keys = jax.vmap(functools.partial(jax.random.split, num=3))(slots.rng)
-    out = forward(params, calib, slots.last[:, None], cache, active.astype(jnp.int32), keys[:, 1], True)
-    picked = choose(out.logits, slots, keys[:, 2])
-    last = jnp.where(active, picked.tokens, slots.last)
-    return out.cache, slots.replace(last=last, rng=keys[:, 0]), picked
+def decode_slots(model, calib: CacheCalib | None, cache: KVCache, slots: Slots, active: Bool[Array, "r"],
+                 **model_kwargs) -> tuple[KVCache, Slots, Picked]:
+    """One token for every active slot among the first R (R = len(active), static; the inactive ones and
+    the slots past R compute and store nothing): the shared decode step on each slot's last token
+    with its model key, then each slot's choice under its own parameters and pick key. Picked: [R]."""
+    count = active.shape[0]
+    part = cache if count == cache.lengths.shape[0] else first_rows(cache, count)
+    mine = jax.tree_util.tree_map(lambda x: x[:count], slots)
+    keys = jax.vmap(functools.partial(jax.random.split, num=3))(mine.rng)
+    out = sampling.decode_step(model, mine.last, part, calib=calib, rng=keys[:, 1], active=active, **model_kwargs)
+    picked = choose(out.logits, mine, keys[:, 2])
+    mine = mine.replace(last=jnp.where(active, picked.tokens, mine.last), rng=keys[:, 0])
+    if count < cache.lengths.shape[0]:
+        out = out._replace(cache=insert_rows(cache, out.cache, jnp.int32(0)))
+
+    def put(big, small):
+        return jax.lax.dynamic_update_slice_in_dim(big, small, 0, 0)
+
+    return out.cache, jax.tree_util.tree_map(put, slots, mine), picked

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from rq_jax.convert.hf import save_hf
+from rq_jax.data import MixtureConfig
 from rq_jax.tokenizer import byte_level_tokenizer
 
 MAX_BYTES = 5_000_000
@@ -46,6 +47,25 @@ def export_hf(trainer, folder: str, accuracies: dict[str, float], command: str, 
     with open(os.path.join(folder, "README.md"), "w") as f:
         f.write(model_card(info, cfg))
     return info
+
+
+def card_facts(folder: str | os.PathLike) -> dict:
+    """What `export_hf` (or a QAT export) recorded in a checkpoint's config.json ("rq_jax"); {} for
+    other checkpoints."""
+    path = os.path.join(os.fspath(folder), "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        facts = json.load(f).get("rq_jax")
+    return facts if isinstance(facts, dict) else {}
+
+
+def trained_mixture(folder: str | os.PathLike) -> MixtureConfig | None:
+    """The data mixture a checkpoint was trained (or quantization-aware fine-tuned) on, from its card
+    (`card_facts`); None when the card records none."""
+    facts = card_facts(folder)
+    train = facts.get("train_config") or facts.get("qat_config", {}).get("train")
+    return MixtureConfig.from_json(train["data"]) if train else None
 
 
 def model_card(info: dict, cfg) -> str:

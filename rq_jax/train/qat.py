@@ -64,6 +64,7 @@ from rq_jax.cache.calib import CacheCalib, default_calib
 from rq_jax.cache.context import attend_with_past, causal_mask
 from rq_jax.cache.kv import KV, init_cache
 from rq_jax.config import ModelConfig
+from rq_jax.nn import common
 
 
 class PassKV(NamedTuple):
@@ -104,17 +105,13 @@ class TeacherForcedContext(NamedTuple):
             past = base.dense_partial(q, sk, sv, self.past_mask)
         return attend_with_past(q, k, v, self.self_mask, past)
 
-    def finish(self, looped: tuple[KV, ...], plain: KV | None,
+    def finish(self, looped: tuple[tuple[KV, ...], ...], plain: KV | None,
                steps_used: None = None) -> tuple[None, dict[str, PassKV]]:
-        """No cache; the pass's K/V as extras["pass_kv"]: looped [L, N, B, K, T, D] from per-segment
-        [G, p, N, B, K, T, D], plain [1, N_plain, B, K, T, D] from [1, 1, N_plain, B, K, T, D]."""
+        """No cache; the pass's K/V as extras["pass_kv"]: looped [L, N, B, K, T, D] from per-segment,
+        per-position [G, N, B, K, T, D], plain [1, N_plain, B, K, T, D] from [1, 1, N_plain, B, K, T, D]."""
         _no_adaptive_exit(steps_used)
-
-        def flat(x):
-            return x.reshape(-1, *x.shape[2:])
-
-        k, v = (jnp.concatenate([flat(kv[i]) for kv in looped]) for i in (0, 1))
-        return None, {"pass_kv": PassKV((k, v), None if plain is None else tuple(map(flat, plain)))}
+        return None, {"pass_kv": PassKV(common.flatten_loops(looped),
+                                        None if plain is None else tuple(x[0] for x in plain))}
 
 
 def _no_adaptive_exit(value) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from rq_jax.config import ModelConfig
-from rq_jax.data import Addition, MixtureConfig, Retrieval
+from rq_jax.data import MixtureConfig
 from rq_jax.train.objectives import OBJECTIVES
 
 VOCAB = 259  # byte_level_tokenizer(): 3 specials + 256 bytes
@@ -120,12 +120,8 @@ class TrainConfig:
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "TrainConfig":
         raw = dict(raw)
-        data = dict(raw.pop("data"))
-        data["addition"] = Addition(**data["addition"])
-        data["retrieval"] = Retrieval(**data["retrieval"])
-        data["rows"] = tuple(data["rows"])
         raw["task_weights"] = tuple(raw["task_weights"])
-        return cls(model=ModelConfig(**raw.pop("model")), data=MixtureConfig(**data), **raw)
+        return cls(model=ModelConfig(**raw.pop("model")), data=MixtureConfig.from_json(raw.pop("data")), **raw)
 
 
 def diff(a: TrainConfig, b: TrainConfig) -> list[str]:

@@ -25,6 +25,8 @@ LOOP_POLICIES = {
     "residual-previous": dict(group_size=8, bits=(4, 2, 2, 2), reference="previous"),
     "residual-next": dict(group_size=8, reference="next"),
     "residual-first": dict(group_size=(8, 8, 8, 8), bits=(4, 2, 2, 2), reference="first"),
+    "residual-kv": dict(group_size=8, bits=(2, 2, 2, 4), bits_v=(4, 2, 2, 2), group_size_v=(4, 8, 8, 8)),
+    "direct-kv": dict(group_size=8, bits=(2, 2, 2, 4), bits_v=(2, 2, 2, 2), rotation="identity", residual=False),
 }
 
 
@@ -131,7 +133,8 @@ def test_decode_compiles_once_per_shape(family, name, policy, request):
     assert first.tokens.shape == (2, 3) and np.all(first.num_generated == 3)
 
 
-@pytest.mark.parametrize("key", ["uniform", "rotated", "direct-2224", "residual", "residual-previous"])
+@pytest.mark.parametrize("key", ["uniform", "rotated", "direct-2224", "residual", "residual-previous", "residual-kv",
+                                 "direct-kv"])
 @pytest.mark.parametrize("num_loops", [4, 8, 6])
 def test_bytes_equal_the_toolbox_accounting(key, num_loops):
     fmt = loop_format(key)

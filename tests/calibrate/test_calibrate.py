@@ -7,10 +7,8 @@ slots alike.
 """
 
 import functools
-import importlib.util
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,7 @@ from rq_jax.calibrate import (OptRHConfig, artifact_name, calibrate_model, calib
 from rq_jax.calibrate.losses import SlotData
 from rq_jax.data import CALIB_MODULES, EVAL_MODULES, split_of
 from rq_jax.cache.kv_error import reconstruction_error
+from tests.conftest import run_script
 
 LOOPS, ROWS, SEQ = 2, 4, 16
 FMT = get_format("residual", bits=(2, 4), group_size=8)
@@ -291,38 +290,28 @@ def test_calibration_rows_come_from_the_calib_split_fit_and_holdout_disjoint():
 
 # ---- CLI ------------------------------------------------------------------------------------------------
 
-def run_script(argv, capsys):
-    """scripts/calibrate.py's main in this process: (exit status, stdout, stderr)."""
-    spec = importlib.util.spec_from_file_location("calibrate_script", REPO / "scripts" / "calibrate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    try:
-        script.main(argv)
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
-        print(stop.code, file=sys.stderr)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_calibrate_script(tmp_path, capsys):
-    out = tmp_path / "art"
-    args = ["--checkpoint", str(REPO / "checkpoints" / "ouro-small"), "--bits", "2,2,2,4", "--group-size", "32",
+def test_calibrate_script(tmp_path):
+    """calibrate.py fits and saves an artifact (into a folder it creates); an existing one, options the
+    format does not take, a group size not dividing head_dim and a model of another vocabulary are
+    refused in one line before any work."""
+    out = tmp_path / "new" / "art"
+    args = ["--checkpoint", REPO / "checkpoints" / "ouro-small", "--bits", "2,2,2,4", "--group-size", "32",
             "--method", "oscar", "--fit-rows", "3", "--holdout-rows", "3", "--seq-len", "40", "--query-len", "16",
             "--quiet"]
-    code, stdout, stderr = run_script([*args, "--out", str(out)], capsys)
-    assert code == 0, stderr
-    assert "L_K before" in stdout and "saved:" in stdout
+    run = run_script("calibrate", *args, "--out", out)
+    assert run.code == 0, run.err
+    assert "L_K before" in run.out and "saved:" in run.out
     meta, arrays = read_artifact(out)
     assert meta["method"] == "oscar" and meta["data"]["fit"]["part"] == "fit"
     c = json.loads((REPO / "checkpoints" / "ouro-small" / "config.json").read_text())
     assert arrays["looped/0/key_rot"].shape == (1, c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"],
                                                 c["head_dim"])
-    code, _, stderr = run_script([*args, "--out", str(out)], capsys)
-    assert code != 0 and "exists and is not empty" in stderr
-    code, _, stderr = run_script([*args, "--cache", "residual_vq"], capsys)
-    assert code != 0 and "does not take --bits" in stderr
-    code, _, stderr = run_script(["--checkpoint", str(REPO / "tests" / "fixtures" / "ouro-tiny"), "--group-size", "8"],
-                                 capsys)
-    assert code != 0 and "byte-level token ids" in stderr  # vocabulary of 128: not the data's tokenizer
+    for argv, message in [
+            ([*args, "--out", out], f"argument --out: {out} exists and is not empty; pass --overwrite"),
+            ([*args, "--cache", "residual_vq"], "--cache residual_vq does not take --bits, --group-size"),
+            ([*args[:4], "--group-size", "24"], "argument --group-size: 24 does not divide the model's head_dim 64"),
+            (["--checkpoint", REPO / "tests" / "fixtures" / "ouro-tiny", "--group-size", "8"], "byte-level token ids"),
+            ([*args, "--tasks", "addition,poetry"], "calibration tasks must be a non-empty subset of")]:
+        run = run_script("calibrate", *argv)
+        assert run.code == 2 and run.err.startswith("calibrate.py: error: ") and run.err.count("\n") == 1, run.err
+        assert message in run.err

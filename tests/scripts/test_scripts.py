@@ -1,28 +1,25 @@
-"""The benchmark and evaluation scripts run end to end on tiny shapes (smoke tests, not timings)."""
+"""The benchmark and K/V-error scripts run as their command lines on tiny shapes (smoke tests, not timings)."""
 
-import importlib.util
 import json
 import math
-import pathlib
+
+import jax
+import pytest
 
 from rq_jax.cache import get_format
+from tests.conftest import SHIPPED, fixture_dir, run_script
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 
-
-def run_script(name, argv):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(argv)
+def run_ok(name, *argv):
+    run = run_script(name, *argv)
+    assert run.code == 0, run.err
+    return run
 
 
 def test_bench_decode_rows_bytes_ratios_and_budget(tmp_path):
     """Every requested row; cache bytes equal `cache_nbytes` of a cache built the same way; ratios follow
     the bytes and times of the same run; the largest batch's compiled step fits the budget and the next
     batch's does not. Also the byte limits at Ouro-1.4B's shape (no compile)."""
-    import pytest
-
     from rq_jax.cache import cache_nbytes, init_cache
     from rq_jax.config import ModelConfig, preset
     from rq_jax.memory import byte_limits
@@ -30,8 +27,9 @@ def test_bench_decode_rows_bytes_ratios_and_budget(tmp_path):
     tiny = ("ouro-1.4b:num_layers=1,hidden_size=64,num_heads=2,num_kv_heads=2,head_dim=32,intermediate_size=128,"
             "vocab_size=256")
     out = tmp_path / "bench"
-    run_script("bench_decode", ["--models", tiny, "--formats", "dense bf16", "direct INT2 g32", "--context", "40",
-                                "--batch", "1", "--memory-gb", "0.004", "--repeats", "1", "--out", str(out)])
+    run = run_ok("bench_decode", "--models", tiny, "--formats", "dense bf16", "direct INT2 g32", "--context", "40",
+                 "--batch", "1", "--memory-gb", "0.004", "--repeats", "1", "--out", out)
+    assert "dense bytes ÷ format bytes (storage limit)" in run.out
     data = json.loads(out.with_suffix(".json").read_text())
     assert "## Largest batch in 0.004 GiB" in out.with_suffix(".md").read_text()
     config = ModelConfig(**data["models"]["ouro-1.4b"]["config"])
@@ -63,19 +61,74 @@ def test_bench_decode_rows_bytes_ratios_and_budget(tmp_path):
 
 def test_bench_compile_table(tmp_path):
     out = tmp_path / "compile.json"
-    run_script("bench_compile", ["--models", "ouro-1.4b", "--formats", "dense", "--width", "32", "--head-dim", "16",
-                                 "--context", "8", "--repeats", "1", "--json", str(out)])
+    run_ok("bench_compile", "--models", "ouro-1.4b", "--formats", "dense", "--width", "32", "--head-dim", "16",
+           "--context", "8", "--repeats", "1", "--json", out)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["depth"], r["layers"], r["loops"]) for r in rows] == [("half", 12, 4), ("full", 24, 4)]
     assert all(math.isfinite(r["first_s"]) and r["first_s"] > 0 and r["step_ms"] > 0 for r in rows)
     assert rows[1]["full_over_half"] == rows[1]["first_s"] / rows[0]["first_s"]
 
 
-def test_kv_error_table(tmp_path):
-    from tests.conftest import fixture_dir
+def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
+    """kv_error.py prints its header (model, loops, prompt), defines NMSE, and always writes its JSON
+    (into a folder it creates); with the persistent compile cache on (here in tmp_path) a second run
+    loads its programs from there instead of compiling them. The scripts also quiet XLA's C++ logs."""
+    from jax._src import compilation_cache
 
-    out = tmp_path / "kv.json"
-    run_script("kv_error", ["--checkpoint", str(fixture_dir("ouro-tiny")), "--group-size", "8", "--seq", "8",
-                            "--json", str(out)])
+    cache = tmp_path / "jax-cache"
+    monkeypatch.setenv("RQ_JAX_COMPILE_CACHE", str(cache))
+    monkeypatch.delenv("JAX_LOGGING_LEVEL", raising=False)
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    out = tmp_path / "new" / "kv.json"
+    argv = ["--checkpoint", fixture_dir("ouro-tiny"), "--group-size", "8", "--seq", "8", "--json", out]
+    try:
+        first = run_ok("kv_error", *argv)
+        assert any(cache.iterdir()) and jax.config.jax_logging_level == "CRITICAL"
+        jax.clear_caches()  # a new process would compile again
+        second = run_ok("kv_error", *argv)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_logging_level", None)
+        compilation_cache.reset_cache()
+    assert "model: ouro from" in first.out and "2 looped layers x 4 loops" in first.out
+    assert "prompt: 2 random token sequences of 8 tokens (seed 0)" in first.out
+    assert "NMSE = ‖X̂ − X‖² / ‖X‖²" in first.out
+    assert "compiling the dense prefill (first run only; later runs load them from the compile cache)" in first.out
+    assert "compiled programs came from the compile cache" in second.out
     rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["[2,2,2,4] g8"]["k_nmse"] < rows["direct INT2 g8"]["k_nmse"]
+    assert f"wrote {out}" in second.out
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("kv_error", ["--seq", "0"], "argument --seq: must be a positive integer, got 0"),
+    ("kv_error", ["--group-size", "7"], "argument --group-size: 7 does not divide the model's head_dim 16"),
+    ("kv_error", ["--group-size", "8", "--json", "/proc/nope/kv.json"], "argument --json: cannot create /proc/nope"),
+    ("bench_compile", ["--width", "30", "--head-dim", "16"], "argument --head-dim: 16 does not divide --width 30"),
+    ("bench_compile", ["--formats", "dense,nope"], "argument --formats: nope; the formats are"),
+    ("train_tiny", ["--model", "ouro", "--run-dir", "/proc/nope/run"], "argument --run-dir: cannot create /proc/nope"),
+    ("train_tiny", ["--model", "ouro", "--run-dir", "RUN", "--hidden", "100"],
+     "argument --hidden: 100 is not a multiple of 64"),
+    ("train_tiny", ["--model", "ouro", "--run-dir", "RUN", "--rows", "1,2"],
+     "argument --rows: expected 3 comma-separated numbers, got '1,2'"),
+    ("train_tiny", ["--model", "ouro", "--run-dir", "RUN", "--lr", "-1"], "argument --lr: must be > 0, got -1"),
+    ("train_qat", ["--checkpoint", SHIPPED / "nope", "--run-dir", "RUN", "--steps", "5"],
+     f"argument --checkpoint: no checkpoint folder {SHIPPED / 'nope'}"),
+    ("train_qat", ["--checkpoint", SHIPPED / "ouro-small", "--run-dir", "RUN", "--steps", "5", "--group-size", "24"],
+     "argument --group-size: 24 does not divide the model's head_dim 64"),
+    ("train_qat", ["--checkpoint", SHIPPED / "ouro-small", "--run-dir", "RUN", "--steps", "5", "--warmup", "5"],
+     "argument --warmup: 5 must be below --steps (5)"),
+    ("convert", [SHIPPED / "ouro-small", SHIPPED / "ouro-small" / "inner"], "argument dest: "),
+])
+def test_scripts_reject_bad_options_in_one_line(script, argv, message):
+    if script == "kv_error":
+        argv = ["--checkpoint", fixture_dir("ouro-tiny"), *argv]
+    run = run_script(script, *argv)
+    assert run.code == 2 and run.err.startswith(f"{script}.py: error: ") and run.err.count("\n") == 1, run.err
+    assert message in run.err
+
+
+def test_bench_decode_help_shows_defaults():
+    run = run_ok("bench_decode", "--help")
+    assert "tokens already cached (default: " in run.out and "largest batch the search tries (default: 4096)" in run.out

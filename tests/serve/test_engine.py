@@ -71,7 +71,8 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_or_leaves(cache):
 @pytest.fixture(scope="module")
 def ouro():
     model, tokenizer, stops, _ = load("ouro-small-qat")
-    engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=2, chunk=16)
+    engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=32, chunk=16)
+    assert engine.decode_buckets == (8, 32)
     engine.warm_up()
     return model, tokenizer, stops, engine
 
@@ -118,8 +119,31 @@ def test_cancel_frees_the_slot_at_once(ouro):
     engine.step()
     engine.step()
     assert engine.num_running == 1 and engine.cancel(rid) and engine.num_running == 0
-    assert sorted(engine._free) == [0, 1] and seen[-1].finish_reason == "cancelled"
+    assert sorted(engine._free) == list(range(32)) and seen[-1].finish_reason == "cancelled"
     assert not engine.cancel(rid)
+
+
+def test_decode_steps_run_the_fewest_leading_slots(ouro, monkeypatch):
+    """Nine requests take slots 0-8, so the first decode step runs all 32 slots; once the one in slot 8
+    (two tokens) is done, the steps run slots 0-7 alone. Every request still gets the Sampler's tokens."""
+    model, tokenizer, stops, engine = ouro
+    sizes = []
+    decode = engine._decode
+
+    def spy(params, calib, cache, slots, active):
+        sizes.append(len(active))
+        return decode(params, calib, cache, slots, active)
+
+    monkeypatch.setattr(engine, "_decode", spy)
+    prompts = additions(tokenizer, 9)
+    params = [SamplingParams(max_tokens=2 if i == 8 else 8) for i in range(9)]
+    outs = engine.generate(prompts, params)
+    assert sizes[0] == 32 and set(sizes[1:]) == {8}, sizes
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=8, stop_tokens=stops), get_format("dense"))
+    for prompt, p, out in zip(prompts, params, outs):
+        ref = sampler([prompt])
+        assert list(out.tokens) == ref.tokens[0, : int(ref.num_generated[0])].tolist()[: p.max_tokens]
+    assert sorted(engine._free) == list(range(32))
 
 
 def test_requests_that_cannot_be_served_are_refused_by_name(ouro):
@@ -150,27 +174,36 @@ def test_slots_follow_the_memory_budget_and_the_formats_bytes():
         Engine(model, tokenizer, get_format("dense"), max_len=64, memory_bytes=1000)
 
 
-def test_insert_row_and_per_slot_sampling_match_references():
-    """insert_row replaces exactly one batch row of every leaf; per-slot sampling at temperature 0 is the
-    argmax and, per row with its own key, the Sampler's choose_tokens on that row alone."""
+def test_insert_rows_first_rows_and_per_slot_sampling_match_references():
+    """insert_rows replaces exactly one batch row of every leaf and first_rows takes the leading rows;
+    per-slot sampling at temperature 0 is the argmax and, per row with its own key, the Sampler's
+    choose_tokens on that row alone."""
     model, *_ = load("ouro-small")
     fmt = get_format("residual")
-    big = jax.tree_util.tree_map(lambda x: jnp.ones_like(x) if x.dtype != bool else x,
-                                 init_cache(model.config, 3, 16, fmt))
-    row = init_cache(model.config, 1, 16, fmt).replace(lengths=jnp.array([5], jnp.int32))
-    out = programs.insert_row(big, row, jnp.int32(1))
+    def caches():
+        big = jax.tree_util.tree_map(lambda x: jnp.ones_like(x) if x.dtype != bool else x,
+                                     init_cache(model.config, 3, 16, fmt))
+        return big, init_cache(model.config, 1, 16, fmt).replace(lengths=jnp.array([5], jnp.int32))
+
+    big, row = jax.jit(caches)()
+    out = jax.jit(programs.insert_rows)(big, row, jnp.int32(1))
     for old, new in zip(jax.tree_util.tree_leaves((big.looped, big.plain)), jax.tree_util.tree_leaves(out.looped)):
         np.testing.assert_array_equal(np.asarray(new)[:, :, [0, 2]], np.asarray(old)[:, :, [0, 2]])
         assert not np.asarray(new)[:, :, 1].any()
     assert out.lengths.tolist() == [1, 5, 1]
+    head = jax.jit(programs.first_rows, static_argnums=1)(out, 2)
+    for new, part in zip(jax.tree_util.tree_leaves(out.looped), jax.tree_util.tree_leaves(head.looped)):
+        np.testing.assert_array_equal(np.asarray(part), np.asarray(new)[:, :, :2])
+    assert head.lengths.tolist() == [1, 5]
     logits = jax.random.normal(jax.random.key(1), (3, 50))
     keys = jax.random.split(jax.random.key(2), 3)
     slots = programs.Slots(jnp.zeros(3, jnp.int32), jnp.array([0.0, 0.7, 1.3]), jnp.array([0, 4, 0]),
                            jnp.array([1.0, 1.0, 0.6]), keys)
-    picked = programs.choose(logits, slots, keys)
+    picked = jax.jit(programs.choose)(logits, slots, keys)
     cfgs = [SamplingConfig(), SamplingConfig(temperature=0.7, top_k=4), SamplingConfig(temperature=1.3, top_p=0.6)]
+    reference = jax.jit(choose_tokens, static_argnums=2)
     for b, cfg in enumerate(cfgs):
-        assert int(picked.tokens[b]) == int(choose_tokens(logits[b : b + 1], keys[b], cfg)[0])
+        assert int(picked.tokens[b]) == int(reference(logits[b : b + 1], keys[b], cfg)[0])
     np.testing.assert_allclose(picked.logprob, jax.nn.log_softmax(logits)[np.arange(3), picked.tokens], rtol=1e-6)
 
 

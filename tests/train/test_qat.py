@@ -2,7 +2,6 @@
 teacher-forced fake-quant forward against token-by-token decoding through the packed cache, what
 trains, loss, exact resume, LoRA merge on export, and the CLI."""
 
-import importlib.util
 import json
 import os
 
@@ -20,9 +19,9 @@ from rq_jax.data import StdlibText
 from rq_jax.eval.loops import CacheScorer
 from rq_jax.models import init_model
 from rq_jax.train import QATConfig, QATTrainer, RunOptions, fake_quant_forward, format_calib
-from rq_jax.train import lora, tiny_model_config
+from rq_jax.train import commands, lora, tiny_model_config
 from rq_jax.train.qat_trainer import student_model, trainable_filter
-from tests.conftest import REPO
+from tests.conftest import run_script
 
 
 # ---- the forward against packed-cache decoding ------------------------------------------------------
@@ -113,14 +112,6 @@ def tiny_checkpoint(tmp_path_factory):
     return str(folder), config
 
 
-@pytest.fixture(scope="module")
-def cli():
-    spec = importlib.util.spec_from_file_location("train_qat", str(REPO / "scripts" / "train_qat.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def flags(checkpoint, run_dir, trainable="lora", *extra) -> list[str]:
     """CLI flags of a tiny run (1 addition, 1 retrieval, 1 text row of 48 tokens per batch)."""
     return ["--checkpoint", checkpoint[0], "--run-dir", str(run_dir), "--cache", "residual", "--bits", "2,2",
@@ -128,10 +119,10 @@ def flags(checkpoint, run_dir, trainable="lora", *extra) -> list[str]:
             "--seq-len", "48", "--rows", "1,1,1", "--max-digits", "2", "--max-pairs", "4", "--queries", "2", *extra]
 
 
-def qat_config(cli, checkpoint, trainable="lora", *extra) -> QATConfig:
-    """The config the CLI builds for `flags` (so the CLI test reuses the compiled step)."""
-    return cli.build_config(cli.make_parser().parse_args(flags(checkpoint, "unused", trainable, *extra)),
-                            checkpoint[1], checkpoint[0])
+def qat_config(checkpoint, trainable="lora", *extra) -> QATConfig:
+    """The config train_qat.py builds for `flags` (so the CLI test reuses the compiled step)."""
+    return commands.qat_config(commands.qat_parser("").parse_args(flags(checkpoint, "unused", trainable, *extra)),
+                               checkpoint[1], checkpoint[0])
 
 
 def options(run_dir, stop, **kw) -> RunOptions:
@@ -172,10 +163,10 @@ def test_trainable_sets(tiny_checkpoint):
                                                   ("prelude", "attn", "Wqkv"), ("prelude", "attn", "proj")]
 
 
-def test_qat_steps_lower_the_loss_and_train_only_the_chosen_set(tmp_path, cli, tiny_checkpoint, text):
+def test_qat_steps_lower_the_loss_and_train_only_the_chosen_set(tmp_path, tiny_checkpoint, text):
     """Attention + norms: a few steps on one fixed batch lower the QAT loss; every trained parameter
     moved, every other one is bit-identical to the checkpoint."""
-    tr = QATTrainer(qat_config(cli, tiny_checkpoint, "attn_norms"), options(tmp_path, 4), text=text)
+    tr = QATTrainer(qat_config(tiny_checkpoint, "attn_norms"), options(tmp_path, 4), text=text)
     base = nnx.state(model_io.load(tiny_checkpoint[0])[0], nnx.Param)
     loss = [float(tr.train_step(0)["loss"]) for _ in range(4)]
     assert loss[-1] < loss[0] - 0.05
@@ -187,10 +178,10 @@ def test_qat_steps_lower_the_loss_and_train_only_the_chosen_set(tmp_path, cli, t
 
 
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory, cli, tiny_checkpoint, text):
+def lora_runs(tmp_path_factory, tiny_checkpoint, text):
     """LoRA with distillation: 4 steps straight, and 2 steps + resume (a new trainer) + 2 steps."""
     root = tmp_path_factory.mktemp("lora")
-    cfg = qat_config(cli, tiny_checkpoint, "lora", "--distill", "1")
+    cfg = qat_config(tiny_checkpoint, "lora", "--distill", "1")
     full = QATTrainer(cfg, options(root / "full", 4), text=text)
     full.run()
     QATTrainer(cfg, options(root / "resumed", 2), text=text).run()  # "interrupted": checkpointed on exit
@@ -243,28 +234,29 @@ def test_lora_export_is_the_overlay_model(lora_runs, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_cli_trains_evaluates_and_exports(tmp_path, cli, tiny_checkpoint, text):
+def test_cli_trains_evaluates_and_exports(tmp_path, tiny_checkpoint, text):
     """Two steps of the CLI with an eval before and after (through the packed cache), exported as an HF
     folder that reloads to the run's weights; rerunning continues the run and refuses changed flags."""
     run = flags(tiny_checkpoint, tmp_path / "run", "lora", "--distill", "1") + [
         "--eval-every", "2", "--eval-n", "2", "--eval-text-windows", "0", "--eval-batch", "2", "--no-progress"]
-    cli.main(run + ["--stop-step", "2", "--export", str(tmp_path / "hf")])
+    done = run_script("train_qat", *run, "--stop-step", "2", "--export", tmp_path / "hf")
+    assert done.code == 0, done.err
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in records] == [0, 0, 1, 2]  # eval before training, two steps, eval after
     assert {"addition_acc", "addition_dense_acc", "addition_kl", "retrieval_acc"} <= set(records[0]["eval"])
     card = open(tmp_path / "hf" / "README.md").read()
     assert "--train lora" in card and "--bits 2,2" in card and "--distill 1" in card and "2 steps" in card
     assert "--lora-rank 8" in card and f"--eval-n 2 --eval-text-windows 0 --export {tmp_path / 'hf'}" in card
-    parser = cli.make_parser()
-    assert "--lora" not in cli.training_command(parser, parser.parse_args(flags(tiny_checkpoint, "run", "all")))
+    parser = commands.qat_parser("")
+    assert "--lora" not in commands.qat_command(parser, parser.parse_args(flags(tiny_checkpoint, "run", "all")))
     before, after = records[0]["eval"]["addition_kl"], records[-1]["eval"]["addition_kl"]
     assert f"| addition_kl | {before:.4f} | {after:.4f} |" in card  # the starting model's eval, then the last
     exported, _ = model_io.load(str(tmp_path / "hf"))
-    trainer = QATTrainer(qat_config(cli, tiny_checkpoint, "lora", "--distill", "1"), options(tmp_path / "run", 2),
+    trainer = QATTrainer(qat_config(tiny_checkpoint, "lora", "--distill", "1"), options(tmp_path / "run", 2),
                          text=text)  # restores the run's last checkpoint
     assert trainer.step == 2
     for a, b in zip(leaves(nnx.state(trainer.model(), nnx.Param)), leaves(nnx.state(exported, nnx.Param)),
                     strict=True):
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError, match="lr"):
-        cli.main(run + ["--lr", "3e-3", "--stop-step", "3"])
+    changed = run_script("train_qat", *run, "--lr", "3e-3", "--stop-step", "3")
+    assert changed.code == 2 and changed.err.startswith("train_qat.py: error: ") and "lr" in changed.err

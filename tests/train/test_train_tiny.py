@@ -12,7 +12,7 @@ from flax import nnx
 from rq_jax.data import EOS, Addition, MixtureConfig, Retrieval, StdlibText, collate
 from rq_jax.train import RunOptions, TrainConfig, Trainer, tiny_model_config
 from rq_jax.train import heldout
-from tests.conftest import REPO
+from tests.conftest import run_script
 from rq_jax.train import trainer as trainer_module
 
 
@@ -166,23 +166,20 @@ def test_huginn_trains_from_a_seeded_random_state(tmp_path, text):
 
 
 def test_cli_trains_resumes_and_exports(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_tiny", str(REPO / "scripts" / "train_tiny.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
     flags = ["--model", "ouro", "--run-dir", str(tmp_path / "run"), "--hidden", "64", "--intermediate", "64",
              "--layers", "1", "--loops", "1", "--seq-len", "48", "--max-pairs", "4", "--queries", "2", "--max-digits",
              "2", "--rows", "1,1,1", "--curriculum-start", "2", "--eval-every", "0", "--no-progress"]
-    cli.main(flags + ["--stop-step", "1"])
-    cli.main(flags + ["--stop-step", "2", "--export", str(tmp_path / "hf"), "--export-n", "8"])
+    for extra in (["--stop-step", "1"], ["--stop-step", "2", "--export", tmp_path / "hf", "--export-n", "8"]):
+        run = run_script("train_tiny", *flags, *extra)
+        assert run.code == 0, run.err
     assert sorted(losses(tmp_path / "run")) == [0, 1]
     card = open(tmp_path / "hf" / "README.md").read()
     assert "--hidden 64" in card and "--lr 0.001" in card and "trained 2 steps" in card
-    with pytest.raises(ValueError, match="lr"):
-        cli.main(flags + ["--lr", "3e-3", "--stop-step", "3"])
+    changed = run_script("train_tiny", *flags, "--lr", "3e-3", "--stop-step", "3")
+    assert changed.code == 2 and changed.err.startswith("train_tiny.py: error: ") and "lr" in changed.err
     stage2 = flags[:3] + [str(tmp_path / "run2")] + flags[4:] + ["--init-weights", str(tmp_path / "hf")]
-    cli.main(stage2 + ["--stop-step", "1", "--export", str(tmp_path / "hf2"), "--export-n", "8"])
+    run = run_script("train_tiny", *stage2, "--stop-step", "1", "--export", tmp_path / "hf2", "--export-n", "8")
+    assert run.code == 0, run.err
     card = open(tmp_path / "hf2" / "README.md").read()
     assert "trained 2 + 1 steps in 2 stages" in card
     first, second = card.split("## Reproduce")[1].strip().strip("`").strip().splitlines()
