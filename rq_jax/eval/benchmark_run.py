@@ -301,8 +301,8 @@ def grid(runs: Sequence[dict]) -> str:
 
 
 def figure(rows: Sequence[dict], path: str, title: str) -> None:
-    """Accuracy against bits per element, one line per Table 2 method across the settings (by bits), dense
-    bf16 as a dashed line; other schemes as labelled points."""
+    """Accuracy against bits per element, one line per Table 2 method across the settings (by bits; two
+    settings at the same bits join vertically), dense bf16 as a dashed line; other schemes as labelled points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -316,7 +316,7 @@ def figure(rows: Sequence[dict], path: str, title: str) -> None:
     for method in TABLE2_METHODS:
         pts = sorted((r["bits_per_element"], 100 * r["accuracy"], r["setting"]) for r in done if r["method"] == method)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", mfc="none", label=method)  # overlaps show
             for x, y, setting in pts:
                 ax.annotate(setting, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     for r in done:

@@ -3,9 +3,7 @@ additions through dense bf16 and a residual cache scores exactly eval.py's exact
 on the same problems); the table, JSON, figure and completion files; resume after a kill; HumanEval."""
 
 import json
-import runpy
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from rq_jax.cache.dense import Dense
 from rq_jax.cache.schemes import pick
 from rq_jax.data import Addition, decode
 from rq_jax.eval import loops
-from tests.conftest import REPO
+from tests.conftest import REPO, run_script
 
 N = 24
 SCHEMES = ["dense bf16", "+rotation g32"]  # residual INT2 g32, Hadamard: the tiny models lose some sums to it
@@ -23,12 +21,17 @@ MODELS = {"ouro": "ouro-small-qat", "huginn": "huginn-small"}
 
 
 def run(argv):
-    old = sys.argv
-    sys.argv = ["eval_benchmarks.py", *argv]
-    try:
-        runpy.run_path(str(REPO / "scripts" / "eval_benchmarks.py"), run_name="__main__")
-    finally:
-        sys.argv = old
+    result = run_script("eval_benchmarks", *argv)
+    assert result.code == 0, result.err
+    return result
+
+
+def refused(argv, message):
+    """A bad command line: exit status 2 and one line `eval_benchmarks.py: error: ...` naming the problem."""
+    result = run_script("eval_benchmarks", *argv)
+    assert result.code == 2 and result.out == "", result
+    lines = result.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("eval_benchmarks.py: error: ") and message in lines[0], lines
 
 
 def records(prefix, label):
@@ -101,7 +104,7 @@ def test_table_json_figure_and_completions(runs):
     assert (prefix.parent / "gsm8k_accuracy.png").stat().st_size > 0
 
 
-def test_resume_after_a_kill_generates_only_the_rest(runs, additions, tmp_path, capsys):
+def test_resume_after_a_kill_generates_only_the_rest(runs, additions, tmp_path):
     """A run killed in its second row (dense finished, 5 residual answers saved, a sixth half written) and
     resumed keeps every saved answer and generates the other 19; resuming the finished run generates and
     scores nothing; other settings are refused."""
@@ -113,9 +116,7 @@ def test_resume_after_a_kill_generates_only_the_rest(runs, additions, tmp_path, 
     residual.write_text("".join(lines[:5]) + lines[5][:20])
     meta = json.loads(runs["ouro"].with_suffix(".json").read_text())
     prefix.with_suffix(".json").write_text(json.dumps(dict(meta=meta["meta"], rows=meta["rows"][:1])))
-    capsys.readouterr()
-    run(gsm8k_args("ouro", additions[0], prefix, "--resume"))
-    err = capsys.readouterr().err
+    err = run(gsm8k_args("ouro", additions[0], prefix, "--resume")).err
     assert "dense bf16: " in err and f"of {N}, 0 generated" in err and f"of {N}, {N - 5} generated" in err
     again = records(prefix, "rotation-g32")
     assert again[:5] == full["rotation-g32"][:5] and {r["session"] for r in again[5:]} == {2}
@@ -124,10 +125,11 @@ def test_resume_after_a_kill_generates_only_the_rest(runs, additions, tmp_path, 
     # greedy answers do not depend on which requests share the batch: the same scores as the full run
     assert {r["id"]: r["score"] for r in again} == {r["id"]: r["score"] for r in full["rotation-g32"]}
     before = residual.read_text()
-    run(gsm8k_args("ouro", additions[0], prefix, "--resume"))
-    assert capsys.readouterr().err.count(f"of {N}, 0 generated") == 2 and residual.read_text() == before
-    with pytest.raises(SystemExit, match="was written with other settings.*'max_new_tokens': \\(8, 9\\)"):
-        run([*gsm8k_args("ouro", additions[0], prefix, "--resume"), "--max-new-tokens", "9"])
+    err = run(gsm8k_args("ouro", additions[0], prefix, "--resume")).err
+    assert err.count(f"of {N}, 0 generated") == 2 and residual.read_text() == before
+    refused([*gsm8k_args("ouro", additions[0], prefix, "--resume"), "--max-new-tokens", "9"],
+            "argument --resume: ")
+    assert residual.read_text() == before
 
 
 def test_humaneval_through_a_tiny_model(tmp_path):
@@ -145,10 +147,35 @@ def test_humaneval_through_a_tiny_model(tmp_path):
     assert "| BF16 | — | dense bf16 | 0.00 |" in prefix.with_suffix(".md").read_text()
 
 
-def test_bad_options(tmp_path, additions):
-    with pytest.raises(SystemExit, match="2"):
-        run(["--model", "ouro", "--benchmark", "gsm8k", "--out", str(tmp_path / "x")])  # no --data
-    with pytest.raises(SystemExit, match="2"):
-        run([*gsm8k_args("ouro", additions[0], tmp_path / "x"), "--schemes", "INT3"])
-    with pytest.raises(SystemExit, match="needs 2055 positions, more than the model's 2048"):
-        run([*gsm8k_args("ouro", additions[0], tmp_path / "x"), "--max-new-tokens", "2044"])
+def test_bad_options_are_one_line_before_any_work(tmp_path, additions):
+    """Each bad option is refused in one line naming it, before the output folder is created."""
+    data = additions[0]
+    out = tmp_path / "new" / "x"
+    refused(["--model", "ouro", "--benchmark", "gsm8k", "--out", str(out)], "argument --data: --benchmark gsm8k needs")
+    refused(gsm8k_args("ouro", data, out, "--schemes", "INT3"), "argument --schemes: unknown scheme 'INT3'")
+    refused(gsm8k_args("ouro", data, out, "--top-p", "0"), "argument --top-p: must lie in (0, 1]")
+    refused(gsm8k_args("ouro", data, out, "--temperature", "-1"), "argument --temperature: must be ≥ 0")
+    refused(gsm8k_args("ouro", data, out, "--memory-gb", "nan"), "argument --memory-gb: must be a finite number")
+    refused(gsm8k_args("ouro", data, out, "--memory-gb", "1e-6"), "argument --memory-gb: 1e-06 GiB holds no")
+    refused(gsm8k_args("ouro", data, out, "--max-new-tokens", "2044"),
+            "argument --max-new-tokens: the longest prompt (12 tokens) plus 2044 new tokens needs 2055 positions, "
+            "more than the model's 2048")
+    refused(gsm8k_args("ouro", data, out, "--init-state", "zeros"), "argument --init-state: Huginn's option")
+    refused(gsm8k_args("huginn", data, out, "--checkpoint", str(REPO / "checkpoints" / "ouro-small-qat")),
+            "argument --model: huginn, but --checkpoint")
+    refused(gsm8k_args("ouro", tmp_path / "none.jsonl", out), "argument --data: ")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1=", "answer": "2"}\n')
+    refused(gsm8k_args("ouro", bad, out), "argument --data: ")
+    refused(gsm8k_args("ouro", data, out, "--mesh", "data=3"), "argument --mesh: ")
+    assert not out.parent.exists()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    refused(gsm8k_args("ouro", data, blocked / "x"), "argument --out: cannot create")
+    refused(["--combine", str(bad), "--out", str(out)], "argument --combine: ")
+    assert not out.parent.exists()
+
+
+def test_help_shows_the_defaults():
+    text = run(["--help"]).out
+    assert "(default: 64)" in text and "(default: paper)" in text and "(default: 256)" in text
