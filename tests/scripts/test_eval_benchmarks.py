@@ -134,16 +134,20 @@ def test_resume_after_a_kill_generates_only_the_rest(runs, additions, tmp_path):
 
 def test_humaneval_through_a_tiny_model(tmp_path):
     """HumanEval's real problems in the paper's prompt format through the shipped Ouro, which knows only
-    sums: every completion is generated, cleaned, run in the sandbox and failed, without a crash."""
+    sums, with bfloat16 weights and compute (the paper's): every completion is generated, cleaned, run in
+    the sandbox and failed, without a crash."""
     prefix = tmp_path / "he"
     run(["--model", "ouro", "--benchmark", "humaneval", "--n", "2", "--max-new-tokens", "8", "--schemes",
-         "dense bf16", "--chunk", "32", "--out", str(prefix), "--no-progress"])
+         "dense bf16", "--chunk", "32", "--dtype", "bfloat16", "--param-dtype", "bfloat16", "--out", str(prefix),
+         "--no-progress"])
     got = records(prefix, "dense-bf16")
     assert [r["id"] for r in got] == ["HumanEval/0", "HumanEval/1"]
     assert all(r["score"] == 0 and r["reason"].startswith("failed") for r in got)
     assert all(r["prompt_tokens"] > 300 for r in got)  # EvalPlus's instruction and the open code fence
-    row = json.loads(prefix.with_suffix(".json").read_text())["rows"][0]
+    data = json.loads(prefix.with_suffix(".json").read_text())
+    row = data["rows"][0]
     assert row["accuracy"] == 0 and row["n"] == 2
+    assert (data["meta"]["dtype"], data["meta"]["param_dtype"]) == ("bfloat16", "bfloat16")
     assert "| BF16 | — | dense bf16 | 0.00 |" in prefix.with_suffix(".md").read_text()
 
 
