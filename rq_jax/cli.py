@@ -198,6 +198,8 @@ def add_cache_options(p: argparse.ArgumentParser, default: str = "residual") -> 
                    help="kivi: recent tokens kept in full precision (default: 128)")
     p.add_argument("--calibration", help="calibration artifact (scripts/calibrate.py) or a folder holding one "
                    "for this schedule (default: the format's own, Hadamard)")
+    p.add_argument("--schedule", metavar="FILE", help="residual: a bit-allocation schedule (scripts/allocate.py) "
+                   "giving the bits and group sizes per loop, keys and values apart")
 
 
 def check_cache_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -209,6 +211,8 @@ def check_cache_options(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     extra = [name for name, field in POLICY_OPTIONS.items() if getattr(args, name) is not None and field not in fields]
     if args.calibration is not None and not get_format(args.cache).needs_calib:
         extra.append("calibration")
+    if args.schedule is not None and args.cache != "residual":
+        extra.append("schedule")
     if extra:
         p.error(f"--cache {args.cache} does not take {', '.join('--' + e.replace('_', '-') for e in extra)}")
 
@@ -249,7 +253,13 @@ def build_format(p: argparse.ArgumentParser, args: argparse.Namespace, config, n
     what = " ".join([f"--cache {args.cache}"] + [spelled(name, getattr(args, name)) for name in POLICY_OPTIONS
                                                   if getattr(args, name) is not None])
     try:
-        fmt = get_format(args.cache, **cache_policy(args))
+        if args.schedule is not None:
+            from rq_jax.calibrate.allocate import load_schedule
+
+            what += f" --schedule {args.schedule}"
+            fmt = load_schedule(args.schedule, **cache_policy(args))
+        else:
+            fmt = get_format(args.cache, **cache_policy(args))
     except ValueError as err:
         p.error(f"{what}: {err}")
     check_format(p, what, fmt, config, num_loops)

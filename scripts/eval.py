@@ -32,7 +32,8 @@ from tqdm import tqdm
 from rq_jax import checkpoint, cli, memory, sharding
 from rq_jax.cache import get_format
 from rq_jax.cache.kv_error import dense_kv, reconstruction_error
-from rq_jax.cache.schemes import calibrated_schemes, table_schemes
+from rq_jax.cache.schemes import Scheme, calibrated_schemes, table_schemes
+from rq_jax.calibrate.allocate import load_schedule
 from rq_jax.data import collate
 from rq_jax.eval.table import Tasks, evaluate
 
@@ -67,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--calibration-rows", type=cli.positive_int, default=32, help="fit and holdout rows for --rotations")
     p.add_argument("--calibration", help="folder of saved calibration artifacts (scripts/calibrate.py): rows whose "
                    "schedule has one use it (label suffixed with its method)")
+    p.add_argument("--schedule", action="append", default=[], metavar="FILE",
+                   help="add a row per bit-allocation schedule (scripts/allocate.py); repeatable")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     p.add_argument("--out", required=True, help="output prefix: PREFIX.md, PREFIX.json, PREFIX_*.png (its folder is "
                    "created)")
@@ -149,7 +152,8 @@ def markdown(rows: list[dict], header: str) -> str:
 
 #: Marker of each scheme family in the accuracy figure (by label prefix; the ladder's rows are the rest:
 #: circles at the first group size, pentagons at the others).
-MARKERS = {"dense": "s", "uniform": "v", "direct": "v", "rotated": "^", "kivi": "D", "residual_vq": "X"}
+MARKERS = {"dense": "s", "uniform": "v", "direct": "v", "rotated": "^", "kivi": "D", "residual_vq": "X",
+           "allocated": "*"}
 
 
 def bit_ticks(bits: list[float]) -> list[float]:
@@ -232,6 +236,13 @@ def main(argv=None):
         if not rows_to_run:
             p.error(f"argument --only: {', '.join(args.only)} matches no scheme; the labels are "
                     f"{', '.join(s.label for s in table_schemes(args.group_sizes))}")
+    for path in args.schedule:
+        try:
+            fmt = load_schedule(path)
+        except ValueError as err:
+            p.error(f"argument --schedule: {err}")
+        cli.check_format(p, f"--schedule {path}", fmt, config, args.loops or config.num_loops)
+        rows_to_run.append(Scheme(f"allocated {os.path.splitext(os.path.basename(path))[0]}", fmt, "allocated"))
     cli.output_file(p, "--out", args.out)
     cli.start(args)
     sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set

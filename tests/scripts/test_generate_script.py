@@ -159,6 +159,26 @@ def test_generate_reads_a_calibration_artifact(tmp_path):
     assert run.code == 2 and run.err.startswith("generate.py: error: argument --calibration: ")
 
 
+def test_generate_reads_a_bit_allocation_schedule(tmp_path):
+    """--schedule stores the artifact's schedule (keys [2,2,2,4] g32, values INT2 g16 here): the
+    Sampler's own tokens through that format and its bits; --bits beside it, or another --cache, is
+    refused in one line."""
+    from rq_jax.calibrate.allocate import Schedule, save_schedule
+
+    schedule = Schedule(((2, 32), (2, 32), (2, 32), (4, 32)), ((2, 16),) * 4)
+    path = tmp_path / "schedule.json"
+    save_schedule(str(path), schedule, {}, {})
+    out = generate("--model", "ouro", "--max-new-tokens", "3", "--schedule", path)
+    (text,) = printed(out, r"generated: (.*)\n")
+    assert ast.literal_eval(text) == library_text(QAT, cli.SAMPLE_PROMPT, 3, schedule.format())
+    (bits,) = printed(out, r"looped layers at ([\d.]+) bits/element")
+    assert float(bits) == pytest.approx(float(schedule.format().bits_per_element(4, 64)), rel=1e-3)
+    for argv, message in ((["--bits", "2,2,2,4"], "the schedule " + str(path) + " fixes bits"),
+                          (["--cache", "uniform"], "--cache uniform does not take --schedule")):
+        run = run_script("generate", "--model", "ouro", "--schedule", path, *argv)
+        assert run.code == 2 and run.err.count("\n") == 1 and message in run.err, run.err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--cache", "uniform", "--group-size", "7"],
      "argument --group-size: 7 does not divide the model's head_dim 64; use one of 1, 2, 4, 8, 16, 32, 64"),

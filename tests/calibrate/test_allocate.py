@@ -1,0 +1,60 @@
+"""rq_jax.calibrate.allocate: the exhaustive search against brute force, schedules as formats, an
+end-to-end allocation on the fixture model, and the artifact round trip."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from rq_jax.calibrate.allocate import (Schedule, allocate, best_schedule, load_schedule, save_schedule,
+                                       schedule_bits)
+
+OPTS = ((2, 8), (4, 8), (2, 4))
+
+
+def test_search_equals_brute_force_under_the_formats_own_accounting():
+    rng = np.random.default_rng(0)
+    costs = {(kind, p, o): float(rng.uniform(0, 1)) for kind in "kv" for p in range(2) for o in OPTS[::2]}
+
+    def bits(s):
+        return schedule_bits(s, 4, 16)
+
+    for budget in (4.8, 5.3, 5.9, 7.0):  # at D 16: INT2 g8 stores 4 bits, α adds 0.75
+        best, cost = best_schedule(costs, 2, bits, budget, OPTS)
+        brute = []
+        for k in itertools.product(OPTS, repeat=2):
+            for v in itertools.product(OPTS, repeat=2):
+                s = Schedule(k, v)
+                if bits(s) <= budget:
+                    brute.append((sum(costs.get((kind, p, o), 0.0) for kind, side in (("k", k), ("v", v))
+                                      for p, o in enumerate(side)), s))
+        assert cost == pytest.approx(min(c for c, _ in brute))
+        assert bits(best) <= budget
+    assert best_schedule(costs, 2, bits, 4.0, OPTS) == (None, float("inf"))
+
+
+def test_schedule_format_and_bits():
+    s = Schedule(((2, 32), (2, 32), (2, 32), (4, 32)), ((2, 32),) * 4)
+    fmt = s.format()
+    assert fmt.bits == (2, 2, 2, 4) and fmt.bits_v == (2, 2, 2, 2)
+    # keys as the paper's [2,2,2,4] (3.09375 at D 128), values as residual INT2 (2.59375): the mean
+    assert schedule_bits(s, 4, 128) == (3.09375 + 2.59375) / 2
+    assert Schedule.from_json(s.to_json()) == s
+
+
+def test_allocation_on_the_fixture_model(ouro, tmp_path):
+    """Every slot measured, the choice within budget, measured KL ≥ 0, and the artifact loads back as
+    the same format."""
+    model, ref = ouro
+    rows = np.asarray(ref["input_ids"])[:, :8]
+    tight, loose = allocate(model, rows, (5.0, 6.0), num_loops=4, prefix=4, batch=2, positions=2,
+                            options=((2, 8), (4, 8)))
+    for alloc in (tight, loose):
+        assert len(alloc.costs) == 4 and alloc.bits <= alloc.budget and alloc.kl >= 0 and alloc.reference_kl >= 0
+    assert loose.predicted_kl <= tight.predicted_kl and tight.costs == loose.costs  # measured once
+    alloc = loose
+    path = tmp_path / "schedule.json"
+    save_schedule(str(path), alloc.schedule, {}, dict(allocation=alloc.to_json(), checkpoint="fixture"))
+    assert load_schedule(str(path)) == alloc.schedule.format()
+    with pytest.raises(ValueError, match="not a bit-allocation schedule"):
+        load_schedule(str(tmp_path / "missing.json"))
