@@ -3,19 +3,22 @@
 A `Scheme` is a table row: a label, the format, what it stores (`CacheFormat.describe`), the ablation
 ladder it belongs to and the rotation's calibration method. The eval table (`table_schemes`), the
 rotation comparison (`calibrated_schemes`), the benchmarks (`BENCH_DECODE`, `BENCH_ATTENTION`) and the
-K/V error report (`kv_error_labels`) all take their rows from `catalog`, so a label means one format
-everywhere.
+K/V error report (`kv_error_labels`) all take their rows from `catalog`, and the generation benchmarks
+(`scripts/eval_benchmarks.py`) from `table2_rows`, which keeps the catalog's label wherever it holds the
+same format, so a label means one format everywhere.
 
     catalog((32, 16))     baselines at the first group size (dense bf16, uniform INT4, rotated INT2,
                           kivi INT2, residual_vq), then per group size g the paper's ladder — direct
                           INT2 g → +residual α=1 → +LS → +rotation → [2,2,2,4] — and the direct and
                           rotated [2,2,2,4] ablations
+    table2_rows()         the paper's Table 2: BF16, then per setting (INT2 g32, INT2 g16, INT2/4 g32,
+                          INT2/4 g16) the methods Direct, OptR-H, RQ and RQ+OptR-H
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from rq_jax.cache.base import CacheFormat, get_format
 from rq_jax.cache.dense import Dense
@@ -96,6 +99,55 @@ def pick(labels: Sequence[str], group_sizes: Sequence[int] = (32, 16)) -> list[S
         raise ValueError(f"unknown scheme {bad[0]!r}; the catalog at group sizes {list(group_sizes)} has: "
                          f"{', '.join(known)}")
     return [known[label] for label in labels]
+
+
+class PaperRow(NamedTuple):
+    """A row of the paper's Table 2: its setting heading ("" for BF16), method ("—" for BF16) and scheme."""
+
+    setting: str
+    method: str
+    scheme: Scheme
+
+
+#: Table 2's settings: heading -> (bits per loop of a group, group size per loop). In the INT2/4 rows g is
+#: the INT2 group size; the INT4 anchor keeps g32 (App. A.2).
+TABLE2_SETTINGS = {"INT2 g32": ((2, 2, 2, 2), (32, 32, 32, 32)), "INT2 g16": ((2, 2, 2, 2), (16, 16, 16, 16)),
+                   "INT2/4 g32": ((2, 2, 2, 4), (32, 32, 32, 32)), "INT2/4 g16": ((2, 2, 2, 4), (16, 16, 16, 32))}
+#: Table 2's methods: Direct (per-loop INTn, no rotation), OptR-H (rotated by a fitted OptR-H rotation,
+#: key means), RQ (residuals against the last loop, least squares, no rotation) and RQ+OptR-H (ResidualQuant).
+TABLE2_METHODS = ("Direct", "OptR-H", "RQ", "RQ+OptR-H")
+
+
+def _table2_setting(bits: tuple[int, ...], sizes: tuple[int, ...]) -> list[Scheme]:
+    """Direct, OptR-H, RQ and RQ+OptR-H at one setting, labelled as the catalog labels the same format."""
+    means = dict(key_means=True)
+    if bits == (2, 2, 2, 2):
+        g = sizes[0]
+        return [Scheme(f"direct INT2 g{g}", get_format("uniform", bits=2, group_size=g), f"g{g}"),
+                Scheme(f"rotated INT2 g{g} optr-h", get_format("rotated", bits=2, group_size=g, **means), f"g{g}",
+                       "optr-h"),
+                Scheme(f"+LS g{g}", get_format("residual", bits=bits, group_size=g, rotation="identity"), f"g{g}"),
+                Scheme(f"+rotation g{g} optr-h", get_format("residual", bits=bits, group_size=g, **means), f"g{g}",
+                       "optr-h")]
+    g = "/".join(str(x) for x in sorted(set(sizes)))
+    ladder = f"g{sizes[0]}"
+    return [Scheme(f"direct [2,2,2,4] g{g}", get_format("uniform", bits=bits, group_size=sizes), ladder),
+            Scheme(f"rotated [2,2,2,4] g{g} optr-h", get_format("rotated", bits=bits, group_size=sizes, **means),
+                   ladder, "optr-h"),
+            Scheme(f"+LS [2,2,2,4] g{g}", get_format("residual", bits=bits, group_size=sizes, rotation="identity"),
+                   ladder),
+            Scheme(f"[2,2,2,4] g{g} optr-h", get_format("residual", bits=bits, group_size=sizes, **means), ladder,
+                   "optr-h")]
+
+
+def table2_rows() -> list[PaperRow]:
+    """The rows of the paper's Table 2 in its order: BF16, then each setting's four methods. Formats the
+    catalog already has keep its labels ("direct INT2 g32", "+LS g32", "[2,2,2,4] g32 optr-h", ...); an
+    OptR-H row (`method` "optr-h") needs its fitted rotations (`rq_jax.calibrate`)."""
+    rows = [PaperRow("", "—", Scheme("dense bf16", Dense("bfloat16")))]
+    for setting, (bits, sizes) in TABLE2_SETTINGS.items():
+        rows += [PaperRow(setting, m, s) for m, s in zip(TABLE2_METHODS, _table2_setting(bits, sizes))]
+    return rows
 
 
 #: The decode benchmark's rows (`scripts/bench_decode.py`), at group size 32.

@@ -1,10 +1,14 @@
 """Real benchmarks: readers for GSM8K, MATH500, HumanEval and MBPP JSONL files, and their scorers.
 
-Readers turn a local file (JSONL, optionally gzipped) into typed problems whose `prompt` is the text
-for the model. Scorers take one completion per problem and return one `Result` per problem;
-`pass_at_1` averages them. GSM8K compares the final number exactly; MATH500 compares the last
-`\\boxed{}` answer with `math_verify`; HumanEval and MBPP run program + tests in a sandboxed
-subprocess (`run_program`).
+Readers turn a local file (JSONL, optionally gzipped) into typed problems; a problem's `prompt` is the
+benchmark's own text as it is (GSM8K's question, MATH's problem, HumanEval's signature and docstring,
+MBPP's task and first test as EvalPlus writes it). The paper's prompt formats (shots, chat templates,
+instructions) are built from these in `rq_jax.eval.prompts`. Scorers take one completion per problem
+and return one `Result` per problem; `pass_at_1` averages them. GSM8K compares the final number
+exactly; MATH500 compares the last `\\boxed{}` answer (else Minerva's "Final Answer: The final answer
+is ...") with `math_verify`; HumanEval and MBPP run program + tests in a sandboxed subprocess
+(`run_program`), a completion either continuing the prompt or, cleaned by `clean_code` as EvalPlus
+cleans one, a whole script.
 
 The sandbox is best effort, not a security boundary: a fresh temporary working directory, an
 isolated interpreter (`python -I`, stdin/stdout closed, no proxy variables), limits on address space,
@@ -18,6 +22,7 @@ with threads (JAX's runtime, the worker pool of `score_code`).
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import dataclasses
 import decimal
@@ -38,8 +43,9 @@ from typing import Any, Sequence
 
 @dataclasses.dataclass(frozen=True)
 class MathProblem:
-    """A GSM8K or MATH500 problem: `answer` is the reference final answer (GSM8K: the number after
-    `####`, canonical as `gsm8k_answer` writes it; MATH500: the `answer` field, LaTeX)."""
+    """A GSM8K or MATH500 problem: `prompt` is the question as it is; `answer` is the reference final
+    answer (GSM8K: the number after `####`, canonical as `gsm8k_answer` writes it; MATH500: the `answer`
+    field, LaTeX)."""
 
     id: str
     prompt: str
@@ -50,20 +56,29 @@ class MathProblem:
 
 @dataclasses.dataclass(frozen=True)
 class CodeProblem:
-    """A HumanEval or MBPP problem. The program run for a completion is
+    """A HumanEval or MBPP problem. The program run for a completion that continues the prompt is
     `setup + prefix + completion + "\\n" + test` (see `program`); `reference` is the dataset's own
-    solution in completion form, so `program(reference)` must pass."""
+    solution in completion form, so `program(reference)` must pass. A completion that is a whole
+    script (the paper's prompts ask for one) runs as `script_program` builds it. `entry_point` names
+    the function the tests call."""
 
     id: str
-    prompt: str
+    prompt: str  # HumanEval: signature and docstring; MBPP: '"""\\n<task>\\n<first test>\\n"""\\n'
     prefix: str  # HumanEval: the prompt (completions continue it); MBPP: ""
     reference: str
     test: str
     setup: str = ""
+    entry_point: str = ""
 
     def program(self, completion: str) -> str:
-        """The full Python program that checks `completion`."""
+        """The full Python program that checks `completion` (a continuation of `prefix`)."""
         return f"{self.setup}{self.prefix}{completion}\n{self.test}\n"
+
+    def script_program(self, script: str) -> str:
+        """The program that checks a whole script: `prefix` (its imports and helper functions stay in scope:
+        HumanEval's own tests call some of them, e.g. HumanEval/50's `encode_shift`), then the script as
+        `clean_code` reads it (its definitions replace the prefix's), then the tests."""
+        return self.program("\n" + clean_code(script, self.entry_point))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,27 +93,9 @@ class Result:
 # --------------------------------------------------------------------------------------------- prompts
 
 
-def gsm8k_prompt(question: str) -> str:
-    """Zero-shot GSM8K prompt: asks for step-by-step reasoning ending in "The answer is N."."""
-    return ("Solve the following math problem step by step. End your response with "
-            f"\"The answer is N.\" where N is the final number.\n\nQuestion: {question.strip()}\nAnswer:")
-
-
-def math_prompt(problem: str) -> str:
-    """Zero-shot MATH prompt: asks for step-by-step reasoning with the final answer in \\boxed{}."""
-    return ("Solve the following math problem step by step. Put your final answer within \\boxed{}."
-            f"\n\nProblem: {problem.strip()}\nSolution:")
-
-
-def humaneval_prompt(prompt: str) -> str:
-    """HumanEval prompt: the dataset's function signature and docstring, unchanged (the model
-    continues the function body)."""
-    return prompt
-
-
-def mbpp_prompt(text: str, tests: Sequence[str]) -> str:
-    """Zero-shot MBPP prompt: the task description followed by the asserts the code must pass."""
-    return f"{text.strip()}\nYour code should pass these tests:\n\n" + "\n".join(tests) + "\n"
+def mbpp_task_prompt(text: str, tests: Sequence[str]) -> str:
+    """An MBPP task as EvalPlus's MBPP+ prompt writes it: a docstring of the task and its first test."""
+    return f'"""\n{text.strip()}\n{tests[0].strip()}\n"""\n' if tests else f'"""\n{text.strip()}\n"""\n'
 
 
 # --------------------------------------------------------------------------------------------- readers
@@ -149,16 +146,15 @@ def read_gsm8k(path: str | os.PathLike) -> list[MathProblem]:
         number = _first_number(final) if marker else None
         if number is None:
             raise ValueError(f"{path}:{lineno}: field 'answer' does not end in '#### <number>'")
-        problems.append(MathProblem(str(index), gsm8k_prompt(row["question"]), row["question"], number,
-                                    row["answer"]))
+        problems.append(MathProblem(str(index), row["question"], row["question"], number, row["answer"]))
     return problems
 
 
 def read_math500(path: str | os.PathLike) -> list[MathProblem]:
     """MATH500 JSONL (`problem`, `solution`, `answer`); ids are `unique_id` when present, else row
     indices."""
-    return [MathProblem(str(row.get("unique_id", index)), math_prompt(row["problem"]), row["problem"],
-                        row["answer"], row["solution"])
+    return [MathProblem(str(row.get("unique_id", index)), row["problem"], row["problem"], row["answer"],
+                        row["solution"])
             for index, _, row in _rows(path, {"problem": str, "solution": str, "answer": str})]
 
 
@@ -166,25 +162,52 @@ def read_humaneval(path: str | os.PathLike) -> list[CodeProblem]:
     """HumanEval JSONL or .jsonl.gz (`task_id`, `prompt`, `canonical_solution`, `test`,
     `entry_point`); a completion continues the prompt and the test calls `check(entry_point)`."""
     fields = {"task_id": str, "prompt": str, "canonical_solution": str, "test": str, "entry_point": str}
-    return [CodeProblem(row["task_id"], humaneval_prompt(row["prompt"]), row["prompt"],
-                        row["canonical_solution"], f"{row['test']}\ncheck({row['entry_point']})")
+    return [CodeProblem(row["task_id"], row["prompt"], row["prompt"], row["canonical_solution"],
+                        f"{row['test']}\ncheck({row['entry_point']})", entry_point=row["entry_point"])
             for _, _, row in _rows(path, fields)]
 
 
 def read_mbpp(path: str | os.PathLike, challenge_tests: bool = False) -> list[CodeProblem]:
-    """MBPP JSONL (`task_id`, `text`, `code`, `test_list`, optional `test_setup_code` and
-    `challenge_test_list`); a completion is a whole program, checked by the asserts of `test_list`
-    (and `challenge_test_list` when `challenge_tests`). The prompt shows `test_list` only."""
+    """MBPP JSONL (`task_id`, `text`, `code`, `test_list`, optional `test_setup_code`,
+    `challenge_test_list` and `entry_point`), or MBPP+'s (EvalPlus's 378 tasks: `prompt` for `text`,
+    `test_imports` for `test_setup_code`); a completion is a whole program, checked by the asserts of
+    `test_list` (and `challenge_test_list` when `challenge_tests`). The prompt shows the first test
+    (`mbpp_task_prompt`). Without `entry_point`, it is the first function of `code` that the first
+    test calls."""
     problems = []
-    for _, lineno, row in _rows(path, {"task_id": (int, str), "text": str, "code": str, "test_list": list}):
+    for _, lineno, row in _rows(path, {"task_id": (int, str), "code": str, "test_list": list}):
+        text = row.get("text", row.get("prompt"))
+        if not isinstance(text, str):
+            raise ValueError(f"{path}:{lineno}: missing field 'text' (MBPP) or 'prompt' (MBPP+), or not a string")
         tests = _string_list(path, lineno, row, "test_list")
         checks = tests + (_string_list(path, lineno, row, "challenge_test_list") if challenge_tests else [])
-        setup = row.get("test_setup_code") or ""
+        setup = row.get("test_setup_code") or "\n".join(_string_list(path, lineno, row, "test_imports"))
         if not isinstance(setup, str):
             raise ValueError(f"{path}:{lineno}: field 'test_setup_code' must be a string")
-        problems.append(CodeProblem(str(row["task_id"]), mbpp_prompt(row["text"], tests), "", row["code"],
-                                    "\n".join(checks), setup + "\n" if setup else ""))
+        entry = row.get("entry_point") or _called_function(row["code"], tests[:1])
+        if not isinstance(entry, str):
+            raise ValueError(f"{path}:{lineno}: field 'entry_point' must be a string")
+        problems.append(CodeProblem(str(row["task_id"]), mbpp_task_prompt(text, tests), "", row["code"],
+                                    "\n".join(checks), setup + "\n" if setup else "", entry))
     return problems
+
+
+def _called_function(code: str, tests: Sequence[str]) -> str:
+    """The first function defined at the top level of `code` whose name is called in `tests` ("" if none)."""
+    try:
+        names = [n.name for n in ast.parse(code).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    except SyntaxError:
+        return ""
+    called = {n.func.id for t in tests for n in ast.walk(_parse_or_empty(t))
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    return next((name for name in names if name in called), "")
+
+
+def _parse_or_empty(source: str) -> ast.Module:
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return ast.Module(body=[], type_ignores=[])
 
 
 # --------------------------------------------------------------------------------------------- GSM8K
@@ -279,6 +302,22 @@ def boxed_answer(completion: str) -> str | None:
     return None
 
 
+# Minerva's answer line, which its few-shot solutions end with:
+# "Final Answer: The final answer is $X$. I hope it is correct."
+_FINAL_ANSWER = re.compile(r"Final Answer: The final answer is(.*?)\. I hope it is correct\.")
+
+
+def math_answer(completion: str) -> str | None:
+    """A MATH completion's final answer: `boxed_answer`, else the last Minerva "Final Answer: The final
+    answer is X. I hope it is correct." (X without its `$` signs; the sentence may stop after X), or None."""
+    boxed = boxed_answer(completion)
+    if boxed is not None:
+        return boxed
+    found = _FINAL_ANSWER.findall(completion + ". I hope it is correct.")
+    answer = found[-1].strip().rstrip(".").strip("$ ") if found else ""
+    return answer or None
+
+
 def math_equal(answer: str, reference: str) -> bool:
     """Whether a LaTeX answer equals the LaTeX reference by `math_verify` (both parsed as a box).
 
@@ -290,11 +329,81 @@ def math_equal(answer: str, reference: str) -> bool:
 
 
 def score_math500(problems: Sequence[MathProblem], completions: Sequence[str]) -> list[Result]:
-    """Each completion's `boxed_answer` against the reference by `math_equal` (no box: failed)."""
-    return _score_answers(problems, completions, boxed_answer, math_equal, "no \\boxed{} answer")
+    """Each completion's `math_answer` against the reference by `math_equal` (none: failed)."""
+    return _score_answers(problems, completions, math_answer, math_equal, "no \\boxed{} or Final Answer")
 
 
 # --------------------------------------------------------------------------------------------- code
+
+def _parses(source: str) -> bool:
+    try:
+        ast.parse(source)
+    except (SyntaxError, ValueError):  # ValueError: null bytes
+        return False
+    return True
+
+
+def _longest_parsable(lines: list[str]) -> list[str]:
+    """The longest run of consecutive lines that parses as Python (by non-blank lines; the first such run)."""
+    if _parses("\n".join(lines)):
+        return lines
+    best, best_len = [], 0
+    filled = [0]  # filled[j]: non-blank lines among lines[:j]
+    for line in lines:
+        filled.append(filled[-1] + bool(line.strip()))
+    for i in range(len(lines)):
+        if lines[i][:1].isspace():  # an indented first line never parses
+            continue
+        for j in range(len(lines), i, -1):
+            size = filled[j] - filled[i]
+            if size <= best_len:
+                break
+            if _parses("\n".join(lines[i:j])):
+                best, best_len = lines[i:j], size
+                break
+    return best
+
+
+def clean_code(text: str, entry_point: str = "") -> str:
+    """The program in a code completion, read the way EvalPlus's sanitizer reads one: the longest run of
+    lines that parses (code fences and prose do not), and of that its imports and top-level
+    functions, classes and assignments — with `entry_point`, only the definitions it reaches — in
+    their order (imports first); tests, prints and `__main__` blocks are dropped. Returns the parsable
+    run itself when that keeps nothing."""
+    code = "\n".join(_longest_parsable(text.split("\n")))
+    lines = code.split("\n")
+    imports, defs, seen = [], {}, set()
+    for node in ast.parse(code).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports.append(node)
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = node.name
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(
+                target := node.targets[0] if isinstance(node, ast.Assign) else node.target, ast.Name):
+            name = target.id
+        else:
+            continue
+        if name not in seen:  # the first definition of a name is kept, as EvalPlus keeps it
+            seen.add(name)
+            defs[name] = node
+    keep = set(defs)
+    if entry_point:
+        keep, todo = {entry_point}, [entry_point]
+        while todo:
+            node = defs.get(todo.pop())
+            for used in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} if node else ():
+                if used in defs and used not in keep:
+                    keep.add(used)
+                    todo.append(used)
+
+    def source(node) -> str:
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        return "\n".join(lines[first - 1 : node.end_lineno])
+
+    kept = [source(n) for n in imports] + [source(n) for name, n in defs.items() if name in keep]
+    return "\n".join(kept) if kept else code
+
 
 # Runs in the sandboxed interpreter: argv = program, result file, address space (bytes), CPU seconds,
 # max file size (bytes). Sets the limits, blocks sockets, runs the program as __main__ and writes
@@ -382,12 +491,17 @@ def run_program(source: str, timeout: float = 10.0, memory_mb: int = 2048) -> st
 
 
 def score_code(problems: Sequence[CodeProblem], completions: Sequence[str], timeout: float = 10.0,
-               memory_mb: int = 2048, workers: int | None = None) -> list[Result]:
-    """Run each problem's `program(completion)` with `run_program`, `workers` at a time (default:
-    the CPU count); passed when it runs to the end (every assert held)."""
+               memory_mb: int = 2048, workers: int | None = None, scripts: bool = False) -> list[Result]:
+    """Run each problem's `program(completion)` — `script_program(completion)` when `scripts` (whole
+    scripts, cleaned) — with `run_program`, `workers` at a time (default: the CPU count); passed when
+    it runs to the end (every assert held)."""
     _check_lengths(problems, completions)
+
+    def run(p: CodeProblem, c: str) -> str:
+        return run_program(p.script_program(c) if scripts else p.program(c), timeout, memory_mb)
+
     with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-        reasons = pool.map(lambda p, c: run_program(p.program(c), timeout, memory_mb), problems, completions)
+        reasons = pool.map(run, problems, completions)
         return [Result(p.id, reason == "passed", reason) for p, reason in zip(problems, reasons)]
 
 

@@ -89,7 +89,19 @@ def test_score_math500():
     results = bm.score_math500(problems, completions)
     assert [r.passed for r in results] == [True, False, True, False]
     assert results[1].reason == r"failed: answered 5, expected \frac{14}{3}"
-    assert results[3].reason == r"failed: no \boxed{} answer"
+    assert results[3].reason == r"failed: no \boxed{} or Final Answer"
+
+
+@pytest.mark.parametrize("completion, expected", [
+    (r"... = \boxed{24}.$" "\nFinal Answer: The final answer is $25$. I hope it is correct.", "24"),  # the box wins
+    ("so it is 5.\nFinal Answer: The final answer is $-\\frac{2}{3}$. I hope it is correct.", r"-\frac{2}{3}"),
+    ("Final Answer: The final answer is $7$.", "7"),  # stopped before "I hope it is correct."
+    ("Final Answer: The final answer is 3\nFinal Answer: The final answer is 4. I hope it is correct.", "4"),
+    ("Final Answer: The final answer is $$. I hope it is correct.", None),
+    ("It is 7.", None),
+])
+def test_math_answer_reads_minervas_final_answer_line(completion, expected):
+    assert bm.math_answer(completion) == expected
 
 
 # ------------------------------------------------------------------------------------------- readers
@@ -115,17 +127,18 @@ def test_read_gsm8k_and_math500(tmp_path):
     gsm = bm.read_gsm8k(_write_jsonl(tmp_path / "gsm8k.jsonl", [GSM8K_ROW, "", {**GSM8K_ROW, "answer": "#### 1,000"}]))
     assert [(p.id, p.answer) for p in gsm] == [("0", "5"), ("1", "1000")]
     assert gsm[0].question == GSM8K_ROW["question"] and gsm[0].solution == GSM8K_ROW["answer"]
-    assert GSM8K_ROW["question"] in gsm[0].prompt and gsm[0].prompt == bm.gsm8k_prompt(GSM8K_ROW["question"])
+    assert gsm[0].prompt == GSM8K_ROW["question"]  # as it is; rq_jax.eval.prompts builds the paper's
 
     math = bm.read_math500(_write_jsonl(tmp_path / "math.jsonl", [MATH_ROW, {k: MATH_ROW[k] for k in
                                                                             ("problem", "solution", "answer")}]))
     assert [(p.id, p.answer) for p in math] == [("test/prealgebra/1.json", "1"), ("1", "1")]
-    assert math[0].prompt == bm.math_prompt(MATH_ROW["problem"]) and "\\boxed{}" in math[0].prompt
+    assert math[0].prompt == MATH_ROW["problem"]
 
 
 def test_read_code_benchmarks(tmp_path):
     he = bm.read_humaneval(_write_jsonl(tmp_path / "he.jsonl", [HUMANEVAL_ROW]))[0]
-    assert (he.id, he.prompt, he.reference) == ("Test/0", HUMANEVAL_ROW["prompt"], "    return a + b\n")
+    assert (he.id, he.prompt, he.reference, he.entry_point) == ("Test/0", HUMANEVAL_ROW["prompt"], "    return a + b\n",
+                                                                "add")
     assert he.program(he.reference).endswith("check(add)\n")
 
     gz = tmp_path / "he.jsonl.gz"
@@ -135,10 +148,18 @@ def test_read_code_benchmarks(tmp_path):
     rows = [MBPP_ROW, {**MBPP_ROW, "task_id": 12, "test_setup_code": "import math",
                        "challenge_test_list": ["assert double(math.inf) == math.inf"]}]
     plain, extra = bm.read_mbpp(_write_jsonl(tmp_path / "mbpp.jsonl", rows), challenge_tests=True)
-    assert plain.id == "11" and plain.prompt == bm.mbpp_prompt(MBPP_ROW["text"], MBPP_ROW["test_list"])
-    assert "assert double(2) == 4" in plain.prompt and plain.setup == ""
+    assert plain.id == "11"
+    assert plain.prompt == '"""\nWrite a function to double a number.\nassert double(2) == 4\n"""\n'
+    assert plain.setup == "" and plain.entry_point == "double"
     assert extra.setup == "import math\n" and "math.inf" in extra.test and "math.inf" not in extra.prompt
     assert "math.inf" not in bm.read_mbpp(tmp_path / "mbpp.jsonl")[1].test
+    plus = {"task_id": 2, "prompt": "Write a function to find the floor.",
+            "code": "def f(x):\n    return math.floor(x)", "test_imports": ["import math"],
+            "test_list": ["assert f(2.5) == 2"], "source_file": "x", "test": ""}
+    (p,) = bm.read_mbpp(_write_jsonl(tmp_path / "mbppplus.jsonl", [plus]))  # MBPP+'s own field names
+    assert (p.prompt, p.setup, p.entry_point) == ('"""\nWrite a function to find the floor.\nassert f(2.5) == 2\n"""\n',
+                                                  "import math\n", "f")
+    assert bm.score_code([p], [p.reference], timeout=5)[0].passed
 
 
 @pytest.mark.parametrize("reader, rows, message", [
@@ -150,6 +171,7 @@ def test_read_code_benchmarks(tmp_path):
     (bm.read_humaneval, [HUMANEVAL_ROW, {**HUMANEVAL_ROW, "entry_point": None}],
      r":2: field 'entry_point' is NoneType, expected str"),
     (bm.read_mbpp, [{k: v for k, v in MBPP_ROW.items() if k != "test_list"}], r":1: missing field 'test_list'"),
+    (bm.read_mbpp, [{k: v for k, v in MBPP_ROW.items() if k != "text"}], r":1: missing field 'text' \(MBPP\)"),
     (bm.read_mbpp, [{**MBPP_ROW, "task_id": 1.5}], r":1: field 'task_id' is float, expected int or str"),
     (bm.read_mbpp, [{**MBPP_ROW, "test_list": ["ok", 3]}], r":1: field 'test_list' must be a list of strings"),
 ])
@@ -232,6 +254,32 @@ def test_humaneval_canonical_solutions():
     results = bm.score_code(problems, broken, timeout=10, workers=4)
     assert [r.id for r in results if r.passed] == []
     assert bm.pass_at_1(results) == 0.0
+
+
+def test_clean_code_keeps_what_the_entry_point_needs():
+    text = ("Here is the code:\n```python\nimport math\nfrom typing import List\n\nLIMIT = 3\n\n@staticmethod\n"
+            "def helper(x):\n    return math.floor(x) + LIMIT\n\ndef f(x):\n    return helper(x)\n\ndef unused():\n"
+            "    return 0\n\ndef f(x):\n    return -1\n\nprint(f(2))\nassert f(1) == 4\nif __name__ == '__main__':\n"
+            "    f(input())\n```\nIt adds three.")
+    assert bm.clean_code(text, "f") == ("import math\nfrom typing import List\nLIMIT = 3\n@staticmethod\n"
+                                        "def helper(x):\n    return math.floor(x) + LIMIT\ndef f(x):\n"
+                                        "    return helper(x)")
+    assert "def unused" in bm.clean_code(text)  # without an entry point every definition stays
+    assert bm.clean_code("def f(x):\n    return x +\n", "f") == ""  # nothing parses
+    # a completion cut off mid-statement keeps the longest part that parses
+    assert bm.clean_code("def f(x):\n    return x\n\ndef g(y):\n    return (y +", "f") == "def f(x):\n    return x"
+    assert bm.clean_code("print(1)\n", "f") == "print(1)\n"  # nothing to keep: the code as it is, as EvalPlus
+
+
+def test_script_program_keeps_the_prompts_helpers_in_scope():
+    """A whole script runs after the prompt (HumanEval's tests may call the prompt's helpers) and replaces
+    the prompt's definitions; its own tests and prints are dropped."""
+    problem = bm.CodeProblem("T/1", "", "def shift(s):\n    return s + 'x'\n\ndef unshift(s):\n    \"\"\"Undo.\"\"\"\n",
+                             "    return s[:-1]\n", "assert unshift(shift('ab')) == 'ab'", entry_point="unshift")
+    script = "def unshift(s):\n    return s[:-1]\n\nprint(unshift('abx'))\nassert unshift('') == 'boom'\n"
+    assert bm.run_program(problem.script_program(script), timeout=5) == "passed"
+    assert [r.passed for r in bm.score_code([problem] * 2, [script, "def unshift(s):\n    return s"], timeout=5,
+                                            scripts=True)] == [True, False]
 
 
 def test_pass_at_1_needs_results():
