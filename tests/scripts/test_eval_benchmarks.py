@@ -172,6 +172,7 @@ def test_bad_options_are_one_line_before_any_work(tmp_path, additions):
     bad.write_text('{"question": "1+1=", "answer": "2"}\n')
     refused(gsm8k_args("ouro", bad, out), "argument --data: ")
     refused(gsm8k_args("ouro", data, out, "--mesh", "data=3"), "argument --mesh: ")
+    refused(gsm8k_args("ouro", data, out, "--schedule", str(bad)), "argument --schedule: ")
     assert not out.parent.exists()
     blocked = tmp_path / "file"
     blocked.write_text("")
