@@ -474,8 +474,10 @@ class Engine:
             targets = np.zeros((1, bucket), np.int32)
             nxt = prompt[start + 1 : end + 1]
             targets[0, : len(nxt)] = nxt
+        began = time.perf_counter()
         job.stage, job.picked, lps = self._prefill[echo](self.params, tokens, np.array([n], np.int32), job.stage,
                                                          model_rng, job.sampling, job.keys[2], targets)
+        self._ran("prefill", began, job.picked)
         if echo:
             lp, ids, values = sharding.to_host(lps)
             count = min(end, len(prompt) - 1) - start  # positions whose next token is in the prompt
@@ -490,8 +492,10 @@ class Engine:
     def _enter(self, job: _Prefill) -> None:
         """The prefilled request into its slot, and its first token."""
         request = job.request
+        began = time.perf_counter()
         self.cache, self.slots = self._admit(self.cache, self.slots, job.stage, self.calib, np.int32(job.slot),
                                              job.picked.tokens, job.sampling)
+        self._ran("admit", began, self.cache)
         self._running[job.slot] = request
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt))
@@ -503,10 +507,20 @@ class Engine:
         rows = next(r for r in self.decode_buckets if r > max(self._running))
         active = np.zeros(rows, bool)
         active[list(self._running)] = True
+        began = time.perf_counter()
         self.cache, self.slots, picked = self._decode(self.params, self.calib, self.cache, self.slots, active)
+        self._ran("decode", began, picked)
+        if self.metrics is not None:
+            self.metrics.decode_rows.inc(rows)
         tokens, logprob, top_ids, top_lps = sharding.to_host(picked)
         for slot, request in list(self._running.items()):
             self._emit(request, tokens[slot], logprob[slot], top_ids[slot], top_lps[slot])
+
+    def _ran(self, phase: str, began: float, result) -> None:
+        """With metrics: wait for `result` and count a call of `phase` (prefill, admit, decode) since `began`."""
+        if self.metrics is not None:
+            jax.block_until_ready(result)
+            self.metrics.ran(phase, time.perf_counter() - began)
 
     def _emit(self, request: Request, token, logprob, top_ids, top_lps) -> None:
         """Record a request's new token; finish it on a stop token, a stop string or max_tokens."""
