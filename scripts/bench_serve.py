@@ -28,8 +28,9 @@ import time
 import httpx
 import numpy as np
 
-from rq_jax.cli import positive_int
+from rq_jax.cli import output_file, positive_int
 from rq_jax.data import Addition
+from rq_jax.serve.metrics import PHASES
 from rq_jax.tokenizer import load_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -53,7 +54,18 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=positive_int, default=64, help="requests per point (at most)")
     p.add_argument("--max-seconds", type=float, default=60.0, help="time per point (at most)")
     p.add_argument("--out", default="bench_serve", help="output prefix (.md, .json, .png)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.levels = [c if c == "max" else positive_int(c) for c in args.concurrency.split(",")]
+        args.arrivals = [float(r) for r in args.rates.split(",")] if args.rates else []
+    except (ValueError, argparse.ArgumentTypeError) as err:
+        p.error(f"--concurrency takes positive integers or 'max', --rates numbers: {err}")
+    if not all(r > 0 for r in args.arrivals):
+        p.error("--rates must be positive")
+    if not args.memory_gb > 0:
+        p.error("--memory-gb must be positive")
+    output_file(p, "--out", args.out)
+    return args
 
 
 class Server:
@@ -68,12 +80,11 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), "--model", args.model, "--checkpoint",
                args.checkpoint, *extra, "--memory-gb", str(args.memory_gb), "--max-len", str(args.max_len),
-               "--max-waiting", "4096", "--compile-cache", compile_cache, "--host", "127.0.0.1",
-               "--port", str(self.port)]
+               "--max-waiting", "4096", "--host", "127.0.0.1", "--port", str(self.port)]
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         start = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONPATH=str(REPO)))
+                                     env=dict(os.environ, PYTHONPATH=str(REPO), RQ_JAX_COMPILE_CACHE=compile_cache))
         while True:
             if self.proc.poll() is not None or time.perf_counter() - start > 600:
                 self.stop()
@@ -104,9 +115,17 @@ class Server:
                 self.proc.kill()
 
 
-def metric(text: str, name: str) -> float:
-    """The sum of a metric's samples in Prometheus text."""
-    return sum(float(m.group(1)) for m in re.finditer(rf"^rq_serve_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+def metric(text: str, name: str, phase: str | None = None) -> float:
+    """The sum of a metric's samples in Prometheus text (those of engine program `phase` only, when given)."""
+    labels = rf"{{[^}}]*phase=\"{phase}\"[^}}]*}}" if phase else r"(?:{[^}]*})?"
+    return sum(float(m.group(1)) for m in re.finditer(rf"^rq_serve_{name}{labels} (\S+)$", text, re.M))
+
+
+def engine_counters(text: str) -> dict:
+    """The engine's seconds and calls per program, and the decode steps' rows, from /metrics."""
+    out = {f"{phase}_{what}": metric(text, f"engine_{what}_total", phase)
+           for phase in PHASES for what in ("seconds", "calls")}
+    return dict(out, decode_rows=metric(text, "decode_rows_total"))
 
 
 async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
@@ -145,6 +164,7 @@ async def run_point(server: Server, prompts: list[str], args, concurrency: int |
 
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
     async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
+        before = engine_counters((await http.get("/metrics")).text)
         watcher = asyncio.create_task(watch())
         start = time.perf_counter()
         deadline = start + args.max_seconds
@@ -169,6 +189,7 @@ async def run_point(server: Server, prompts: list[str], args, concurrency: int |
         wall = time.perf_counter() - start
         done.set()
         await watcher
+        after = engine_counters((await http.get("/metrics")).text)
     ok = [r for r in results if "error" not in r]
     itl = [x for r in ok for x in r["itl"]]
 
@@ -179,7 +200,7 @@ async def run_point(server: Server, prompts: list[str], args, concurrency: int |
                 output_tok_s=sum(r["tokens"] for r in ok) / wall, req_s=len(ok) / wall, peak_sequences=peak,
                 ttft_ms_p50=ms([r["ttft"] for r in ok], 50), ttft_ms_p99=ms([r["ttft"] for r in ok], 99),
                 itl_ms_p50=ms(itl, 50), itl_ms_p99=ms(itl, 99), e2e_ms_p50=ms([r["e2e"] for r in ok], 50),
-                e2e_ms_p99=ms([r["e2e"] for r in ok], 99))
+                e2e_ms_p99=ms([r["e2e"] for r in ok], 99), engine={k: after[k] - before[k] for k in after})
 
 
 def bench_format(label: str, args, prompts: list[str], cache_dir: str) -> dict:
@@ -194,13 +215,12 @@ def bench_format(label: str, args, prompts: list[str], cache_dir: str) -> dict:
     print(f"{label}: {out['slots']} slots, started in {out['startup_cold_s']:.1f} s cold, {server.startup:.1f} s "
           "from the compile cache", flush=True)
     try:
-        for c in args.concurrency.split(","):
-            c = out["slots"] if c == "max" else int(c)
+        for c in dict.fromkeys(out["slots"] if c == "max" else c for c in args.levels):  # 'max' may repeat one
             point = asyncio.run(run_point(server, prompts[: max(args.requests, c)], args, concurrency=c))
             out["points"].append(point)
             print(f"  concurrency {c}: {point['output_tok_s']:,.0f} tok/s, TTFT p50 {point['ttft_ms_p50']:.1f} ms, "
                   f"peak {point['peak_sequences']} sequences", flush=True)
-        for rate in map(float, args.rates.split(",")):
+        for rate in args.arrivals:
             point = asyncio.run(run_point(server, prompts[: args.requests], args, rate=rate))
             out["points"].append(point)
             print(f"  {rate:g} req/s: {point['output_tok_s']:,.0f} tok/s, e2e p99 {point['e2e_ms_p99']:.0f} ms",
@@ -209,6 +229,11 @@ def bench_format(label: str, args, prompts: list[str], cache_dir: str) -> dict:
     finally:
         server.stop()
     return out
+
+
+def load(point: dict) -> str:
+    """A load point's label."""
+    return f"concurrency {point['concurrency']}" if point["concurrency"] else f"Poisson {point['rate']:g} req/s"
 
 
 def row(*cells) -> str:
@@ -222,11 +247,26 @@ def markdown(runs: list[dict], args) -> str:
                      "ITL p50 / p99 ms", "e2e p50 / p99 ms"), row(*["---"] * 9)]
     for run in runs:
         for p in run["points"]:
-            load = f"concurrency {p['concurrency']}" if p["concurrency"] else f"Poisson {p['rate']:g} req/s"
-            lines.append(row(run["format"], load, p["requests"], f"{p['output_tok_s']:,.0f}", f"{p['req_s']:.1f}",
+            lines.append(row(run["format"], load(p), p["requests"], f"{p['output_tok_s']:,.0f}", f"{p['req_s']:.1f}",
                              p["peak_sequences"], f"{p['ttft_ms_p50']:.1f} / {p['ttft_ms_p99']:.1f}",
                              f"{p['itl_ms_p50']:.1f} / {p['itl_ms_p99']:.1f}",
                              f"{p['e2e_ms_p50']:.0f} / {p['e2e_ms_p99']:.0f}"))
+    lines += ["", "Where the engine's time went (wall seconds of each program with its results ready, from /metrics; "
+              "busy: their sum over the point's wall time):", "",
+              row("format", "load", "prefill calls × ms", "admit calls × ms", "decode steps × ms (mean rows)",
+                  "busy"), row(*["---"] * 6)]
+    for run in runs:
+        for p in run["points"]:
+            e = p["engine"]
+
+            def calls(phase):
+                n = e[f"{phase}_calls"]
+                return f"{n:.0f} × {e[f'{phase}_seconds'] / n * 1e3:.1f}" if n else "0"
+
+            busy = sum(e[f"{phase}_seconds"] for phase in PHASES) / p["wall_s"]
+            rows = e["decode_rows"] / e["decode_calls"] if e["decode_calls"] else 0
+            lines.append(row(run["format"], load(p), calls("prefill"), calls("admit"),
+                             f"{calls('decode')} ({rows:.0f})", f"{busy:.0%}"))
     dense, residual = runs[0], runs[-1]
 
     def at(run, c):
@@ -248,7 +288,7 @@ def markdown(runs: list[dict], args) -> str:
     c1, c32, r1, r32 = at(dense, 1), at(dense, 32), at(residual, 1), at(residual, 32)
     if c1 and c32 and r1 and r32:
         lines += ["", "The vLLM comparison workload (vLLM's figures quoted from issue 24, not rerun here):", "",
-                  row("", "vLLM 0.32 CPU (bf16 KV)", "rq_jax dense bf16", "rq_jax residual [2,2,2,4]"),
+                  row("", "vLLM 0.32 CPU (quoted)", "rq_jax dense bf16", "rq_jax residual [2,2,2,4]"),
                   row(*["---"] * 4),
                   row("output tok/s, concurrency 1", VLLM["c1_tok_s"], f"{c1['output_tok_s']:,.0f}",
                       f"{r1['output_tok_s']:,.0f}"),
@@ -266,27 +306,28 @@ def markdown(runs: list[dict], args) -> str:
 
 
 def plot(runs: list[dict], path: str) -> None:
+    """Output tok/s and p99 end-to-end latency against offered load: the fixed-concurrency points
+    (concurrent requests) above, the Poisson points (arrival rate) below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
-        for kind, marker in (("concurrency", "o"), ("rate", "s")):
-            pts = [p for p in run["points"] if p[kind]]
-            offered = [p["req_s"] if kind == "concurrency" else p["rate"] for p in pts]
-            order = np.argsort(offered)
-            x = np.asarray(offered)[order]
-            label = f"{run['format']}, {'fixed concurrency' if kind == 'concurrency' else 'Poisson'}"
-            a.plot(x, np.asarray([p["output_tok_s"] for p in pts])[order], marker=marker, label=label)
-            b.plot(x, np.asarray([p["e2e_ms_p99"] for p in pts])[order], marker=marker, label=label)
-    a.set(xlabel="offered load (requests/s: achieved for fixed concurrency, arrival rate for Poisson)",
-          ylabel="output tokens/s", title="throughput")
-    b.set(xlabel="offered load (requests/s)", ylabel="end-to-end latency p99 (ms)", title="p99 latency", yscale="log")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for (a, b), kind, xlabel in ((axes[0], "concurrency", "concurrent requests (fixed concurrency)"),
+                                 (axes[1], "rate", "arrival rate, requests/s (Poisson)")):
+        for run in runs:
+            pts = sorted((p for p in run["points"] if p[kind]), key=lambda p: p[kind])
+            x = [p[kind] for p in pts]
+            a.plot(x, [p["output_tok_s"] for p in pts], marker="o", label=run["format"])
+            b.plot(x, [p["e2e_ms_p99"] for p in pts], marker="o", label=run["format"])
+        a.set(xlabel=xlabel, ylabel="output tokens/s", title="throughput")
+        b.set(xlabel=xlabel, ylabel="end-to-end latency p99 (ms)", title="p99 latency", yscale="log")
+        for ax in (a, b):
+            if kind == "concurrency":
+                ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -7,7 +7,8 @@
 Without --checkpoint it serves a small model shipped in checkpoints/ (generate.py's defaults). The
 number of decode slots is --max-slots, or as many slots of --max-len tokens as --memory-gb of cache
 holds in the chosen format (the arrays' own bytes). Every program compiles at start-up (printed with
-its seconds); --compile-cache DIR keeps them for the next start. Listens on 127.0.0.1 by default;
+its seconds) and is kept in the compile cache ($RQ_JAX_COMPILE_CACHE, default ~/.cache/rq_jax/jax), so a
+second start loads them (--no-compile-cache: compile afresh). Listens on 127.0.0.1 by default;
 SIGTERM (or Ctrl-C) stops admitting, lets held requests finish for --drain-timeout seconds, cancels
 the rest and exits.
 """
@@ -21,12 +22,11 @@ import signal
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 
-from rq_jax import checkpoint, memory, sharding
-from rq_jax.cli import (add_cache_options, add_model_options, cache_policy, check_cache_options, checkpoint_source,
-                        model_kwargs, positive_int, stop_token_ids)
+from rq_jax import checkpoint, cli, memory, sharding
+from rq_jax.cli import (add_cache_options, add_model_options, add_runtime_options, cache_policy, check_cache_options,
+                        checkpoint_source, model_kwargs, positive_int, stop_token_ids)
 from rq_jax.cache import get_format
 
 
@@ -47,10 +47,10 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the model id of the API (default: the checkpoint folder's name)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
-    p.add_argument("--compile-cache", help="persistent compilation cache directory (faster later start-ups)")
     p.add_argument("--warmup-echo", action="store_true",
                    help="also compile the prefills that return prompt log-probabilities (echo); else on first use")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds held requests get after SIGTERM")
+    add_runtime_options(p)
     args = p.parse_args(argv)
     check_cache_options(p, args)
     if args.model == "ouro" and args.init_state:
@@ -121,10 +121,7 @@ def build(args):
 def main(argv=None):
     start = time.perf_counter()
     args = parse_args(argv)
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    cli.start(args)
     import uvicorn
 
     from rq_jax.serve.api import Server, create_app

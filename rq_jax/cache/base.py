@@ -457,14 +457,17 @@ def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[A
     keep = ((step < 0) | (step >= num_new[:, None])).reshape(per_token)
     merged = jnp.where(keep, held, along_tokens(val, jnp.clip(step, 0, t - 1)))
 
-    def row(i, old):
-        block = jax.lax.bitcast_convert_type(jax.lax.dynamic_slice_in_dim(merged, i, 1, axis=2), old.dtype)
-        return jax.lax.dynamic_update_slice(old, block, (0, 0, i, 0, start[i]) + (0,) * (old.ndim - TOKEN_AXIS - 1))
+    def row(i, stored):
+        block = jax.lax.dynamic_slice_in_dim(merged, i, 1, axis=2)
+        return jax.lax.dynamic_update_slice(stored, block, (0, 0, i, 0, start[i]) + (0,) * (old.ndim - TOKEN_AXIS - 1))
 
-    # One row: a trip count XLA cannot prove is 1, so the loop stays and the write stays in place (unrolled,
-    # XLA:CPU fuses the block's read into the write and copies the whole leaf).
+    # The loop runs on the bits: a bfloat16 or fp8 dynamic-update-slice inside a loop is not done in place
+    # on XLA:CPU (a copy of the whole leaf per row, quadratic in the rows). One row: a trip count XLA cannot
+    # prove is 1, so the loop stays and the write stays in place (unrolled, XLA:CPU fuses the block's read
+    # into the write and copies the whole leaf).
     rows = old.shape[2] if old.shape[2] > 1 else jnp.minimum(1, jnp.maximum(start[0], 1))
-    return jax.lax.fori_loop(0, rows, row, old)
+    stored = jax.lax.fori_loop(0, rows, row, jax.lax.bitcast_convert_type(old, bits))
+    return jax.lax.bitcast_convert_type(stored, old.dtype)
 
 
 def tree_nbytes(tree: Any) -> int:

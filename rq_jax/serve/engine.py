@@ -309,24 +309,35 @@ class Engine:
     def _put(self, tree):
         return tree if self.mesh is None else sharding.put(tree, sharding.replicated(self.mesh))
 
-    def warm_up(self, echo: bool = False) -> dict[str, float]:
+    def warm_up(self, echo: bool = False, stop: Callable[[], bool] | None = None) -> dict[str, float]:
         """Compile every program (a prefill per bucket — also with prompt log-probabilities when `echo`
         — the admit and a decode step per decode bucket) by running it once; returns wall seconds per
-        program. Leaves every slot free."""
+        program. Leaves every slot free. Returns early, not ready, once `stop()` is true (asked between
+        programs: a compile cannot be interrupted)."""
         seconds = {}
+
+        def stopped() -> bool:
+            return stop is not None and stop()
+
         for echo_ in (False, True) if echo else (False,):
             for bucket in self.buckets:
+                if stopped():
+                    return seconds
                 start = time.perf_counter()
                 job = self._begin(Request("warm-up", [0] * bucket, SamplingParams(prompt_logprobs=echo_), None,
                                           frozenset(), TextStream(self.tokenizer), 0.0), 0)
                 self._run_chunk(job)
                 seconds[f"prefill {bucket}" + (" echo" if echo_ else "")] = time.perf_counter() - start
+        if stopped():
+            return seconds
         start = time.perf_counter()
         self.cache, self.slots = self._admit(self.cache, self.slots, job.stage, self.calib, np.int32(0),
                                              job.picked.tokens, job.sampling)
         jax.block_until_ready(self.cache)
         seconds["admit"] = time.perf_counter() - start
         for rows in self.decode_buckets:
+            if stopped():
+                return seconds
             start = time.perf_counter()
             self.cache, self.slots, picked = self._decode(self.params, self.calib, self.cache, self.slots,
                                                           np.zeros(rows, bool))
@@ -474,8 +485,10 @@ class Engine:
             targets = np.zeros((1, bucket), np.int32)
             nxt = prompt[start + 1 : end + 1]
             targets[0, : len(nxt)] = nxt
+        began = time.perf_counter()
         job.stage, job.picked, lps = self._prefill[echo](self.params, tokens, np.array([n], np.int32), job.stage,
                                                          model_rng, job.sampling, job.keys[2], targets)
+        self._ran("prefill", began, job.picked)
         if echo:
             lp, ids, values = sharding.to_host(lps)
             count = min(end, len(prompt) - 1) - start  # positions whose next token is in the prompt
@@ -490,8 +503,10 @@ class Engine:
     def _enter(self, job: _Prefill) -> None:
         """The prefilled request into its slot, and its first token."""
         request = job.request
+        began = time.perf_counter()
         self.cache, self.slots = self._admit(self.cache, self.slots, job.stage, self.calib, np.int32(job.slot),
                                              job.picked.tokens, job.sampling)
+        self._ran("admit", began, self.cache)
         self._running[job.slot] = request
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(request.prompt))
@@ -503,10 +518,21 @@ class Engine:
         rows = next(r for r in self.decode_buckets if r > max(self._running))
         active = np.zeros(rows, bool)
         active[list(self._running)] = True
+        began = time.perf_counter()
         self.cache, self.slots, picked = self._decode(self.params, self.calib, self.cache, self.slots, active)
+        self._ran("decode", began, picked)
+        if self.metrics is not None:
+            self.metrics.decode_rows.inc(rows)
         tokens, logprob, top_ids, top_lps = sharding.to_host(picked)
         for slot, request in list(self._running.items()):
             self._emit(request, tokens[slot], logprob[slot], top_ids[slot], top_lps[slot])
+
+    def _ran(self, phase: str, began: float, result) -> None:
+        """With metrics, after the warm-up: wait for `result` and count a call of `phase` (prefill, admit,
+        decode) since `began`."""
+        if self.metrics is not None and self.ready:
+            jax.block_until_ready(result)
+            self.metrics.ran(phase, time.perf_counter() - began)
 
     def _emit(self, request: Request, token, logprob, top_ids, top_lps) -> None:
         """Record a request's new token; finish it on a stop token, a stop string or max_tokens."""

@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 #: Latency buckets (seconds) from a millisecond to a minute.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "rq_serve_"
+#: The engine's programs, as `ServeMetrics.ran` counts them.
+PHASES = ("prefill", "admit", "decode")
 
 
 class ServeMetrics:
@@ -15,7 +17,8 @@ class ServeMetrics:
     running / waiting requests, slots used / total, cache bytes of the used slots and what a dense
     bf16 cache would take for them, prompt / generated tokens, finished requests by reason, values the
     cache could not store (`KVCache.out_of_range` of finished requests), time to first token,
-    inter-token latency and end-to-end latency.
+    inter-token latency and end-to-end latency; the engine's wall seconds and calls per program
+    (`phase`: prefill chunks, admits, decode steps), which tell what bounds its throughput.
     """
 
     def __init__(self, model_name: str, cache_format: str):
@@ -46,6 +49,15 @@ class ServeMetrics:
                                  labelnames=("model", "cache", "reason"), registry=self.registry)
         for reason in ("stop", "length", "cancelled"):  # exported at 0 from the start
             self._finished.labels(**self._labels, reason=reason)
+        self._engine_seconds = Counter(PREFIX + "engine_seconds", "engine wall seconds by program, results ready",
+                                       labelnames=("model", "cache", "phase"), registry=self.registry)
+        self._engine_calls = Counter(PREFIX + "engine_calls", "engine program calls by program",
+                                     labelnames=("model", "cache", "phase"), registry=self.registry)
+        for phase in PHASES:
+            self._engine_seconds.labels(**self._labels, phase=phase)
+            self._engine_calls.labels(**self._labels, phase=phase)
+        self.decode_rows = counter("decode_rows", "slots the decode steps ran over (their sum: ÷ decode calls is "
+                                   "the mean step size)")
         self.ttft = histogram("time_to_first_token_seconds", "arrival to first token")
         self.itl = histogram("inter_token_latency_seconds", "time between a request's consecutive tokens")
         self.e2e = histogram("e2e_request_latency_seconds", "arrival to last token")
@@ -53,6 +65,11 @@ class ServeMetrics:
     def finished(self, reason: str) -> None:
         """Count a finished request (reason: stop, length, cancelled)."""
         self._finished.labels(**self._labels, reason=reason).inc()
+
+    def ran(self, phase: str, seconds: float) -> None:
+        """Count one call of an engine program (phase: prefill, admit, decode) and its wall seconds."""
+        self._engine_seconds.labels(**self._labels, phase=phase).inc(seconds)
+        self._engine_calls.labels(**self._labels, phase=phase).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

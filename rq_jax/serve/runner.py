@@ -74,16 +74,18 @@ class EngineThread:
         return self._queued == 0 and not self.engine.has_work()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel whatever is still held and end the thread."""
+        """Cancel whatever is still held and end the thread (while warming up: once the program compiling
+        now is done, however long that takes — a process that exits with XLA compiling aborts)."""
+        warming = self.state == "warming up"
         self.drain()
         self._stop.set()
         self._inbox.put(("wake", None))
-        self._thread.join(timeout)
+        self._thread.join(None if warming else timeout)
         self.state = "stopped"
 
     def _run(self) -> None:
         try:
-            self.warm_up_seconds = self.engine.warm_up(echo=self.warm_up_echo)
+            self.warm_up_seconds = self.engine.warm_up(echo=self.warm_up_echo, stop=self._stop.is_set)
             if self.state == "warming up":
                 self.state = "ready"
             while not self._stop.is_set():

@@ -77,6 +77,15 @@ def ouro():
     return model, tokenizer, stops, engine
 
 
+def test_warm_up_stops_between_programs(ouro):
+    """Asked to stop (SIGTERM while warming up), the warm-up returns before its next program, not ready."""
+    model, tokenizer, stops, _ = ouro
+    engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=2, chunk=16)
+    asked = iter([False, True])  # the first program runs, then the stop comes
+    seconds = engine.warm_up(stop=lambda: next(asked))
+    assert list(seconds) == ["prefill 16"] and not engine.ready
+
+
 def test_chunked_prompt_and_seeded_sampling_equal_the_sampler(ouro):
     """A 28-token prompt runs in two chunks (16 + 12) that read each other at full precision, and seeded
     sampling with top-k and top-p draws what the Sampler draws for that prompt alone."""

@@ -70,10 +70,11 @@ def additions(n: int, offset: int = 0) -> list[str]:
     return [tokenizer.decode(list(e.prompt())) for e in Addition().examples("eval", n + offset)[offset:]]
 
 
-def metric(server, name: str, reason: str | None = None) -> float:
-    """The sum of a metric's samples in /metrics (those with `reason` only, when given)."""
+def metric(server, name: str, reason: str | None = None, phase: str | None = None) -> float:
+    """The sum of a metric's samples in /metrics (those with label `reason` or `phase` only, when given)."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    labels = rf"{{[^}}]*reason=\"{reason}\"[^}}]*}}" if reason else r"(?:{[^}]*})?"
+    label = ("reason", reason) if reason else ("phase", phase) if phase else None
+    labels = rf"{{[^}}]*{label[0]}=\"{label[1]}\"[^}}]*}}" if label else r"(?:{[^}]*})?"
     values = [float(m.group(1)) for m in re.finditer(rf"^rq_serve_{name}{labels} (\S+)$", text, re.M)]
     assert values, f"{name} not in /metrics"
     return sum(values)
@@ -144,6 +145,8 @@ def test_64_concurrent_mixed_requests_on_4_slots(server, reference):
     prompts = additions(32, offset=1)
     jobs = [(prompts[i // 2] if i % 2 == 0 else RETRIEVAL, 6 if i % 2 == 0 else 3, i % 5) for i in range(64)]
     generated = metric(server, "generation_tokens_total")
+    calls = {phase: metric(server, "engine_calls_total", phase=phase) for phase in ("prefill", "admit", "decode")}
+    busy = metric(server, "engine_seconds_total")
 
     async def one(http, prompt, max_tokens, seed):
         ids = reference.tokenizer.encode(prompt).ids
@@ -169,6 +172,14 @@ def test_64_concurrent_mixed_requests_on_4_slots(server, reference):
                                                                          for r in results)
     assert metric(server, "slots_used") == 0 and metric(server, "slots_total") == 4
     assert metric(server, "requests_running") == 0 and metric(server, "requests_waiting") == 0
+    # Every prompt fits one 32-token chunk: a prefill and an admit each; a request of n tokens takes its
+    # first from the prefill and the rest from n - 1 decode steps, 4 slots at a time at best.
+    assert metric(server, "engine_calls_total", phase="prefill") - calls["prefill"] == 64
+    assert metric(server, "engine_calls_total", phase="admit") - calls["admit"] == 64
+    steps = metric(server, "engine_calls_total", phase="decode") - calls["decode"]
+    later = sum(r["usage"]["completion_tokens"] - 1 for r in results)
+    assert later / 4 <= steps <= later
+    assert metric(server, "engine_seconds_total") > busy
 
 
 def test_a_killed_client_frees_its_slot(server):
