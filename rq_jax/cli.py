@@ -266,6 +266,19 @@ def build_format(p: argparse.ArgumentParser, args: argparse.Namespace, config, n
     return fmt
 
 
+def calibration(args: argparse.Namespace, model, fmt, num_loops: int):
+    """The --calibration artifact loaded for `fmt` (checked against the model and schedule), or None
+    without one; raises ValueError naming the option when it does not load."""
+    if not args.calibration:
+        return None
+    from rq_jax.calibrate import load_calibration
+
+    try:
+        return load_calibration(args.calibration, model, fmt, num_loops=num_loops)
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"argument --calibration: {args.calibration}: {err}") from None
+
+
 def check_format(p: argparse.ArgumentParser, what: str, fmt, config, num_loops: int) -> None:
     """`p.error` (naming `what`, the options that chose `fmt`) unless the format can store this model's
     K/V at `num_loops` loops: its bit accounting and a cache of the model built abstractly (group sizes

@@ -123,14 +123,10 @@ def main(argv=None):
                           advice="use fewer --loops or --max-new-tokens")
     except MemoryError as err:
         p.error(str(err))
-    calib = None
-    if args.calibration:
-        from rq_jax.calibrate import load_calibration
-
-        try:
-            calib = load_calibration(args.calibration, model, fmt, num_loops=loops)
-        except (ValueError, FileNotFoundError) as err:
-            p.error(f"argument --calibration: {args.calibration}: {err}")
+    try:
+        calib = cli.calibration(args, model, fmt, loops)
+    except ValueError as err:
+        p.error(str(err))
     kwargs = cli.model_kwargs(args)
     if args.exit_criterion:
         kwargs["decode_kwargs"] = dict(adaptive=AdaptiveExit(args.exit_criterion, args.exit_threshold,

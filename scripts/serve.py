@@ -28,6 +28,7 @@ from rq_jax import checkpoint, cli, memory, sharding
 from rq_jax.cli import (add_cache_options, add_model_options, add_runtime_options, cache_policy, check_cache_options,
                         checkpoint_source, model_kwargs, positive_int, stop_token_ids)
 from rq_jax.cache import get_format
+from rq_jax.calibrate.allocate import load_schedule
 
 
 def parse_args(argv=None):
@@ -83,7 +84,8 @@ def build(args):
     except FileNotFoundError as err:
         sys.exit(f"serve.py: {err} (the checkpoint needs its tokenizer.json)")
     try:
-        fmt = get_format(args.cache, **cache_policy(args))
+        fmt = load_schedule(args.schedule, **cache_policy(args)) if args.schedule else \
+            get_format(args.cache, **cache_policy(args))
         fmt.bits_per_element(model.config.num_loops, model.config.head_dim)
     except ValueError as err:
         sys.exit(f"serve.py: bad --cache policy: {err}")
@@ -92,15 +94,11 @@ def build(args):
     if args.max_len > model.config.max_position_embeddings:
         sys.exit(f"serve.py: --max-len {args.max_len} exceeds the model's {model.config.max_position_embeddings} "
                  f"positions")
-    calib = None
-    if args.calibration:
-        from rq_jax.calibrate import load_calibration
-
-        try:
-            calib = load_calibration(args.calibration, model, fmt, num_loops=loops)
-        except (ValueError, FileNotFoundError) as err:
-            sys.exit(f"serve.py: --calibration {args.calibration}: {err}")
-    elif fmt.needs_data:
+    try:
+        calib = cli.calibration(args, model, fmt, loops)
+    except ValueError as err:
+        sys.exit(f"serve.py: {err}")
+    if calib is None and fmt.needs_data:
         sys.exit(f"serve.py: the {args.cache} cache needs --calibration (a fitted artifact, scripts/calibrate.py)")
     name = args.served_model_name or os.path.basename(os.path.normpath(folder))
     metrics = ServeMetrics(name, args.cache)
