@@ -266,6 +266,18 @@ def build_format(p: argparse.ArgumentParser, args: argparse.Namespace, config, n
     return fmt
 
 
+def device_mesh(p: argparse.ArgumentParser, args: argparse.Namespace):
+    """Join the processes $JAX_COORDINATOR_ADDRESS etc. name (a no-op when they are not set), then the
+    mesh of --mesh (None: one device); `p.error` naming --mesh when it is malformed."""
+    from rq_jax import sharding
+
+    sharding.init_distributed()
+    try:
+        return sharding.parse_mesh(args.mesh)
+    except ValueError as err:
+        p.error(f"argument --mesh: {err}")
+
+
 def calibration(args: argparse.Namespace, model, fmt, num_loops: int):
     """The --calibration artifact loaded for `fmt` (checked against the model and schedule), or None
     without one; raises ValueError naming the option when it does not load."""

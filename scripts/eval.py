@@ -245,11 +245,7 @@ def main(argv=None):
         rows_to_run.append(Scheme(f"allocated {os.path.splitext(os.path.basename(path))[0]}", fmt, "allocated"))
     cli.output_file(p, "--out", args.out)
     cli.start(args)
-    sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
-    try:
-        mesh = sharding.parse_mesh(args.mesh)
-    except ValueError as err:
-        p.error(f"argument --mesh: {err}")
+    mesh = cli.device_mesh(p, args)
     if args.batch % sharding.axis_size(mesh, "data"):
         p.error(f"argument --batch: {args.batch} is not a multiple of the mesh's data axis "
                 f"({sharding.axis_size(mesh, 'data')})")

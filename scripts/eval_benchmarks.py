@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from rq_jax import checkpoint, cli, memory, sharding
+from rq_jax import checkpoint, cli, memory
 from rq_jax.cache.schemes import PaperRow, Scheme
 from rq_jax.calibrate.allocate import load_schedule
 from rq_jax.eval import benchmark_run as br
@@ -209,11 +209,7 @@ def main(argv=None):
                     prompt_format=protocol.format, shots=protocol.shots, max_new_tokens=protocol.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed, timeout=args.timeout)
     cli.start(args)
-    sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
-    try:
-        mesh = sharding.parse_mesh(args.mesh)
-    except ValueError as err:
-        p.error(f"argument --mesh: {err}")
+    mesh = cli.device_mesh(p, args)
     json_path = f"{args.out}.json"
     cli.output_file(p, "--out", args.out)
     if args.resume:

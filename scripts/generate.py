@@ -97,11 +97,7 @@ def main(argv=None):
     """Run the command line; returns the `Generation` it printed."""
     p, args = parse_args(argv)
     cli.start(args)
-    sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
-    try:
-        mesh = sharding.parse_mesh(args.mesh)
-    except ValueError as err:
-        p.error(f"argument --mesh: {err}")
+    mesh = cli.device_mesh(p, args)
     config, folder = cli.resolve_checkpoint(p, args)
     if args.exit_criterion and args.model == "ouro":
         p.error("argument --exit-criterion: Huginn's option; this is an Ouro model")

@@ -34,11 +34,7 @@ def main(argv=None):
         cli.output_folder(parser, "--export", os.path.dirname(os.path.abspath(a.export)))
     cli.output_folder(parser, "--run-dir", a.run_dir)
     cli.start(a)
-    sharding.init_distributed()  # from JAX_COORDINATOR_ADDRESS etc.; a no-op when they are not set
-    try:
-        mesh = sharding.parse_mesh(a.mesh)
-    except ValueError as err:
-        parser.error(f"argument --mesh: {err}")
+    mesh = cli.device_mesh(parser, a)
     opts = RunOptions(run_dir=a.run_dir, stop_step=a.stop_step, max_minutes=a.max_minutes,
                       ckpt_every_s=60 * a.ckpt_every_min, eval_every=a.eval_every, eval_addition=a.eval_n,
                       progress=not a.no_progress, init_from=a.init_from, mesh=mesh)
