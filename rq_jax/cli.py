@@ -278,6 +278,22 @@ def device_mesh(p: argparse.ArgumentParser, args: argparse.Namespace):
         p.error(f"argument --mesh: {err}")
 
 
+def schedule_schemes(p: argparse.ArgumentParser, paths) -> list:
+    """A `Scheme` ("allocated NAME", ladder "allocated") per bit-allocation schedule file of --schedule;
+    `p.error` naming the option for a file that is not one."""
+    from rq_jax.cache.schemes import Scheme
+    from rq_jax.calibrate.allocate import load_schedule
+
+    schemes = []
+    for path in paths:
+        try:
+            fmt = load_schedule(path)
+        except ValueError as err:
+            p.error(f"argument --schedule: {err}")
+        schemes.append(Scheme(f"allocated {os.path.splitext(os.path.basename(path))[0]}", fmt, "allocated"))
+    return schemes
+
+
 def calibration(args: argparse.Namespace, model, fmt, num_loops: int):
     """The --calibration artifact loaded for `fmt` (checked against the model and schedule), or None
     without one; raises ValueError naming the option when it does not load."""

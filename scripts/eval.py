@@ -32,8 +32,7 @@ from tqdm import tqdm
 from rq_jax import checkpoint, cli, memory, sharding
 from rq_jax.cache import get_format
 from rq_jax.cache.kv_error import dense_kv, reconstruction_error
-from rq_jax.cache.schemes import Scheme, calibrated_schemes, table_schemes
-from rq_jax.calibrate.allocate import load_schedule
+from rq_jax.cache.schemes import calibrated_schemes, table_schemes
 from rq_jax.data import collate
 from rq_jax.eval.table import Tasks, evaluate
 
@@ -236,13 +235,9 @@ def main(argv=None):
         if not rows_to_run:
             p.error(f"argument --only: {', '.join(args.only)} matches no scheme; the labels are "
                     f"{', '.join(s.label for s in table_schemes(args.group_sizes))}")
-    for path in args.schedule:
-        try:
-            fmt = load_schedule(path)
-        except ValueError as err:
-            p.error(f"argument --schedule: {err}")
-        cli.check_format(p, f"--schedule {path}", fmt, config, args.loops or config.num_loops)
-        rows_to_run.append(Scheme(f"allocated {os.path.splitext(os.path.basename(path))[0]}", fmt, "allocated"))
+    for path, scheme in zip(args.schedule, cli.schedule_schemes(p, args.schedule)):
+        cli.check_format(p, f"--schedule {path}", scheme.fmt, config, args.loops or config.num_loops)
+        rows_to_run.append(scheme)
     cli.output_file(p, "--out", args.out)
     cli.start(args)
     mesh = cli.device_mesh(p, args)

@@ -32,8 +32,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from rq_jax import checkpoint, cli, memory
-from rq_jax.cache.schemes import PaperRow, Scheme
-from rq_jax.calibrate.allocate import load_schedule
+from rq_jax.cache.schemes import PaperRow
 from rq_jax.eval import benchmark_run as br
 from rq_jax.eval import prompts
 from rq_jax.tokenizer import load_tokenizer, stop_token_ids
@@ -93,13 +92,7 @@ def parse_args(argv=None):
         args.rows = br.pick_rows(args.schemes or (["dense bf16"] if args.schedule else None))
     except ValueError as err:
         p.error(f"argument --schemes: {err}")
-    for path in args.schedule:
-        try:
-            fmt = load_schedule(path)
-        except ValueError as err:
-            p.error(f"argument --schedule: {err}")
-        label = f"allocated {os.path.splitext(os.path.basename(path))[0]}"
-        args.rows.append(PaperRow("allocated", label, Scheme(label, fmt, "allocated")))
+    args.rows += [PaperRow("allocated", s.label, s) for s in cli.schedule_schemes(p, args.schedule)]
     return p, args
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import time
 from fractions import Fraction
 from typing import Callable, Sequence
@@ -163,7 +164,7 @@ def allocate(model, tokens: np.ndarray, budgets: Sequence[float], *, num_loops: 
             progress(label, measured[label])
         return measured[label]
 
-    cheapest = bits(Schedule.uniform(positions, min(options, key=lambda o: (o[0] + 16 / o[1]))))
+    cheapest = min(bits(Schedule.uniform(positions, o)) for o in options)  # bits are per slot: one option for all
     if cheapest > min(budgets):
         raise ValueError(f"a budget of {min(budgets)} bits per element is below the cheapest schedule's "
                          f"{float(cheapest):.4f}")
@@ -192,8 +193,6 @@ def save_schedule(path: str, schedule: Schedule, policy: dict, meta: dict) -> No
     """Write `schedule` as a JSON artifact: the residual format's policy (the schedule's fields
     included) that `load_schedule` turns back into the format, and `meta` (what it was measured on,
     `Allocation.to_json()`)."""
-    import json
-
     fields = schedule.format(**policy)
     spec = {f.name: getattr(fields, f.name) for f in dataclasses.fields(fields) if f.init and f.name != "name"}
     with open(path, "w") as f:
@@ -204,8 +203,6 @@ def load_schedule(path: str, **overrides) -> LoopQuant:
     """The residual format a `save_schedule` artifact describes, with `overrides` of its other policy
     fields (rotation, super_scale, ...; not the schedule's own bits and group sizes). Raises ValueError
     for a file that is not one."""
-    import json
-
     fixed = sorted(set(overrides) & {"bits", "group_size", "bits_v", "group_size_v"})
     if fixed:
         raise ValueError(f"the schedule {path} fixes {', '.join(fixed)}")
