@@ -85,7 +85,12 @@ def test_hub_id_from_local_cache(tmp_path, monkeypatch):
     shutil.copytree(fixture_dir("ouro-tiny"), snapshot)
     (tmp_path / "hub" / "models--acme--ouro-tiny" / "refs").mkdir()
     (tmp_path / "hub" / "models--acme--ouro-tiny" / "refs" / "main").write_text("0123abcd")
+    # huggingface_hub reads its cache folder from the environment when first imported (perhaps by an
+    # earlier test in this process): set both.
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, config = load_model("acme/ouro-tiny")
     assert config.family == "ouro"
