@@ -13,118 +13,102 @@ SIGTERM (or Ctrl-C) stops admitting, lets held requests finish for --drain-timeo
 the rest and exits.
 """
 
-import argparse
 import contextlib
 import json
 import logging
 import os
 import signal
-import sys
 import time
 
 import jax.numpy as jnp
 
 from rq_jax import checkpoint, cli, memory, sharding
-from rq_jax.cli import (add_cache_options, add_model_options, add_runtime_options, cache_policy, check_cache_options,
-                        checkpoint_source, model_kwargs, positive_int, stop_token_ids)
-from rq_jax.cache import get_format
-from rq_jax.calibrate.allocate import load_schedule
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_options(p)
-    add_cache_options(p)
+    """The parser and the parsed command line (options checked that need no checkpoint)."""
+    p = cli.ArgumentParser(description=__doc__)
+    cli.add_model_options(p)
+    cli.add_cache_options(p)
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--memory-gb", type=float, help="KV cache budget in GiB: the slots it holds (default 1)")
-    size.add_argument("--max-slots", type=positive_int, help="decode slots (concurrent sequences)")
-    p.add_argument("--max-len", type=positive_int, default=256, help="tokens per slot: prompt + max_tokens - 1")
-    p.add_argument("--chunk", type=positive_int, default=256,
+    size.add_argument("--memory-gb", type=cli.positive_float,
+                      help="KV cache budget in GiB: the slots it holds (default 1)")
+    size.add_argument("--max-slots", type=cli.positive_int, help="decode slots (concurrent sequences)")
+    p.add_argument("--max-len", type=cli.positive_int, default=256, help="tokens per slot: prompt + max_tokens - 1")
+    p.add_argument("--chunk", type=cli.positive_int, default=256,
                    help="longest prefill call; longer prompts run in chunks between decode steps")
-    p.add_argument("--prefill-budget", type=positive_int,
+    p.add_argument("--prefill-budget", type=cli.positive_int,
                    help="prefill tokens (bucketed) per engine step before its decode step (default --chunk)")
-    p.add_argument("--max-waiting", type=positive_int, default=256, help="queued requests before 429")
+    p.add_argument("--max-waiting", type=cli.positive_int, default=256, help="queued requests before 429")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the model id of the API (default: the checkpoint folder's name)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     p.add_argument("--warmup-echo", action="store_true",
                    help="also compile the prefills that return prompt log-probabilities (echo); else on first use")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds held requests get after SIGTERM")
-    add_runtime_options(p)
+    p.add_argument("--drain-timeout", type=cli.nonnegative_float, default=30.0,
+                   help="seconds held requests get after SIGTERM")
+    cli.add_runtime_options(p)
     args = p.parse_args(argv)
-    check_cache_options(p, args)
-    if args.model == "ouro" and args.init_state:
-        p.error("--init-state is for Huginn")
-    if args.memory_gb is not None and not args.memory_gb > 0:
-        p.error("--memory-gb must be positive")
+    cli.check_cache_options(p, args)
+    if not 0 <= args.port < 2**16:
+        p.error(f"argument --port: {args.port} is not a TCP port (0 to 65535)")
     if args.max_slots is None and args.memory_gb is None:
         args.memory_gb = 1.0
-    return args
+    return p, args
 
 
-def build(args):
-    """The engine thread, tokenizer, model name and chat template of a command line (nothing compiled yet)."""
+def build(p, args):
+    """The engine thread, tokenizer, model name and chat template of a command line (nothing compiled yet);
+    `p.error` names the option behind anything the checkpoint refuses, before the weights load where it can."""
     from rq_jax.serve.chat import ChatTemplate
     from rq_jax.serve.engine import Engine
     from rq_jax.serve.metrics import ServeMetrics
     from rq_jax.serve.runner import EngineThread
     from rq_jax.tokenizer import load_tokenizer
 
-    try:
-        mesh = sharding.parse_mesh(args.mesh)
-    except ValueError as err:
-        sys.exit(f"serve.py: bad --mesh: {err}")
-    source = checkpoint_source(args)
-    model, folder = checkpoint.load(source, dtype=jnp.dtype(args.dtype))
-    if model.config.family != args.model:
-        sys.exit(f"serve.py: --model {args.model} but {source} holds a {model.config.family} model")
+    mesh = cli.device_mesh(p, args)
+    config, folder = cli.resolve_checkpoint(p, args)
+    loops = config.num_loops if args.loops is None else args.loops
+    fmt = cli.build_format(p, args, config, loops)
+    if args.max_len > config.max_position_embeddings:
+        p.error(f"argument --max-len: {args.max_len} exceeds the model's {config.max_position_embeddings} positions")
     try:
         tokenizer = load_tokenizer(folder)
     except FileNotFoundError as err:
-        sys.exit(f"serve.py: {err} (the checkpoint needs its tokenizer.json)")
-    try:
-        fmt = load_schedule(args.schedule, **cache_policy(args)) if args.schedule else \
-            get_format(args.cache, **cache_policy(args))
-        fmt.bits_per_element(model.config.num_loops, model.config.head_dim)
-    except ValueError as err:
-        sys.exit(f"serve.py: bad --cache policy: {err}")
-    kwargs = model_kwargs(args)
-    loops = kwargs["num_loops"] or model.config.num_loops
-    if args.max_len > model.config.max_position_embeddings:
-        sys.exit(f"serve.py: --max-len {args.max_len} exceeds the model's {model.config.max_position_embeddings} "
-                 f"positions")
+        p.error(f"argument --checkpoint: {err} (the checkpoint needs its tokenizer.json)")
+    model, _ = checkpoint.load(folder, dtype=jnp.dtype(args.dtype))
     try:
         calib = cli.calibration(args, model, fmt, loops)
     except ValueError as err:
-        sys.exit(f"serve.py: {err}")
+        p.error(str(err))
     if calib is None and fmt.needs_data:
-        sys.exit(f"serve.py: the {args.cache} cache needs --calibration (a fitted artifact, scripts/calibrate.py)")
+        p.error(f"argument --calibration: the {args.cache} cache needs a fitted artifact (scripts/calibrate.py)")
     name = args.served_model_name or os.path.basename(os.path.normpath(folder))
     metrics = ServeMetrics(name, args.cache)
     budget = None if args.memory_gb is None else int(args.memory_gb * 2**30)
     try:
-        engine = Engine(model, tokenizer, fmt, eos_ids=stop_token_ids(tokenizer, folder), max_len=args.max_len,
+        engine = Engine(model, tokenizer, fmt, eos_ids=cli.stop_token_ids(tokenizer, folder), max_len=args.max_len,
                         num_slots=args.max_slots, memory_bytes=budget, calib=calib, mesh=mesh, chunk=args.chunk,
-                        prefill_budget=args.prefill_budget, metrics=metrics, **kwargs)
+                        prefill_budget=args.prefill_budget, metrics=metrics, **cli.model_kwargs(args))
         memory.check_fits(model, fmt, batch=engine.num_slots, prompt_len=1, max_len=args.max_len,
                           num_loops=loops, compute_itemsize=jnp.dtype(args.dtype).itemsize, what="this server",
                           advice="use a smaller --memory-gb, --max-slots or --max-len")
     except (ValueError, MemoryError) as err:
-        sys.exit(f"serve.py: {err}")
+        p.error(str(err))
     runner = EngineThread(engine, max_waiting=args.max_waiting, warm_up_echo=args.warmup_echo)
-    return runner, tokenizer, name, ChatTemplate.from_folder(folder), metrics, source, mesh
+    return runner, tokenizer, name, ChatTemplate.from_folder(folder), metrics, cli.checkpoint_source(args), mesh
 
 
 def main(argv=None):
     start = time.perf_counter()
-    args = parse_args(argv)
+    p, args = parse_args(argv)
     cli.start(args)
     import uvicorn
 
     from rq_jax.serve.api import Server, create_app
 
-    runner, tokenizer, name, chat_template, metrics, source, mesh = build(args)
+    runner, tokenizer, name, chat_template, metrics, source, mesh = build(p, args)
     engine = runner.engine
     print(f"model: {name} from {source}; cache {args.cache}: {engine.num_slots} slots of {engine.max_len} tokens, "
           f"{engine.slot_bytes:,} bytes each (dense bf16: {engine.dense_slot_bytes:,}); prefill buckets "

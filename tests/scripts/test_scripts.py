@@ -120,6 +120,11 @@ def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
     ("train_qat", ["--checkpoint", SHIPPED / "ouro-small", "--run-dir", "RUN", "--steps", "5", "--warmup", "5"],
      "argument --warmup: 5 must be below --steps (5)"),
     ("convert", [SHIPPED / "ouro-small", SHIPPED / "ouro-small" / "inner"], "argument dest: "),
+    ("serve", ["--model", "ouro", "--group-size", "7"], "argument --group-size: 7 does not divide the model's"),
+    ("serve", ["--model", "ouro", "--max-len", "100000"], "argument --max-len: 100000 exceeds the model's 2048"),
+    ("serve", ["--model", "huginn", "--mesh", "data=x"], "argument --mesh: bad mesh 'data=x'"),
+    ("serve", ["--model", "ouro", "--port", "70000"], "argument --port: 70000 is not a TCP port"),
+    ("serve", ["--model", "ouro", "--cache", "dense", "--bits", "2"], "--cache dense does not take --bits"),
 ])
 def test_scripts_reject_bad_options_in_one_line(script, argv, message):
     if script == "kv_error":
