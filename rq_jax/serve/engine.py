@@ -1,11 +1,13 @@
 """A continuous-batching engine: decode slots sharing one batched `KVCache` of any format.
 
-A request waits for a free slot; its prompt is prefilled alone into a staging row (lengths bucketed to
+A request waits for a free slot; its prompt is prefilled into a staging row (lengths bucketed to
 powers of two so compiles stay few; a prompt longer than `chunk` runs chunk by chunk, interleaved with
 decode steps so running streams keep flowing), written once into the served format and inserted into
-the slot; one compiled decode step advances every occupied slot (over the fewest leading slots that
-hold them, from a few compiled sizes), each with its own sampling parameters and PRNG key; a finished
-or cancelled request frees its slot at once and the next waiting request takes it.
+the slot. Waiting requests whose prompts fit one chunk enter together: up to `prefill_rows` of them are
+prefilled, encoded and scattered into their slots by one program. One compiled decode step advances
+every occupied slot (over the fewest leading slots that hold them, from a few compiled sizes), each
+with its own sampling parameters and PRNG key; a finished or cancelled request frees its slot at once
+and the next waiting request takes it.
 
     engine = Engine(model, tokenizer, get_format("residual"), eos_ids=(0,), max_len=256, memory_bytes=2**30)
     engine.warm_up()                                   # compiles every program; seconds per program
@@ -219,7 +221,9 @@ class Engine:
     prefill chunks, then runs one decode step over the first R slots, R the smallest of
     `decode_buckets` (`quarters(num_slots)`; all slots on a mesh split over `data`) that holds
     every running request: a request takes the lowest free slot, so few requests cost a small step.
-    `eos_ids` end every request. `calib`, `plain_fmt`, `mesh` and
+    Up to `prefill_rows` waiting requests whose prompts fit one chunk (no prompt
+    log-probabilities) enter together through one batched prefill (`programs.prefill_batch`; off on a
+    mesh and for 1). `eos_ids` end every request. `calib`, `plain_fmt`, `mesh` and
     `model_kwargs` (e.g. `num_loops`, Huginn's `init_scale`) are the Sampler's. `metrics` (a
     `ServeMetrics`) is kept up to date when given.
     """
@@ -227,8 +231,8 @@ class Engine:
     def __init__(self, model, tokenizer, fmt: CacheFormat | None = None, *, eos_ids: Sequence[int] = (),
                  max_len: int = 256, num_slots: int | None = None, memory_bytes: int | None = None,
                  plain_fmt: CacheFormat | None = None, calib: CacheCalib | None = None, mesh=None,
-                 chunk: int = 256, prefill_budget: int | None = None, metrics: ServeMetrics | None = None,
-                 **model_kwargs):
+                 chunk: int = 256, prefill_budget: int | None = None, prefill_rows: int = 8,
+                 metrics: ServeMetrics | None = None, **model_kwargs):
         config = model.config
         self.config, self.tokenizer, self.mesh, self.metrics = config, tokenizer, mesh, metrics
         self.fmt = fmt or Dense()
@@ -256,7 +260,11 @@ class Engine:
                                  f"({self.slot_bytes:,} bytes each{per_shard})")
         if num_slots < 1:
             raise ValueError(f"num_slots must be ≥ 1, got {num_slots}")
+        if prefill_rows < 1:
+            raise ValueError(f"prefill_rows must be ≥ 1, got {prefill_rows}")
         self.num_slots = num_slots
+        # A batch of one is the single-request path; on a mesh the staging rows would need sharding too.
+        self.prefill_rows = min(prefill_rows, num_slots) if mesh is None else 1
         # Slicing a data-sharded batch would move rows between devices: sharded, every step runs all slots.
         self.decode_buckets = quarters(num_slots) if data == 1 else (num_slots,)
 
@@ -264,6 +272,7 @@ class Engine:
         self.params = sharding.shard_state(params, config, mesh)
         stage_fmt = Dense(compute_dtype(model))
         self._stage = sharding.init_sharded_cache(config, 1, max_len, stage_fmt, mesh, num_loops=self.num_loops)
+        self._batch_stage = init_cache(config, self.prefill_rows, max_len, stage_fmt, num_loops=self.num_loops)
         # Built by a compiled program (also without a mesh), so that no two leaves share a buffer: the
         # decode step and the admit donate the cache.
         self.cache = jax.jit(functools.partial(sharding.init_sharded_cache, config, num_slots, max_len, self.fmt, mesh,
@@ -276,6 +285,7 @@ class Engine:
 
         self._prefill = {echo: jax.jit(functools.partial(self._prefill_fn, echo)) for echo in (False, True)}
         self._admit = jax.jit(self._admit_fn, donate_argnums=(0, 1))
+        self._prefill_batch = jax.jit(self._prefill_batch_fn, donate_argnums=(1, 2))  # a program per bucket
         self._decode = jax.jit(self._decode_fn, donate_argnums=(2, 3))  # a program per len(active)
         self._keys = jax.jit(programs.request_keys)
 
@@ -306,14 +316,19 @@ class Engine:
         cache = sharding.constrain_cache(programs.insert_rows(cache, row, slot), self.mesh)
         return cache, programs.insert_slot(slots, slot, first, sampling)
 
+    def _prefill_batch_fn(self, params, cache, slots, calib, stage, tokens, num_new, seeds, sampling, ids):
+        model = nnx.merge(self._graphdef, params)
+        return programs.prefill_batch(model, self.config, self.fmt, self.plain_fmt, calib, cache, slots, stage, tokens,
+                                      num_new, seeds, sampling, ids, **self.model_kwargs)
+
     def _put(self, tree):
         return tree if self.mesh is None else sharding.put(tree, sharding.replicated(self.mesh))
 
     def warm_up(self, echo: bool = False, stop: Callable[[], bool] | None = None) -> dict[str, float]:
         """Compile every program (a prefill per bucket — also with prompt log-probabilities when `echo`
-        — the admit and a decode step per decode bucket) by running it once; returns wall seconds per
-        program. Leaves every slot free. Returns early, not ready, once `stop()` is true (asked between
-        programs: a compile cannot be interrupted)."""
+        — the admit, a batched prefill per bucket and a decode step per decode bucket) by running it
+        once; returns wall seconds per program. Leaves every slot free. Returns early, not ready, once
+        `stop()` is true (asked between programs: a compile cannot be interrupted)."""
         seconds = {}
 
         def stopped() -> bool:
@@ -335,6 +350,14 @@ class Engine:
                                              job.picked.tokens, job.sampling)
         jax.block_until_ready(self.cache)
         seconds["admit"] = time.perf_counter() - start
+        if self.prefill_rows > 1:
+            for bucket in self.buckets:
+                if stopped():
+                    return seconds
+                start = time.perf_counter()
+                self._run_batch([], bucket)  # every row padding: nothing enters
+                jax.block_until_ready(self.cache)
+                seconds[f"prefill {bucket} x{self.prefill_rows}"] = time.perf_counter() - start
         for rows in self.decode_buckets:
             if stopped():
                 return seconds
@@ -420,12 +443,17 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One iteration: prefill chunks (up to `prefill_budget` bucket tokens; a finished prompt enters
-        its slot), then one decode step over every slot. Returns the requests that finished."""
+        its slot; two or more waiting one-chunk prompts enter together, `_run_batch`), then one decode
+        step over every slot. Returns the requests that finished."""
         budget = self.prefill_budget
         while budget > 0:
             if self._job is None:
                 if not self._waiting or not self._free:
                     break
+                batch = self._batchable()
+                if len(batch) > 1:
+                    budget -= self._run_batch(batch)
+                    continue
                 self._job = self._begin(self._waiting.popleft(), heapq.heappop(self._free))
             budget -= self._run_chunk(self._job)
             if self._job.done == len(self._job.chunks):
@@ -457,6 +485,47 @@ class Engine:
         return [done[i] for i in ids]
 
     # ---- internals -----------------------------------------------------------------------------
+
+    def _batchable(self) -> list[Request]:
+        """The leading waiting requests that can enter together: at most `prefill_rows` and the free slots,
+        each prompt one chunk long and without prompt log-probabilities."""
+        batch = []
+        for request in itertools.islice(self._waiting, min(self.prefill_rows, len(self._free))):
+            if len(request.prompt) > self.chunk or request.params.prompt_logprobs:
+                break
+            batch.append(request)
+        return batch
+
+    def _run_batch(self, batch: list[Request], bucket: int | None = None) -> int:
+        """Prefill the waiting requests `batch` together (`prefill_batch`, padded to `prefill_rows` rows
+        and the bucket of the longest prompt) into the lowest free slots, and emit their first tokens;
+        returns the bucket tokens it cost."""
+        rows = self.prefill_rows
+        bucket = bucket or next(b for b in self.buckets if b >= max(len(r.prompt) for r in batch))
+        tokens, num_new = np.zeros((rows, bucket), np.int32), np.zeros(rows, np.int32)
+        seeds, top_k = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        ids = np.full(rows, self.num_slots, np.int32)  # padding rows scatter nowhere
+        for i, request in enumerate(batch):
+            self._waiting.popleft()
+            request.slot = ids[i] = heapq.heappop(self._free)
+            p = request.params
+            tokens[i, : len(request.prompt)], num_new[i] = request.prompt, len(request.prompt)
+            seeds[i], temperature[i], top_k[i], top_p[i] = p.seed, p.temperature, p.top_k, p.top_p
+        sampling = programs.Slots(np.zeros(rows, np.int32), temperature, top_k, top_p,
+                                  jax.random.split(jax.random.key(0), rows))  # keys from the seeds, inside
+        began = time.perf_counter()
+        self.cache, self.slots, picked = self._prefill_batch(self.params, self.cache, self.slots, self.calib,
+                                                             self._batch_stage, tokens, num_new, seeds, sampling, ids)
+        self._ran("batch_prefill", began, picked)
+        picked = sharding.to_host(picked)
+        for i, request in enumerate(batch):
+            self._running[request.slot] = request
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(request.prompt))
+                self.metrics.batch_prefill_rows.inc()
+            self._emit(request, *(x[i] for x in picked))
+        return rows * bucket
 
     def _begin(self, request: Request, slot: int) -> _Prefill:
         request.slot = slot

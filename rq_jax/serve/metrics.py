@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "rq_serve_"
 #: The engine's programs, as `ServeMetrics.ran` counts them.
-PHASES = ("prefill", "admit", "decode")
+PHASES = ("prefill", "admit", "batch_prefill", "decode")
 
 
 class ServeMetrics:
@@ -18,7 +18,8 @@ class ServeMetrics:
     bf16 cache would take for them, prompt / generated tokens, finished requests by reason, values the
     cache could not store (`KVCache.out_of_range` of finished requests), time to first token,
     inter-token latency and end-to-end latency; the engine's wall seconds and calls per program
-    (`phase`: prefill chunks, admits, decode steps), which tell what bounds its throughput.
+    (`phase`: prefill chunks, admits, batched prefills that admit several requests, decode steps), which
+    tell what bounds its throughput.
     """
 
     def __init__(self, model_name: str, cache_format: str):
@@ -56,6 +57,7 @@ class ServeMetrics:
         for phase in PHASES:
             self._engine_seconds.labels(**self._labels, phase=phase)
             self._engine_calls.labels(**self._labels, phase=phase)
+        self.batch_prefill_rows = counter("batch_prefill_requests", "requests that entered through a batched prefill")
         self.decode_rows = counter("decode_rows", "slots the decode steps ran over (their sum: ÷ decode calls is "
                                    "the mean step size)")
         self.ttft = histogram("time_to_first_token_seconds", "arrival to first token")
@@ -67,7 +69,7 @@ class ServeMetrics:
         self._finished.labels(**self._labels, reason=reason).inc()
 
     def ran(self, phase: str, seconds: float) -> None:
-        """Count one call of an engine program (phase: prefill, admit, decode) and its wall seconds."""
+        """Count one call of an engine program (one of `PHASES`) and its wall seconds."""
         self._engine_seconds.labels(**self._labels, phase=phase).inc(seconds)
         self._engine_calls.labels(**self._labels, phase=phase).inc()
 

@@ -5,6 +5,8 @@
     encode_row      the staged prompt written once into a row of the served format (one `write`, as a
                     single-call prefill writes it)
     insert_rows     a row cache into slot i of the batched cache: every leaf's batch axis
+    prefill_batch   P requests' one-chunk prompts prefilled together, encoded and scattered into their
+                    slots in one program (the waiting queue's fast path: one call instead of 2P)
     decode_slots    one token for every slot of the first R (`rq_jax.sampling.decode_step`, the Sampler's),
                     each with its own sampling parameters and PRNG key
 
@@ -117,9 +119,10 @@ def prefill_chunk(model, echo: bool, tokens: Int[Array, "1 t"], num_new: Int[Arr
 
 
 def encode_row(config: ModelConfig, fmt, plain_fmt, stage: KVCache, calib: CacheCalib | None) -> KVCache:
-    """The staged prompt (dense, compute dtype) as a one-row cache of `fmt` (`plain_fmt` for Huginn's
-    prelude/coda): every loop's K/V written in one call, as a single-call prefill writes them."""
-    row = init_cache(config, 1, stage.max_len, fmt, num_loops=stage.num_loops, plain_fmt=plain_fmt)
+    """The staged prompts (dense, compute dtype, R rows) as an R-row cache of `fmt` (`plain_fmt` for
+    Huginn's prelude/coda): every loop's K/V written in one call, as a single-call prefill writes them."""
+    row = init_cache(config, stage.lengths.shape[0], stage.max_len, fmt, num_loops=stage.num_loops,
+                     plain_fmt=plain_fmt)
     ctx = CacheContext.build(row, stage.lengths, stage.max_len, calib)
     k, v = stage.dense_kv("looped")
     looped = tuple((base.split_loops(k, seg), base.split_loops(v, seg)) for seg in row.schedule("looped")[1])
@@ -153,6 +156,15 @@ def insert_rows(cache: KVCache, rows: KVCache, start: Int[Array, ""]) -> KVCache
     return _rows(cache, put, rows)
 
 
+def scatter_rows(cache: KVCache, rows: KVCache, ids: Int[Array, "r"]) -> KVCache:
+    """`cache` with row ids[r] replaced by row r of `rows` (same format and length); an id ≥ B (padding)
+    writes nothing."""
+    def put(axis, big, small):
+        return big.at[(slice(None),) * axis + (ids,)].set(small.astype(big.dtype), mode="drop")
+
+    return _rows(cache, put, rows)
+
+
 def first_rows(cache: KVCache, count: int) -> KVCache:
     """Rows [0, count) of `cache` (`count` static)."""
     def take(axis, leaf):
@@ -167,6 +179,24 @@ def insert_slot(slots: Slots, slot: Int[Array, ""], first: Int[Array, "1"], requ
         return big.at[slot].set(small[0])
 
     return jax.tree_util.tree_map(put, slots, request.replace(last=first))
+
+
+def prefill_batch(model, config: ModelConfig, fmt, plain_fmt, calib: CacheCalib | None, cache: KVCache,
+                  slots: Slots, stage: KVCache, tokens: Int[Array, "p t"], num_new: Int[Array, "p"],
+                  seeds: Int[Array, "p"], sampling: Slots, ids: Int[Array, "p"],
+                  **model_kwargs) -> tuple[KVCache, Slots, Picked]:
+    """P requests whose prompts fit one chunk (row p: num_new[p] of its T tokens real, seed seeds[p],
+    sampling row p) prefilled together into the empty P-row staging cache `stage`, encoded once into
+    `fmt` and scattered into slots ids [P] with their first tokens (an id ≥ B: a padding row, dropped).
+    Row p is the one-row prefill of its request: its own key chain (`request_keys(seeds[p])`; Huginn's
+    noise per row key) and its own choice; attention never crosses rows. Picked: [P]."""
+    keys = jax.vmap(request_keys)(seeds)  # [P, 3]: rng, model_rng, pick_rng
+    out = model(tokens, stage, num_new=num_new, rng=keys[:, 1], last_only=True, **model_kwargs)
+    picked = choose(out.logits, sampling, keys[:, 2])
+    cache = scatter_rows(cache, encode_row(config, fmt, plain_fmt, out.cache, calib), ids)
+    entered = sampling.replace(last=picked.tokens, rng=keys[:, 0])
+    slots = jax.tree_util.tree_map(lambda big, small: big.at[ids].set(small, mode="drop"), slots, entered)
+    return cache, slots, picked
 
 
 def decode_slots(model, calib: CacheCalib | None, cache: KVCache, slots: Slots, active: Bool[Array, "r"],

@@ -15,6 +15,7 @@ from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
 from rq_jax.serve import Engine, ParamError, SamplingParams
 from rq_jax.serve import programs
 from rq_jax.serve.engine import row_bytes
+from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.serve.text import TextStream
 from rq_jax.tokenizer import load_tokenizer
 
@@ -35,13 +36,16 @@ def additions(tokenizer, n: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("cache", ["dense", "residual", "kivi"])
 def test_greedy_tokens_equal_the_samplers_whatever_joins_or_leaves(cache):
-    """Eight sums on three slots, four of them arriving while others decode: each request's tokens equal
-    the Sampler's for that prompt alone, and every slot is free afterwards. (Huginn, whose random initial
+    """Eight sums on three slots, four of them arriving while others decode (waiting ones enter together
+    through batched prefills): each request's tokens equal the Sampler's for that prompt alone, and
+    every slot is free afterwards. (Huginn, whose random initial
     state draws from each request's seed, is tested the same way through the server with mixed prompt
     and output lengths: tests/serve/test_server.py.)"""
     model, tokenizer, stops, kwargs = load("ouro-small-qat")
     fmt = get_format(cache)
-    engine = Engine(model, tokenizer, fmt, eos_ids=stops, max_len=32, num_slots=3, chunk=16, **kwargs)
+    metrics = ServeMetrics("ouro-small-qat", cache)
+    engine = Engine(model, tokenizer, fmt, eos_ids=stops, max_len=32, num_slots=3, chunk=16, metrics=metrics,
+                    **kwargs)
     engine.warm_up()
     prompts = additions(tokenizer, 8)
     params = [SamplingParams(max_tokens=8, seed=i) for i in range(8)]
@@ -58,6 +62,9 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_or_leaves(cache):
             break
     assert sorted(r.id for r in finished) == sorted(ids) and not engine.has_work()
     assert sorted(engine._free) == [0, 1, 2]
+    entered = metrics.registry.get_sample_value("rq_serve_batch_prefill_requests_total",
+                                                {"model": "ouro-small-qat", "cache": cache})
+    assert entered >= 3  # the first three entered together
     sampler = Sampler(model, SamplingConfig(max_new_tokens=8, stop_tokens=stops), fmt, **kwargs)
     for rid, prompt, p in zip(ids, prompts, params):
         ref = sampler([prompt], seed=p.seed)

@@ -88,8 +88,8 @@ def test_warming_up_answers_503_and_startup_is_printed(server):
     status, body = server.warming_status
     assert status == 503 and "warming up" in body["error"]["message"]
     out = server.output()
-    assert re.search(r"compiled in [\d.]+ s \(prefill 16 [\d.]+, prefill 32 [\d.]+, admit [\d.]+, decode 4 [\d.]+\)",
-                     out), out
+    assert re.search(r"compiled in [\d.]+ s \(prefill 16 [\d.]+, prefill 32 [\d.]+, admit [\d.]+, "
+                     r"prefill 16 x4 [\d.]+, prefill 32 x4 [\d.]+, decode 4 [\d.]+\)", out), out
     assert "4 slots of 48 tokens" in out
 
 
@@ -146,6 +146,7 @@ def test_64_concurrent_mixed_requests_on_4_slots(server, reference):
     jobs = [(prompts[i // 2] if i % 2 == 0 else RETRIEVAL, 6 if i % 2 == 0 else 3, i % 5) for i in range(64)]
     generated = metric(server, "generation_tokens_total")
     calls = {phase: metric(server, "engine_calls_total", phase=phase) for phase in ("prefill", "admit", "decode")}
+    batched = metric(server, "batch_prefill_requests_total")
     busy = metric(server, "engine_seconds_total")
 
     async def one(http, prompt, max_tokens, seed):
@@ -172,10 +173,13 @@ def test_64_concurrent_mixed_requests_on_4_slots(server, reference):
                                                                          for r in results)
     assert metric(server, "slots_used") == 0 and metric(server, "slots_total") == 4
     assert metric(server, "requests_running") == 0 and metric(server, "requests_waiting") == 0
-    # Every prompt fits one 32-token chunk: a prefill and an admit each; a request of n tokens takes its
-    # first from the prefill and the rest from n - 1 decode steps, 4 slots at a time at best.
-    assert metric(server, "engine_calls_total", phase="prefill") - calls["prefill"] == 64
-    assert metric(server, "engine_calls_total", phase="admit") - calls["admit"] == 64
+    # Every prompt fits one 32-token chunk: it enters alone (a prefill and an admit) or with other waiting
+    # requests (a batched prefill); a request of n tokens takes its first from its prefill and the rest
+    # from n - 1 decode steps, 4 slots at a time at best.
+    alone = metric(server, "engine_calls_total", phase="prefill") - calls["prefill"]
+    together = metric(server, "batch_prefill_requests_total") - batched
+    assert alone + together == 64 and together > 0
+    assert metric(server, "engine_calls_total", phase="admit") - calls["admit"] == alone
     steps = metric(server, "engine_calls_total", phase="decode") - calls["decode"]
     later = sum(r["usage"]["completion_tokens"] - 1 for r in results)
     assert later / 4 <= steps <= later
