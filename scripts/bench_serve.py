@@ -122,10 +122,12 @@ def metric(text: str, name: str, phase: str | None = None) -> float:
 
 
 def engine_counters(text: str) -> dict:
-    """The engine's seconds and calls per program, and the decode steps' rows, from /metrics."""
+    """The engine's seconds and calls per program, the decode steps' rows and the requests that entered
+    through batched prefills, from /metrics."""
     out = {f"{phase}_{what}": metric(text, f"engine_{what}_total", phase)
            for phase in PHASES for what in ("seconds", "calls")}
-    return dict(out, decode_rows=metric(text, "decode_rows_total"))
+    return dict(out, decode_rows=metric(text, "decode_rows_total"),
+                batch_prefill_requests=metric(text, "batch_prefill_requests_total"))
 
 
 async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
@@ -253,8 +255,8 @@ def markdown(runs: list[dict], args) -> str:
                              f"{p['e2e_ms_p50']:.0f} / {p['e2e_ms_p99']:.0f}"))
     lines += ["", "Where the engine's time went (wall seconds of each program with its results ready, from /metrics; "
               "busy: their sum over the point's wall time):", "",
-              row("format", "load", "prefill calls × ms", "admit calls × ms", "decode steps × ms (mean rows)",
-                  "busy"), row(*["---"] * 6)]
+              row("format", "load", "prefill calls × ms", "admit calls × ms", "batched prefill calls × ms (requests)",
+                  "decode steps × ms (mean rows)", "busy"), row(*["---"] * 7)]
     for run in runs:
         for p in run["points"]:
             e = p["engine"]
@@ -266,6 +268,7 @@ def markdown(runs: list[dict], args) -> str:
             busy = sum(e[f"{phase}_seconds"] for phase in PHASES) / p["wall_s"]
             rows = e["decode_rows"] / e["decode_calls"] if e["decode_calls"] else 0
             lines.append(row(run["format"], load(p), calls("prefill"), calls("admit"),
+                             f"{calls('batch_prefill')} ({e['batch_prefill_requests']:.0f})",
                              f"{calls('decode')} ({rows:.0f})", f"{busy:.0%}"))
     dense, residual = runs[0], runs[-1]
 
