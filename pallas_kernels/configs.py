@@ -42,13 +42,15 @@ from pallas_kernels import residual_attention as ra
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """One decode-kernel call. `links`: (bits, group size) per chain link, loop first, anchor last (keys
-    and values alike); empty for the dense kernel, whose K/V dtype is `kv`."""
+    """One decode-kernel call. `links`: (bits, group size) per chain link, loop first, anchor last (the
+    keys', and the values' unless `v_links` differ: a bit-allocation schedule's); empty for the dense
+    kernel, whose K/V dtype is `kv`."""
 
     name: str
     dim: int
     rows: int
     links: tuple[tuple[int, int], ...] = ()
+    v_links: tuple[tuple[int, int], ...] | None = None
     meta: str = "float8_e4m3fn"
     alpha: bool = True
     means: bool = True
@@ -98,17 +100,30 @@ class KernelConfig:
             meta = sds(lead + (d // g,), jnp.dtype(self.meta))
             return ra.QuantStream(sds(lead + (d * bits // 8,), jnp.uint8), meta, meta)
 
-        streams = tuple(stream(*ln) for ln in self.links)
+        v_links = self.v_links or self.links
+        keys, values = (tuple(stream(*ln) for ln in links) for links in (self.links, v_links))
         alphas = tuple(sds(lead, jnp.bfloat16) if self.alpha else None for _ in self.links[1:])
         means = tuple(sds((b, k, r), jnp.float32) for _ in self.links) if self.means else None
-        bits, groups = tuple(x for x, _ in self.links), tuple(g for _, g in self.links)
-        fn = functools.partial(ra.residual_decode_attention, k_bits=bits, v_bits=bits, k_group_sizes=groups,
-                               v_group_sizes=groups)
-        return fn, (q, streams, streams, alphas, alphas, means, lengths, slot)
+        fn = functools.partial(ra.residual_decode_attention, k_bits=tuple(x for x, _ in self.links),
+                               v_bits=tuple(x for x, _ in v_links), k_group_sizes=tuple(g for _, g in self.links),
+                               v_group_sizes=tuple(g for _, g in v_links))
+        return fn, (q, keys, values, alphas, alphas, means, lengths, slot)
 
 
 def chain_name(links) -> str:
     return "-".join(f"int{b}g{g}" for b, g in links)
+
+
+def schedule_configs(chains, dim: int, rows: int, prefix: str) -> tuple[KernelConfig, ...]:
+    """The calls of a cache schedule's decode-kernel chains (`LoopQuant.kernel_chains`: (key links,
+    value links) pairs) at head dim `dim` and `rows` query rows, named PREFIX-dD-rR-KEYCHAIN[-v-VALUECHAIN]."""
+    out = []
+    for k_links, v_links in chains:
+        name = f"{prefix}-d{dim}-r{rows}-{chain_name(k_links)}" + (
+            "" if v_links == k_links else f"-v-{chain_name(v_links)}")
+        out.append(KernelConfig(name, dim, rows, tuple(k_links), None if v_links == k_links else tuple(v_links),
+                                means=False))
+    return tuple(out)
 
 
 def _chains():

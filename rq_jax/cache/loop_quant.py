@@ -477,6 +477,20 @@ class LoopQuant(base.CacheFormat):
                     total += bits * seg.groups
         return total / (2 * num_loops)
 
+    def kernel_chains(self, num_loops: int) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+        """The distinct (key links, value links) of the decode-kernel calls this format makes at
+        `num_loops` loops, one per group position: (bits, group size) per chain link, the loop first and
+        its references after it down to the anchor (`chain`), as `pallas_kernels.configs` names calls."""
+        out = []
+        for seg in base.segments(num_loops, self.group_len):
+            cfgs = [self.group_config(seg.size, kind) for kind in "kv"]
+            for r in range(seg.size):
+                links = self.chain(cfgs[0], r)
+                pair = tuple(tuple((c.bits[i], c.group_sizes[i]) for i in links) for c in cfgs)
+                if pair not in out:
+                    out.append(pair)
+        return tuple(out)
+
     def describe(self) -> str:
         """E.g. "INT2/INT4 g32 codes + fp8 meta + bf16 α, Hadamard-rotated residuals" (K and V schedules
         spelled apart when they differ)."""

@@ -55,9 +55,9 @@ def write_stack(fmt, num_loops, k, v, lengths, num_new, states=None, calibs=None
 
 
 @pytest.mark.parametrize("key", sorted(LOOP_POLICIES))
-@pytest.mark.parametrize("num_loops", [4, 6])
-def test_fused_attend_equals_dequantize_then_dense(key, num_loops):
-    """attend (fused, rotated space) == reconstruct + dense attention, after two ragged writes.
+def test_fused_attend_equals_dequantize_then_dense(key, num_loops=6):
+    """attend (fused, rotated space) == reconstruct + dense attention, after two ragged writes. Six loops
+    in groups of four: a full group and a partial one.
 
     Both sides are float32 sums of the same ≤ 16·D products; 2e-5 bounds their rounding difference.
     """
@@ -222,6 +222,19 @@ def test_calibrated_rotations_and_means_are_used():
 def test_bad_policies_are_rejected(policy, match):
     with pytest.raises(ValueError, match=match):
         get_format("residual", **policy).init(base.Segment(0, 1, 4), 1, 1, 4, 1, 16)
+
+
+def test_kernel_chains_name_each_loops_reads():
+    """What the decode kernel is asked for, per group position (key chain, value chain; loop first, anchor
+    last): the last-loop reference reads one residual and the anchor, a K/V-split schedule differs only
+    in the values, a partial group adds nothing new, the previous-loop reference reads down the chain."""
+    g2, g4 = (2, 32), (4, 32)
+    split = get_format("residual", bits=(2, 2, 2, 4), bits_v=(4, 2, 2, 4))
+    want = (((g2, g4), (g4, g4)), ((g2, g4), (g2, g4)), ((g4,), (g4,)))
+    assert split.kernel_chains(4) == want and split.kernel_chains(6) == want
+    previous = get_format("residual", bits=(4, 2, 2, 2), reference="previous")
+    assert [k for k, v in previous.kernel_chains(4)] == [(g4,), (g2, g4), (g2, g2, g4), (g2, g2, g2, g4)]
+    assert get_format("uniform", bits=2).kernel_chains(4) == (((g2,), (g2,)),)
 
 
 def test_cache_calib_reaches_the_format(ouro):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import platform
 
 import pytest
@@ -20,6 +21,7 @@ import pytest
 from pallas_kernels import configs, deviceless, launch
 
 NAMES = configs.BY_NAME if os.environ.get("RQ_KERNEL_COMPILE") == "all" else configs.CI_SUBSET
+ALLOCATION = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "allocation"
 #: The pinned wheel exists for Linux x86_64 only; elsewhere the compile tests cannot run.
 WHEEL_PLATFORM = platform.system() == "Linux" and platform.machine() == "x86_64"
 
@@ -49,6 +51,32 @@ def test_compiles_without_spills(name, target):
     assert deviceless.problems(res) == [], f"{name} on {target} with {cfg.launch()}: {res}"
     assert res.tensor_cores in ("mma", "wgmma"), f"{name} on {target}: no tensor-core instructions"
     assert deviceless.blocks_per_sm(res) >= 1
+
+
+def allocated_configs() -> dict[str, configs.KernelConfig]:
+    """The decode-kernel calls of every schedule the bit allocator emitted for the shipped models
+    (docs/results/allocation/MODEL-BUDGET.json): their chains at head dim 64, one query row per kv head
+    (both models' shapes), by name; a chain two schedules share is compiled once."""
+    from rq_jax.calibrate.allocate import load_schedule
+
+    out = {}
+    for path in sorted(ALLOCATION.glob("*.json")):
+        if not path.stem.endswith("-measured"):
+            chains = load_schedule(str(path)).kernel_chains(4)
+            out.update((c.name, c) for c in configs.schedule_configs(chains, 64, 1, "allocated"))
+    return out
+
+
+ALLOCATED = allocated_configs()
+
+
+@pytest.mark.parametrize("target", list(deviceless.TARGETS))
+@pytest.mark.parametrize("name", sorted(ALLOCATED))
+def test_allocated_schedules_compile_without_spills(name, target):
+    """Issue 28: every emitted schedule's kernel calls (key and value chains apart) compile clean."""
+    cfg = ALLOCATED[name]
+    res = cfg.compile(deviceless.TARGETS[target])
+    assert deviceless.problems(res) == [], f"{name} on {target} with {cfg.launch()}: {res}"
 
 
 def test_a_spilling_configuration_fails():

@@ -89,6 +89,10 @@ CASES = (
     Case("d64-chain3", 64, 1, ((2, 16), (2, 16), (4, 32)), lengths=(45, 0), block_s=16, num_splits=2),
     # More query rows than one row block (two programs along rows).
     Case("d64-rows80", 64, 80, ((2, 32),), lengths=(20, 0), s=40),
+    # The bit allocator's schedules (docs/results/allocation): an INT4 loop over an INT2 anchor (ouro-small),
+    # and INT2 keys beside INT4 values over INT4 anchors (huginn-small at 3.69 bits).
+    Case("d64-int4-over-int2-anchor", 64, 1, ((4, 32), (2, 32)), lengths=(70, 9), num_splits=2),
+    Case("d64-kv-split-int4-values", 64, 1, LOOP_G32, v_links=((4, 32), (4, 32)), lengths=(33, 100)),
 )
 
 
