@@ -19,7 +19,8 @@ def rows(vocab, b=3, t=12, seed=0):
 
 def test_dense_scores_equal_the_no_cache_forward(ouro):
     """Through a float32 dense cache every scored NLL equals the no-cache teacher-forced NLL; the
-    format and the reference agree exactly; unscored positions stay zero."""
+    format and the reference (the same dense cache, another fusion of the same sums) agree to float32
+    re-association (measured ≤ 1.1e-6 relative); unscored positions stay zero."""
     model, _ = ouro
     tokens, prefix, lengths = rows(model.config.vocab_size)
     s = CacheScorer(model, Dense("float32"))(tokens, prefix, lengths)
@@ -29,8 +30,8 @@ def test_dense_scores_equal_the_no_cache_forward(ouro):
     expect = (pos >= prefix[:, None]) & (pos < lengths[:, None])
     np.testing.assert_array_equal(s.scored, expect)
     np.testing.assert_allclose(s.nll[:, 1:][expect[:, 1:]], nll[expect[:, 1:]], atol=2e-5)
-    np.testing.assert_array_equal(s.nll, s.ref_nll)
-    assert np.all(s.agree[expect]) and np.all(s.kl == 0) and not s.nll[~expect].any()
+    np.testing.assert_allclose(s.nll, s.ref_nll, rtol=1e-5)
+    assert np.all(s.agree[expect]) and np.all(np.abs(s.kl) <= 1e-5) and not s.nll[~expect].any()
 
 
 @pytest.mark.parametrize("fmt", ["residual", "kivi"])
