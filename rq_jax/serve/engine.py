@@ -273,6 +273,7 @@ class Engine:
         stage_fmt = Dense(compute_dtype(model))
         self._stage = sharding.init_sharded_cache(config, 1, max_len, stage_fmt, mesh, num_loops=self.num_loops)
         self._batch_stage = init_cache(config, self.prefill_rows, max_len, stage_fmt, num_loops=self.num_loops)
+        self._batch_rng = jax.random.split(jax.random.key(0), self.prefill_rows)  # unused: keys come from seeds
         # Built by a compiled program (also without a mesh), so that no two leaves share a buffer: the
         # decode step and the admit donate the cache.
         self.cache = jax.jit(functools.partial(sharding.init_sharded_cache, config, num_slots, max_len, self.fmt, mesh,
@@ -512,8 +513,7 @@ class Engine:
             p = request.params
             tokens[i, : len(request.prompt)], num_new[i] = request.prompt, len(request.prompt)
             seeds[i], temperature[i], top_k[i], top_p[i] = p.seed, p.temperature, p.top_k, p.top_p
-        sampling = programs.Slots(np.zeros(rows, np.int32), temperature, top_k, top_p,
-                                  jax.random.split(jax.random.key(0), rows))  # keys from the seeds, inside
+        sampling = programs.Slots(np.zeros(rows, np.int32), temperature, top_k, top_p, self._batch_rng)
         began = time.perf_counter()
         self.cache, self.slots, picked = self._prefill_batch(self.params, self.cache, self.slots, self.calib,
                                                              self._batch_stage, tokens, num_new, seeds, sampling, ids)
