@@ -315,7 +315,7 @@ class Engine:
     def _admit_fn(self, cache, slots, stage, calib, slot, first, sampling):
         row = programs.encode_row(self.config, self.fmt, self.plain_fmt, stage, calib)
         cache = sharding.constrain_cache(programs.insert_rows(cache, row, slot), self.mesh)
-        return cache, programs.insert_slot(slots, slot, first, sampling)
+        return cache, programs.scatter_slots(slots, slot[None], sampling.replace(last=first))
 
     def _prefill_batch_fn(self, params, cache, slots, calib, stage, tokens, num_new, seeds, sampling, ids):
         model = nnx.merge(self._graphdef, params)
@@ -523,7 +523,7 @@ class Engine:
             self._running[request.slot] = request
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(request.prompt))
-                self.metrics.batch_prefill_rows.inc()
+                self.metrics.batch_prefill_requests.inc()
             self._emit(request, *(x[i] for x in picked))
         return rows * bucket
 

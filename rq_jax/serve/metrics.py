@@ -57,7 +57,8 @@ class ServeMetrics:
         for phase in PHASES:
             self._engine_seconds.labels(**self._labels, phase=phase)
             self._engine_calls.labels(**self._labels, phase=phase)
-        self.batch_prefill_rows = counter("batch_prefill_requests", "requests that entered through a batched prefill")
+        self.batch_prefill_requests = counter("batch_prefill_requests",
+                                              "requests that entered through a batched prefill")
         self.decode_rows = counter("decode_rows", "slots the decode steps ran over (their sum: ÷ decode calls is "
                                    "the mean step size)")
         self.ttft = histogram("time_to_first_token_seconds", "arrival to first token")

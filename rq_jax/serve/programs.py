@@ -173,12 +173,10 @@ def first_rows(cache: KVCache, count: int) -> KVCache:
     return _rows(cache, take)
 
 
-def insert_slot(slots: Slots, slot: Int[Array, ""], first: Int[Array, "1"], request: Slots) -> Slots:
-    """`slots` with slot `slot` set to a new request's first token [1] and its one-row sampling `request`."""
-    def put(big, small):
-        return big.at[slot].set(small[0])
-
-    return jax.tree_util.tree_map(put, slots, request.replace(last=first))
+def scatter_slots(slots: Slots, ids: Int[Array, "r"], new: Slots) -> Slots:
+    """`slots` with slot ids[r] set to row r of `new` (R rows: entering requests' first tokens and
+    sampling); an id ≥ B (padding) writes nothing."""
+    return jax.tree_util.tree_map(lambda big, small: big.at[ids].set(small, mode="drop"), slots, new)
 
 
 def prefill_batch(model, config: ModelConfig, fmt, plain_fmt, calib: CacheCalib | None, cache: KVCache,
@@ -194,9 +192,7 @@ def prefill_batch(model, config: ModelConfig, fmt, plain_fmt, calib: CacheCalib 
     out = model(tokens, stage, num_new=num_new, rng=keys[:, 1], last_only=True, **model_kwargs)
     picked = choose(out.logits, sampling, keys[:, 2])
     cache = scatter_rows(cache, encode_row(config, fmt, plain_fmt, out.cache, calib), ids)
-    entered = sampling.replace(last=picked.tokens, rng=keys[:, 0])
-    slots = jax.tree_util.tree_map(lambda big, small: big.at[ids].set(small, mode="drop"), slots, entered)
-    return cache, slots, picked
+    return cache, scatter_slots(slots, ids, sampling.replace(last=picked.tokens, rng=keys[:, 0])), picked
 
 
 def decode_slots(model, calib: CacheCalib | None, cache: KVCache, slots: Slots, active: Bool[Array, "r"],
