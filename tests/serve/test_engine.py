@@ -188,6 +188,8 @@ def test_slots_follow_the_memory_budget_and_the_formats_bytes():
     assert 4.5 <= slots["residual"] / slots["dense"] <= 5.5, slots
     with pytest.raises(ValueError, match="hold no slot"):
         Engine(model, tokenizer, get_format("dense"), max_len=64, memory_bytes=1000)
+    with pytest.raises(ValueError, match="prefill_rows must be ≥ 1, got 0"):
+        Engine(model, tokenizer, get_format("dense"), max_len=64, num_slots=2, prefill_rows=0)
 
 
 def test_insert_rows_first_rows_and_per_slot_sampling_match_references():
