@@ -81,7 +81,8 @@ class KernelConfig:
         if override is not None:
             fn = functools.partial(fn, block_s=override.block_s, num_warps=override.num_warps,
                                    num_stages=override.num_stages,
-                                   block_r=min(launch.row_block(self.rows), override.max_block_r))
+                                   block_r=min(launch.row_block(self.rows), override.max_block_r),
+                                   **({"dequant_keys": override.dequant_keys} if self.links else {}))
         [kernel] = deviceless.triton_kernels(fn, args, capability=target.capability)
         return deviceless.compile_kernel(kernel, target, cache_dir)
 
@@ -175,7 +176,10 @@ MATRIX = ISSUE_TABLE + _matrix()
 BY_NAME = {c.name: c for c in MATRIX}
 
 #: Compiled on every test run (tests/kernels/test_compile.py), for both targets: the issue's table, then
-#: the largest codes (INT8) and dense float32 K/V at 64 rows: 20 compiles, which keeps a cold cache near
-#: two minutes (docs/performance.md). The rest of MATRIX, the `launch.SPILLING` classes included (as
-#: xfail), is compiled by scripts/kernel_report.py or RQ_KERNEL_COMPILE=all.
-CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + ("d128-r1-int8g32", "dense-d96-r64-float32kv")
+#: the largest codes (INT8), dense float32 K/V at 64 rows and the two heaviest chains of the reconstructed-
+#: key path (4-link g16 at head dims 128 and 96, launch.OVERRIDES): 24 compiles, which keeps a cold cache
+#: near two minutes (docs/performance.md). The rest of MATRIX is compiled by scripts/kernel_report.py or
+#: RQ_KERNEL_COMPILE=all.
+CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + ("d128-r1-int8g32", "dense-d96-r64-float32kv",
+                                                 "d128-r1-int2g16-int2g16-int2g16-int4g16",
+                                                 "d96-r1-int2g16-int2g16-int2g16-int4g16")

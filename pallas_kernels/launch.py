@@ -4,8 +4,8 @@ Like tokamax's per-op config tables, the entries come from compiling candidates 
 configuration of each class without a GPU (`scripts/kernel_report.py --sweep`: Triton's CUDA pipeline
 and ptxas for sm_90 and sm_80) and keeping the first, in the sweep's order of preference (the class's
 own row block before 16 rows, 4 warps before 8, the largest tile first), that compiles with no spills on
-both targets. `OVERRIDES` corrects the sweep where a configuration of a class spilled with its choice;
-`SPILLING` names the classes no candidate fits. The dispatch reads `lookup` whenever a caller leaves
+both targets. `OVERRIDES` corrects the sweep where a configuration of a class spilled with its choice or
+no candidate of the per-group key path fits. The dispatch reads `lookup` whenever a caller leaves
 block_s / block_r / num_warps / num_stages unset, which is what `rq_jax.cache.loop_quant.attend_pallas`
 does.
 
@@ -21,12 +21,14 @@ from typing import NamedTuple
 
 
 class Launch(NamedTuple):
-    """Tokens per tile, Triton warps and pipeline stages, and the most query rows per program."""
+    """Tokens per tile, Triton warps and pipeline stages, the most query rows per program, and whether the
+    residual kernel forms its keys as one reconstructed tile (one dot) instead of per-group dots."""
 
     block_s: int
     num_warps: int
     num_stages: int
     max_block_r: int
+    dequant_keys: bool = False
 
 
 class LaunchKey(NamedTuple):
@@ -41,18 +43,24 @@ DIM_BUCKETS = (64, 96, 128)
 ROW_BLOCKS = (16, 32, 64)
 FALLBACK = Launch(16, 4, 2, 16)
 
-#: Classes where no candidate compiles without spilling: 3- and 4-link g16 chains at head dims 96 and
-#: 128 still spill 8 B stored / 4 B loaded at 255 registers with 16-token tiles, 16 rows and 8 warps (and
-#: with num_stages 1). They run with that least-spilling candidate; getting them to 0 needs the kernel's
-#: g16 key path restructured. tests/kernels/test_compile.py marks their configurations xfail.
-SPILLING = frozenset(LaunchKey("residual", d, n, 16, r)
-                     for d, n in ((96, 4), (128, 3), (128, 4)) for r in ROW_BLOCKS)
-SPILLING_LAUNCH = Launch(16, 8, 2, 16)
-
-#: Set by hand over the sweep's choice. 3-link g32 chains at head dim 128: 8 warps, not the sweep's 4 —
-#: its representative has key means; without them the 4-warp build spills 24 B stored / 12 B loaded on
-#: sm_90 (issue 23's chain3 case, found by the CI subset); 8 warps compile clean on both targets.
-OVERRIDES = {LaunchKey("residual", 128, 3, 32, r): Launch(16, 8, 2, 16) for r in ROW_BLOCKS}
+#: Set by hand over the sweep's choice:
+#: - 3-link g32 chains at head dim 128: 8 warps, not the sweep's 4 — its representative has key means;
+#:   without them the 4-warp build spills 24 B stored / 12 B loaded on sm_90 (issue 23's chain3 case, found
+#:   by the CI subset); 8 warps compile clean on both targets.
+#: - 3- and 4-link g16 chains at head dims 96 and 128: no candidate of the per-group key path fits (8-16 B
+#:   spilled at 255 registers with 16-token tiles, 16 rows and 8 warps, 1 stage too): at g16 a 4-link D128
+#:   chain makes 32 per-group dots per tile. They form their keys as one reconstructed tile instead
+#:   (`dequant_keys`), with 16-token tiles: 4-link chains at 8 warps (142-198 registers; at 4 warps the
+#:   D96 ones sit at 255), 3-link D128 chains at 4 warps (151-239; at 8 warps ptxas caps the INT2-anchor
+#:   chain at 128 registers for two blocks per SM and spills 8 B on sm_80).
+#: - one-link g32 chains at head dim 128 and one row block: 16-token tiles, not the sweep's 32 — at 32 the
+#:   INT4 anchor with float32 metadata spills 8 B stored / 4 B loaded on sm_90 (128 registers).
+OVERRIDES = {
+    **{LaunchKey("residual", 128, 3, 32, r): Launch(16, 8, 2, 16) for r in ROW_BLOCKS},
+    LaunchKey("residual", 128, 1, 32, 16): Launch(16, 4, 2, 16),
+    **{LaunchKey("residual", d, n, 16, r): Launch(16, 8 if n == 4 else 4, 2, 16, dequant_keys=True)
+       for d, n in ((96, 4), (128, 3), (128, 4)) for r in ROW_BLOCKS},
+}
 
 # Filled from `python scripts/kernel_report.py --sweep` (see docs/performance.md, "The kernels compiled").
 TABLE: dict[LaunchKey, Launch] = {
@@ -161,7 +169,6 @@ def key(kernel: str, dim: int, rows: int, groups: tuple[int, ...] = ()) -> Launc
 
 
 def lookup(kernel: str, dim: int, rows: int, groups: tuple[int, ...] = ()) -> Launch:
-    """The launch parameters for a call: SPILLING_LAUNCH for a SPILLING class, else OVERRIDES', else
-    TABLE's, else FALLBACK."""
+    """The launch parameters for a call: OVERRIDES', else TABLE's, else FALLBACK."""
     k = key(kernel, dim, rows, groups)
-    return SPILLING_LAUNCH if k in SPILLING else OVERRIDES.get(k) or TABLE.get(k, FALLBACK)
+    return OVERRIDES.get(k) or TABLE.get(k, FALLBACK)

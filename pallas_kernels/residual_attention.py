@@ -14,10 +14,13 @@ caller merges the current token and un-rotates once.
 Per tile of block_s tokens (the structure keeps registers bounded; `scripts/kernel_report.py` checks
 every shipped configuration compiles without spills):
 
-    keys:    per link and metadata group G (a power of two >= 16 channels, so a valid dot operand):
-             q·D(c) over G = scale_G · (q_G · codes_G) + offset_G · Σ_{c∈G} q_c
-             — codes exact in bfloat16, the query split into bf16 hi + lo outside the kernel, the
-             group sums of the query precomputed outside too.
+    keys:    either per link and metadata group G (a power of two >= 16 channels, so a valid dot
+             operand): q·D(c) over G = scale_G · (q_G · codes_G) + offset_G · Σ_{c∈G} q_c — codes
+             exact in bfloat16, the query split into bf16 hi + lo outside the kernel, the group sums
+             of the query precomputed outside too; or (`dequant_keys`, the launch table's choice for
+             long fine-grained chains, whose per-group dots (links × D/G of them) do not fit the
+             registers) the chain's reconstructed keys as one tile, like the values below, and one
+             split dot q · ẑ_kᵀ, with the key means as Σ_i (Π_{j<i} αk_j) · mean_score_i.
     values:  the chain's reconstruction as one [block_s, D] tile, ẑ = D(c_0) + α_0 ⊙ (D(c_1) + α_1 ⊙ ...)
              (scales and offsets broadcast over their groups), then one split dot p · ẑ into a single
              [rows, D] accumulator, which the warps share instead of each holding a copy of per-group
@@ -165,11 +168,11 @@ def _f32(raw: jax.Array) -> jax.Array:
 
 
 def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha, v_has_alpha, has_mean,
-            q_split: bool, rows: int, dim: int):
+            q_split: bool, dequant_keys: bool, rows: int, dim: int):
     it = iter(refs)
     slot_ref, len_ref, qhi_ref = next(it), next(it), next(it)
     qlo_ref = next(it) if q_split else None
-    qsum_ref = next(it)
+    qsum_ref = None if dequant_keys else next(it)
     k_refs = [(next(it), next(it), next(it)) for _ in k_links]
     ka_refs = [next(it) if h else None for h in k_has_alpha]
     v_refs = [(next(it), next(it), next(it)) for _ in v_links]
@@ -187,10 +190,14 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha,
         mask = row_ok[:, None] if isinstance(col, pl.Slice) else row_ok
         return dc.load(ref.at[:, col], mask=mask, other=_zero(ref))
 
-    q_pieces = [(rows_load(qhi_ref, pl.ds(a, w)), rows_load(qlo_ref, pl.ds(a, w)) if q_split else None)
-                for a, w in k_pieces]
-    q_sums = [[rows_load(qsum_ref, jnp.int32(i * MAX_GROUPS + g)) for g in range(ln.ngroups)]
-              for i, ln in enumerate(k_links)]
+    def q_load(ref, start, width):  # [br, width] query channels, 0 in padded rows and past the head dim
+        ok = row_ok[:, None] & (start + jnp.arange(width) < dim)[None, :]
+        return dc.load(ref.at[:, pl.ds(start, width)], mask=ok, other=_zero(ref))
+
+    q_pieces = [(q_load(qhi_ref, a, w), q_load(qlo_ref, a, w) if q_split else None)
+                for a, w in (((0, dpad),) if dequant_keys else k_pieces)]
+    q_sums = [] if dequant_keys else [[rows_load(qsum_ref, jnp.int32(i * MAX_GROUPS + g))
+                                       for g in range(ln.ngroups)] for i, ln in enumerate(k_links)]
     means = [rows_load(mean_ref, jnp.int32(i)).astype(jnp.float32) if h else None for i, h in enumerate(has_mean)]
     sm_scale = 1.0 / math.sqrt(dim)
 
@@ -229,9 +236,32 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha,
                 return jnp.broadcast_to(x[:, :, None], (bs, n, link.group)).reshape(bs, dpad)
             return per_channel(o_ref) + per_channel(s_ref) * codes(c_ref, link, 0, dpad)
 
-        score, coef = None, None
-        for i, (link, (c_ref, s_ref, o_ref)) in enumerate(zip(k_links, k_refs)):
-            part = means[i][:, None] if means[i] is not None else None
+        def chain(refs, links, alpha_refs):  # ẑ_0 [bs, dpad]: ẑ_i = D(c_i) + α_i ⊙ ẑ_{i+1}, from the anchor up
+            z = dequantized(refs[-1], links[-1])
+            for i in reversed(range(len(links) - 1)):
+                z = dequantized(refs[i], links[i]) + (z if alpha_refs[i] is None else vec(alpha_refs[i])[:, None] * z)
+            return z
+
+        def alpha_products():  # Π_{j<i} αk_j [bs] per key link (None: 1)
+            out, coef = [], None
+            for i in range(len(k_links)):
+                out.append(coef)
+                if i + 1 < len(k_links) and ka_refs[i] is not None:
+                    a = vec(ka_refs[i])
+                    coef = a if coef is None else coef * a
+            return out
+
+        def weighted(terms):  # Σ_i (Π_{j<i} αk_j) ⊙ term_i over the links' [br, bs] terms (None: absent)
+            out = None
+            for term, coef in zip(terms, alpha_products()):
+                if term is not None:
+                    term = term if coef is None else coef[None, :] * term
+                    out = term if out is None else out + term
+            return out
+
+        def group_scores(i, link, refs):  # q · D(c_i) [br, bs], group by group from the codes
+            c_ref, s_ref, o_ref = refs
+            part = None
             for g in range(link.ngroups):
                 dots = None
                 for j, (a, w) in enumerate(k_pieces):
@@ -242,16 +272,20 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha,
                 gi = jnp.int32(g)
                 term = dots * vec(s_ref, gi)[None, :] + q_sums[i][g][:, None] * vec(o_ref, gi)[None, :]
                 part = term if part is None else part + term
-            score = part if score is None else score + (part if coef is None else coef[None, :] * part)
-            if i + 1 < len(k_links) and ka_refs[i] is not None:
-                a = vec(ka_refs[i])
-                coef = a if coef is None else coef * a
+            return part
+
+        mean_terms = [None if mu is None else mu[:, None] for mu in means]
+        if dequant_keys:
+            score = dc.dot_split(q_pieces[0], dc.split_bf16(chain(k_refs, k_links, ka_refs)), trans_b=True)
+            if any(mu is not None for mu in means):
+                score = score + weighted(mean_terms)
+        else:
+            score = weighted([group_scores(i, ln, refs) + (0.0 if mu is None else mu)
+                              for i, (ln, refs, mu) in enumerate(zip(k_links, k_refs, mean_terms))])
         score = jnp.where(tok_ok[None, :], score * sm_scale, -jnp.inf)
         p, m_new, l_new, corr = dc.online_softmax(score, m_prev, l_prev)
 
-        z = dequantized(v_refs[-1], v_links[-1])  # from the anchor up: ẑ_i = D(c_i) + α_i ⊙ ẑ_{i+1}
-        for i in reversed(range(len(v_links) - 1)):
-            z = dequantized(v_refs[i], v_links[i]) + (z if va_refs[i] is None else vec(va_refs[i])[:, None] * z)
+        z = chain(v_refs, v_links, va_refs)
         acc = corr[:, None] * acc + dc.dot_split(dc.split_bf16(p), dc.split_bf16(z))
         return m_new, l_new, acc
 
@@ -268,7 +302,7 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha,
 # ---- the public function ------------------------------------------------------------------------
 
 _STATIC = ("k_bits", "v_bits", "k_group_sizes", "v_group_sizes", "block_s", "num_splits", "block_r",
-           "num_warps", "num_stages", "interpret")
+           "num_warps", "num_stages", "dequant_keys", "interpret")
 #: Query-sum columns per key link: the most metadata groups a head dim can have (256 / 16).
 MAX_GROUPS = MAX_HEAD_DIM // 16
 
@@ -293,6 +327,7 @@ def residual_decode_attention(
     block_r: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    dequant_keys: bool | None = None,         # keys as one reconstructed tile; None: the launch table's
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unnormalised attention partial of rotated queries over a slot's packed stored tokens.
@@ -315,19 +350,18 @@ def residual_decode_attention(
     plan = dc.plan_decode(b, k, r, s, block_s=block_s or lp.block_s, num_splits=num_splits, block_r=block_r,
                           num_warps=num_warps or lp.num_warps, num_stages=num_stages or lp.num_stages,
                           max_block_r=lp.max_block_r)
+    dequant_keys = lp.dequant_keys if dequant_keys is None else bool(dequant_keys)
     dpad, br, sl = dc.next_pow2(d), plan.block_r, plan.split_len
     n_rb = pl.cdiv(r, br)
     means = tuple(mean_scores) if mean_scores is not None else (None,) * len(keys)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
     slot = jnp.asarray(slot, jnp.int32).reshape(())
-    # Outside the kernel, once per call: the query's bfloat16 halves and, per key link, the sums of its
-    # float32 channels over each metadata group (the offset terms; MAX_GROUPS columns per link); FP8
-    # metadata travels as its bits (uint8).
+    # Outside the kernel, once per call: the query's bfloat16 halves and, for the grouped key path, per key
+    # link the sums of its float32 channels over each metadata group (the offset terms; MAX_GROUPS columns
+    # per link); FP8 metadata travels as its bits (uint8).
     q32 = q.astype(jnp.float32)
     q_hi = q32.astype(jnp.bfloat16)
     q_split = q.dtype != jnp.bfloat16
-    q_sums = jnp.concatenate([jnp.pad(q32.reshape(b, k, r, ln.ngroups, ln.group).sum(-1),
-                                      ((0, 0),) * 3 + ((0, MAX_GROUPS - ln.ngroups),)) for ln in k_links], axis=-1)
 
     def bits_of(x):
         return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype == jnp.float8_e4m3fn else x
@@ -347,8 +381,11 @@ def residual_decode_attention(
     if q_split:
         in_specs.append(rows_spec(dpad))
         args.append((q32 - q_hi.astype(jnp.float32)).astype(jnp.bfloat16))
-    in_specs.append(rows_spec(dc.next_pow2(q_sums.shape[-1])))
-    args.append(q_sums)
+    if not dequant_keys:
+        q_sums = jnp.concatenate([jnp.pad(q32.reshape(b, k, r, ln.ngroups, ln.group).sum(-1),
+                                          ((0, 0),) * 3 + ((0, MAX_GROUPS - ln.ngroups),)) for ln in k_links], -1)
+        in_specs.append(rows_spec(dc.next_pow2(q_sums.shape[-1])))
+        args.append(q_sums)
     for links, streams, alphas in ((k_links, keys, k_alpha), (v_links, values, v_alpha)):
         for link, st in zip(links, streams):
             in_specs += stream_specs(link)
@@ -366,7 +403,7 @@ def residual_decode_attention(
     kernel = functools.partial(
         _kernel, plan=plan, k_links=k_links, v_links=v_links, k_pieces=k_pieces,
         k_has_alpha=tuple(a is not None for a in k_alpha), v_has_alpha=tuple(a is not None for a in v_alpha),
-        has_mean=tuple(mu is not None for mu in means), q_split=q_split, rows=r, dim=d)
+        has_mean=tuple(mu is not None for mu in means), q_split=q_split, dequant_keys=dequant_keys, rows=r, dim=d)
     rtot, ns = n_rb * br, plan.num_splits
     acc, m, l = pl.pallas_call(
         kernel,
@@ -410,10 +447,10 @@ def dequantize(stream: QuantStream, bits: int, slot) -> jax.Array:
 def residual_decode_attention_reference(
     q, keys, values, k_alpha, v_alpha, mean_scores, lengths, slot, *, k_bits=None, v_bits=None,
     k_group_sizes=None, v_group_sizes=None, block_s=None, num_splits=None, block_r=None, num_warps=None,
-    num_stages=None, interpret=False,
+    num_stages=None, dequant_keys=None, interpret=False,
 ):
-    """`residual_decode_attention` in plain jnp (float32, HIGHEST precision); block arguments ignored."""
-    del block_s, num_splits, block_r, num_warps, num_stages, interpret
+    """`residual_decode_attention` in plain jnp (float32, HIGHEST precision); launch arguments ignored."""
+    del block_s, num_splits, block_r, num_warps, num_stages, dequant_keys, interpret
     keys, values = tuple(keys), tuple(values)
     b, k, r, d = q.shape
     k_bits = k_bits or tuple(8 * st.codes.shape[-1] // d for st in keys)

@@ -25,7 +25,7 @@ warps before 8, and within those block_s 64, 32, 16 (num_stages 2): the largest 
 without spilling, as few programs per query row as fit. Candidates are pruned by monotonicity: a class
 with at least the head dim, links and row block of one already swept (same kernel and group size) does
 not try a larger block_s than that one's clean choice at the same row block and warps. It prints the
-table as Python for `pallas_kernels/launch.py` (where `OVERRIDES` and `SPILLING` are kept by hand).
+table as Python for `pallas_kernels/launch.py` (where `OVERRIDES` is kept by hand).
 """
 
 from __future__ import annotations

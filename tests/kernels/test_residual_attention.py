@@ -34,6 +34,7 @@ class Case:
     means: tuple | None = None  # per key link: whether it has a key-mean score
     block_s: int | None = None
     num_splits: int | None = None
+    dequant_keys: bool | None = None  # the key path; None: the launch table's
 
 
 def _stream(rng, lead, dim, bits, group, meta):
@@ -60,7 +61,7 @@ def make_inputs(case: Case, rng):
     slot = array(rng, (), "int32", lambda r, s: np.asarray(case.slots - 1))
     kw = dict(k_bits=tuple(x for x, _ in case.k_links), v_bits=tuple(x for x, _ in v_links),
               k_group_sizes=tuple(g for _, g in case.k_links), v_group_sizes=tuple(g for _, g in v_links),
-              block_s=case.block_s, num_splits=case.num_splits)
+              block_s=case.block_s, num_splits=case.num_splits, dequant_keys=case.dequant_keys)
     return (q, keys, values, k_alpha, v_alpha, means, lengths, slot), kw
 
 
@@ -93,6 +94,14 @@ CASES = (
     # and INT2 keys beside INT4 values over INT4 anchors (huginn-small at 3.69 bits).
     Case("d64-int4-over-int2-anchor", 64, 1, ((4, 32), (2, 32)), lengths=(70, 9), num_splits=2),
     Case("d64-kv-split-int4-values", 64, 1, LOOP_G32, v_links=((4, 32), (4, 32)), lengths=(33, 100)),
+    # The reconstructed-key path (launch.DEQUANT_KEYS): straddling planes with key means on every link; a
+    # three-link chain with a mean on two links; four g16 links, bf16 queries and no α.
+    Case("d96-loop-g16-means-dequant", 96, 3, LOOP_G16, lengths=(50, 7), meta="bfloat16", means=(True, True),
+         block_s=16, num_splits=3, dequant_keys=True),
+    Case("d64-chain3-means-dequant", 64, 2, ((2, 16), (2, 16), (4, 32)), lengths=(45, 0), means=(True, False, True),
+         block_s=16, num_splits=2, dequant_keys=True),
+    Case("d128-chain4-g16-bf16q-noalpha-dequant", 128, 1, ((2, 16),) * 3 + ((4, 16),), lengths=(1, 100),
+         q_dtype="bfloat16", alpha=False, dequant_keys=True),
 )
 
 
@@ -107,6 +116,8 @@ def _lower_cases():
         Case("d128-loop-g32-means-bf16meta", 128, 1, LOOP_G32, meta="bfloat16", means=(True, True)),
         Case("d128-int8-f32meta-noalpha", 128, 1, ((8, 32), (4, 32)), meta="float32", alpha=False),
         Case("d96-chain3", 96, 1, ((2, 16), (2, 16), (4, 32))),
+        Case("d128-chain4-g16-means-dequant", 128, 1, ((2, 16),) * 3 + ((4, 16),), means=(True,) * 4,
+             dequant_keys=True),
         Case("d96-rows80", 96, 80, LOOP_G16),
         Case("d64-block128-splits1", 64, 1, LOOP_G32, block_s=128, num_splits=1, s=1024),
     ]
