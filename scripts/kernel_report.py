@@ -5,6 +5,7 @@ compiled for Hopper (sm_90) and Ampere (sm_80) without a GPU; markdown + JSON.
     python scripts/kernel_report.py --only huginn ouro                              # names containing these
     python scripts/kernel_report.py --ci-subset                                     # what the tests compile
     python scripts/kernel_report.py --sweep --json sweep.json                       # re-derive launch.TABLE
+    python scripts/kernel_report.py --refit kernels.json                            # fix the classes that spill
     python scripts/kernel_report.py --shard 0/2 & python scripts/kernel_report.py --shard 1/2   # in parallel
 
 Each configuration of `pallas_kernels.configs.MATRIX` (every call the dispatch can make for the shipped
@@ -26,6 +27,11 @@ without spilling, as few programs per query row as fit. Candidates are pruned by
 with at least the head dim, links and row block of one already swept (same kernel and group size) does
 not try a larger block_s than that one's clean choice at the same row block and warps. It prints the
 table as Python for `pallas_kernels/launch.py` (where `OVERRIDES` is kept by hand).
+
+--refit REPORT takes a report's JSON and, for every class with a configuration that failed there, compiles
+every configuration of the class (not one representative) under the sweep's candidates in its order, then
+the same with the residual kernel's reconstructed-key path, and keeps the first that is clean on all of
+them for every target; it prints those classes as `OVERRIDES` entries.
 """
 
 from __future__ import annotations
@@ -175,8 +181,27 @@ def sweep(keys, targets, cache, log=print) -> dict:
     return dict(table=table, rows=rows)
 
 
-def table_source(table: dict) -> str:
-    lines = ["TABLE: dict[LaunchKey, Launch] = {"]
+def refit_key(key: launch.LaunchKey, cfgs, targets, cache, log=print) -> tuple[launch.Launch | None, list]:
+    """The first candidate (`candidate_groups` order, then with `dequant_keys` for the residual kernel) on
+    which every configuration in `cfgs` (one class's) compiles clean for every target, and every row tried."""
+    cands = [c for group in candidate_groups(key.block_r) for c in group]
+    if key.kernel == "residual":
+        cands += [c._replace(dequant_keys=True) for c in cands]
+    tried = []
+    for cand in cands:
+        for cfg, target in itertools.product(cfgs, targets):  # stop at the first failure
+            row = compile_row(cfg, target, cache, cand)
+            tried.append(row)
+            log(_line(row) + ("  reconstructed keys" if cand.dequant_keys else ""))
+            if not row["ok"]:
+                break
+        else:
+            return cand, tried
+    return None, tried
+
+
+def table_source(table: dict, name: str = "TABLE") -> str:
+    lines = [f"{name}: dict[LaunchKey, Launch] = {{"]
     for key, lp in sorted(table.items()):
         if lp is not None:
             lines.append(f"    LaunchKey{tuple(key)!r}: Launch{tuple(lp)!r},")
@@ -195,6 +220,8 @@ def main(argv=None) -> int:
                    help="only every N-th configuration (--sweep: family of classes) from the I-th (0-based)")
     p.add_argument("--cache", default=None, help="compile cache directory (default: deviceless.default_cache_dir())")
     p.add_argument("--sweep", action="store_true", help="derive launch.TABLE instead of reporting the matrix")
+    p.add_argument("--refit", metavar="REPORT", default=None,
+                   help="a report's JSON: find launch parameters for the classes that failed there")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     args = p.parse_args(argv)
@@ -208,7 +235,20 @@ def main(argv=None) -> int:
     i, n = map(int, args.shard.split("/")) if args.shard else (0, 1)
     versions = deviceless.toolchain_versions()
     start = time.perf_counter()
-    if args.sweep:
+    if args.refit:
+        failed_names = {r["config"] for r in json.loads(Path(args.refit).read_text())["rows"] if not r["ok"]}
+        keys = sorted({configs.BY_NAME[n].launch_key() for n in failed_names} - {None})
+        table, rows = {}, []
+        for key in keys[i::n]:
+            members = [c for c in configs.MATRIX if c.launch_key() == key]
+            table[key], tried = refit_key(key, members, targets, args.cache)
+            rows += [dict(r, key=list(key)) for r in tried]
+            print(f"==> {key}: {table[key]}")
+        print(table_source(table, "OVERRIDES"))
+        result = dict(versions=versions, table=[[list(k), None if v is None else list(v)]
+                                                for k, v in sorted(table.items())], rows=rows)
+        failed = any(v is None for v in table.values())
+    elif args.sweep:
         keys = {c.launch_key() for c in cfgs} - {None}
         families = sorted({family(k) for k in keys})[i::n]
         keys = [k for k in keys if family(k) in families]

@@ -98,3 +98,34 @@ def test_lowering_for_ampere_accepts_fp8_metadata():
     fn, args = configs.BY_NAME["ouro-loop-d128-int2g32-int4g32"].call()
     [kernel] = deviceless.triton_kernels(fn, args, capability=80)
     assert kernel.name == "residual_decode_attention" and kernel.ir
+
+
+@pytest.mark.parametrize("heavy_fits, chosen", [
+    (lambda c: c.block_s == 16 and c.num_warps == 8, launch.Launch(16, 8, 2, 16)),
+    (lambda c: c.block_s == 16 and c.dequant_keys, launch.Launch(16, 4, 2, 16, dequant_keys=True)),
+])
+def test_refit_keeps_the_first_candidate_clean_on_every_member(monkeypatch, heavy_fits, chosen):
+    """scripts/kernel_report.py --refit's search, its compiles replaced by a rule: candidates in the sweep's
+    order, each tried on every member configuration and target until one fails, then the same candidates
+    with the reconstructed-key path; the first clean on all of them is kept."""
+    import runpy
+
+    report = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[2] / "scripts" / "kernel_report.py"))
+    refit_key, calls = report["refit_key"], []
+
+    def rule_row(cfg, target, cache, cand):
+        calls.append((cfg.name, target.name, cand))
+        ok = cfg.name == "light" or heavy_fits(cand)
+        return dict(config=cfg.name, target=target.name, block_s=cand.block_s, block_r=16, num_warps=cand.num_warps,
+                    num_stages=2, shared=0, registers=255, spill_stores=0 if ok else 8, spill_loads=0 if ok else 4,
+                    tensor_cores="mma", blocks_per_sm=1, seconds=0.0, ok=ok, problems=[] if ok else ["spills"])
+
+    monkeypatch.setitem(refit_key.__globals__, "compile_row", rule_row)
+    members = [configs.KernelConfig("light", 64, 1, ((2, 16),)), configs.KernelConfig("heavy", 64, 1, ((8, 16),))]
+    got, tried = refit_key(launch.LaunchKey("residual", 64, 1, 16, 16), members, list(deviceless.TARGETS.values()),
+                           None, log=lambda line: None)
+    assert got == chosen and len(tried) == len(calls)
+    first = launch.Launch(64, 4, 2, 16)
+    assert calls[:4] == [("light", "sm_90", first), ("light", "sm_80", first), ("heavy", "sm_90", first),
+                         ("light", "sm_90", first._replace(block_s=32))]  # a failure ends the candidate
+    assert calls[-4:] == [(n, t, chosen) for n in ("light", "heavy") for t in ("sm_90", "sm_80")]
