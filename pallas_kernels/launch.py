@@ -62,6 +62,23 @@ OVERRIDES = {
     LaunchKey("residual", 128, 1, 32, 16): Launch(32, 8, 2, 16),
     **{LaunchKey("residual", d, n, 16, r): Launch(16, 8 if n == 4 else 4, 2, 16, dequant_keys=True)
        for d, n in ((96, 4), (128, 3), (128, 4)) for r in ROW_BLOCKS},
+    # `python scripts/kernel_report.py --refit` on the whole matrix's report: the classes where one of
+    # their configurations spilled with the sweep's choice (8-60 B; INT8 g16 codes, D96 g32 loops, g32
+    # chains at 32-64 rows), each re-chosen on every configuration of the class.
+    LaunchKey("residual", 64, 1, 16, 16): Launch(32, 4, 2, 16),
+    LaunchKey("residual", 64, 1, 16, 32): Launch(16, 4, 2, 32),
+    LaunchKey("residual", 64, 1, 32, 16): Launch(32, 4, 2, 16),
+    LaunchKey("residual", 64, 2, 32, 32): Launch(32, 4, 2, 32),
+    LaunchKey("residual", 64, 3, 32, 32): Launch(32, 4, 2, 32),
+    LaunchKey("residual", 64, 4, 32, 16): Launch(16, 4, 2, 16, dequant_keys=True),
+    LaunchKey("residual", 64, 4, 32, 64): Launch(32, 8, 2, 16),
+    LaunchKey("residual", 96, 2, 32, 16): Launch(32, 8, 2, 16),
+    LaunchKey("residual", 96, 2, 32, 32): Launch(16, 4, 2, 16),
+    LaunchKey("residual", 96, 2, 32, 64): Launch(32, 8, 2, 16),
+    LaunchKey("residual", 128, 1, 16, 32): Launch(16, 4, 2, 32),
+    LaunchKey("residual", 128, 1, 16, 64): Launch(64, 8, 2, 16),
+    LaunchKey("residual", 128, 1, 32, 32): Launch(16, 4, 2, 32),
+    LaunchKey("residual", 128, 4, 32, 64): Launch(16, 4, 2, 16, dequant_keys=True),
 }
 
 # Filled from `python scripts/kernel_report.py --sweep` (see docs/performance.md, "The kernels compiled").
