@@ -87,7 +87,9 @@ def client(server):
 def test_warming_up_answers_503_and_startup_is_printed(server):
     status, body = server.warming_status
     assert status == 503 and "warming up" in body["error"]["message"]
-    out = server.output()
+    deadline = time.monotonic() + 30  # serve.py prints the line from its own thread once /health says ready
+    while "compiled in" not in (out := server.output()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert re.search(r"compiled in [\d.]+ s \(prefill 16 [\d.]+, prefill 32 [\d.]+, admit [\d.]+, "
                      r"prefill 16 x4 [\d.]+, prefill 32 x4 [\d.]+, decode 4 [\d.]+\)", out), out
     assert "4 slots of 48 tokens" in out
