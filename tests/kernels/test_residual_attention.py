@@ -94,7 +94,7 @@ CASES = (
     # and INT2 keys beside INT4 values over INT4 anchors (huginn-small at 3.69 bits).
     Case("d64-int4-over-int2-anchor", 64, 1, ((4, 32), (2, 32)), lengths=(70, 9), num_splits=2),
     Case("d64-kv-split-int4-values", 64, 1, LOOP_G32, v_links=((4, 32), (4, 32)), lengths=(33, 100)),
-    # The reconstructed-key path (launch.DEQUANT_KEYS): straddling planes with key means on every link; a
+    # The reconstructed-key path (`dequant_keys`): straddling planes with key means on every link; a
     # three-link chain with a mean on two links; four g16 links, bf16 queries and no α.
     Case("d96-loop-g16-means-dequant", 96, 3, LOOP_G16, lengths=(50, 7), meta="bfloat16", means=(True, True),
          block_s=16, num_splits=3, dequant_keys=True),
@@ -102,6 +102,9 @@ CASES = (
          block_s=16, num_splits=2, dequant_keys=True),
     Case("d128-chain4-g16-bf16q-noalpha-dequant", 128, 1, ((2, 16),) * 3 + ((4, 16),), lengths=(1, 100),
          q_dtype="bfloat16", alpha=False, dequant_keys=True),
+    # The launch table's reconstructed-key g32 class: a 4-link g32 chain at D64, key means on every link.
+    Case("d64-chain4-g32-means-dequant", 64, 1, ((2, 32),) * 3 + ((4, 32),), lengths=(16, 61), means=(True,) * 4,
+         num_splits=2),
 )
 
 
