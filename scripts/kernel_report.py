@@ -200,6 +200,11 @@ def refit_key(key: launch.LaunchKey, cfgs, targets, cache, log=print) -> tuple[l
     return None, tried
 
 
+def table_json(table: dict) -> list:
+    """A {LaunchKey: Launch | None} table as JSON-able [key, launch] pairs, sorted."""
+    return [[list(k), None if v is None else list(v)] for k, v in sorted(table.items())]
+
+
 def table_source(table: dict, name: str = "TABLE") -> str:
     lines = [f"{name}: dict[LaunchKey, Launch] = {{"]
     for key, lp in sorted(table.items()):
@@ -236,8 +241,13 @@ def main(argv=None) -> int:
     versions = deviceless.toolchain_versions()
     start = time.perf_counter()
     if args.refit:
-        failed_names = {r["config"] for r in json.loads(Path(args.refit).read_text())["rows"] if not r["ok"]}
-        keys = sorted({configs.BY_NAME[n].launch_key() for n in failed_names} - {None})
+        try:
+            failed_names = {r["config"] for r in json.loads(Path(args.refit).read_text())["rows"] if not r["ok"]}
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            p.error(f"--refit {args.refit}: not a kernel_report.py JSON report ({type(err).__name__}: {err})")
+        if unknown := sorted(failed_names - configs.BY_NAME.keys()):
+            p.error(f"--refit {args.refit}: configurations not in configs.MATRIX: {', '.join(unknown[:3])}")
+        keys = sorted({configs.BY_NAME[name].launch_key() for name in failed_names} - {None})
         table, rows = {}, []
         for key in keys[i::n]:
             members = [c for c in configs.MATRIX if c.launch_key() == key]
@@ -245,8 +255,7 @@ def main(argv=None) -> int:
             rows += [dict(r, key=list(key)) for r in tried]
             print(f"==> {key}: {table[key]}")
         print(table_source(table, "OVERRIDES"))
-        result = dict(versions=versions, table=[[list(k), None if v is None else list(v)]
-                                                for k, v in sorted(table.items())], rows=rows)
+        result = dict(versions=versions, table=table_json(table), rows=rows)
         failed = any(v is None for v in table.values())
     elif args.sweep:
         keys = {c.launch_key() for c in cfgs} - {None}
@@ -254,8 +263,7 @@ def main(argv=None) -> int:
         keys = [k for k in keys if family(k) in families]
         out = sweep(keys, targets, args.cache)
         print(table_source(out["table"]))
-        result = dict(versions=versions, table=[[list(k), None if v is None else list(v)]
-                                                for k, v in sorted(out["table"].items())], rows=out["rows"])
+        result = dict(versions=versions, table=table_json(out["table"]), rows=out["rows"])
         failed = any(v is None for v in out["table"].values())
     else:
         rows = report(cfgs[i::n], targets, args.cache)

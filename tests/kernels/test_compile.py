@@ -100,6 +100,13 @@ def test_lowering_for_ampere_accepts_fp8_metadata():
     assert kernel.name == "residual_decode_attention" and kernel.ir
 
 
+def kernel_report() -> dict:
+    """scripts/kernel_report.py's globals (its functions), loaded as a module."""
+    import runpy
+
+    return runpy.run_path(str(pathlib.Path(__file__).resolve().parents[2] / "scripts" / "kernel_report.py"))
+
+
 @pytest.mark.parametrize("heavy_fits, chosen", [
     (lambda c: c.block_s == 16 and c.num_warps == 8, launch.Launch(16, 8, 2, 16)),
     (lambda c: c.block_s == 16 and c.dequant_keys, launch.Launch(16, 4, 2, 16, dequant_keys=True)),
@@ -108,10 +115,7 @@ def test_refit_keeps_the_first_candidate_clean_on_every_member(monkeypatch, heav
     """scripts/kernel_report.py --refit's search, its compiles replaced by a rule: candidates in the sweep's
     order, each tried on every member configuration and target until one fails, then the same candidates
     with the reconstructed-key path; the first clean on all of them is kept."""
-    import runpy
-
-    report = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[2] / "scripts" / "kernel_report.py"))
-    refit_key, calls = report["refit_key"], []
+    refit_key, calls = kernel_report()["refit_key"], []
 
     def rule_row(cfg, target, cache, cand):
         calls.append((cfg.name, target.name, cand))
@@ -129,3 +133,19 @@ def test_refit_keeps_the_first_candidate_clean_on_every_member(monkeypatch, heav
     assert calls[:4] == [("light", "sm_90", first), ("light", "sm_80", first), ("heavy", "sm_90", first),
                          ("light", "sm_90", first._replace(block_s=32))]  # a failure ends the candidate
     assert calls[-4:] == [(n, t, chosen) for n in ("light", "heavy") for t in ("sm_90", "sm_80")]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "not a kernel_report.py JSON report (FileNotFoundError"),
+    ("{", "not a kernel_report.py JSON report (JSONDecodeError"),
+    ('{"rows": [{"config": "d64-r1-int9g32", "ok": false}]}', "configurations not in configs.MATRIX: d64-r1-int9g32"),
+])
+def test_refit_refuses_a_bad_report_in_one_line(tmp_path, capsys, content, message):
+    report = tmp_path / "report.json"
+    if content is not None:
+        report.write_text(content)
+    main = kernel_report()["main"]
+    with pytest.raises(SystemExit) as exit:
+        main(["--refit", str(report)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err)
