@@ -84,15 +84,23 @@ def top_logprobs(logits: Float[Array, "... v"]) -> tuple[Float[Array, "... v"], 
 def choose(logits: Float[Array, "b v"], slots: Slots, keys: jax.Array) -> Picked:
     """Each row's token under its own parameters and pick key [B], with log-probabilities: argmax at
     temperature 0, else a draw from `sampling.restrict_logits` of its row as a batch of one row (the
-    Sampler's draw for a one-prompt batch)."""
-    restricted = sampling.restrict_logits(logits, jnp.where(slots.temperature > 0, slots.temperature, 1.0),
-                                          slots.top_k, slots.top_p)
+    Sampler's draw for a one-prompt batch). What no row needs is skipped at run time (`lax.cond`): the
+    draws when every row is greedy, the top-k/top-p sorts when no row filters — they cost more than the
+    rest of a small model's decode step on a CPU."""
+    sampled_rows = slots.temperature > 0
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def draw(key, row):
-        return jax.random.categorical(key, row[None], axis=-1)[0]
+    def sample(logits):
+        temperature = jnp.where(sampled_rows, slots.temperature, 1.0)
+        filtered = sampled_rows & ((slots.top_k > 0) | (slots.top_p < 1))
+        restricted = jax.lax.cond(
+            jnp.any(filtered),
+            lambda x: sampling.restrict_logits(x, temperature, slots.top_k, slots.top_p),
+            lambda x: x.astype(jnp.float32) / temperature[:, None], logits)
+        return jax.vmap(lambda key, row: jax.random.categorical(key, row[None], axis=-1)[0])(keys, restricted)
 
-    sampled = jax.vmap(draw)(keys, restricted).astype(jnp.int32)
-    tokens = jnp.where(slots.temperature > 0, sampled, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    drawn = jax.lax.cond(jnp.any(sampled_rows), sample, lambda _: greedy, logits)
+    tokens = jnp.where(sampled_rows, drawn.astype(jnp.int32), greedy)
     logp, ids, values = top_logprobs(logits)
     return Picked(tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0], ids, values)
 

@@ -215,14 +215,20 @@ def test_insert_rows_first_rows_and_per_slot_sampling_match_references():
     assert head.lengths.tolist() == [1, 5]
     logits = jax.random.normal(jax.random.key(1), (3, 50))
     keys = jax.random.split(jax.random.key(2), 3)
-    slots = programs.Slots(jnp.zeros(3, jnp.int32), jnp.array([0.0, 0.7, 1.3]), jnp.array([0, 4, 0]),
-                           jnp.array([1.0, 1.0, 0.6]), keys)
-    picked = jax.jit(programs.choose)(logits, slots, keys)
-    cfgs = [SamplingConfig(), SamplingConfig(temperature=0.7, top_k=4), SamplingConfig(temperature=1.3, top_p=0.6)]
     reference = jax.jit(choose_tokens, static_argnums=2)
-    for b, cfg in enumerate(cfgs):
-        assert int(picked.tokens[b]) == int(reference(logits[b : b + 1], keys[b], cfg)[0])
-    np.testing.assert_allclose(picked.logprob, jax.nn.log_softmax(logits)[np.arange(3), picked.tokens], rtol=1e-6)
+    # Mixed rows; every row greedy (no draw runs); sampled rows without filters (no sort runs).
+    for cfgs in ([SamplingConfig(), SamplingConfig(temperature=0.7, top_k=4),
+                  SamplingConfig(temperature=1.3, top_p=0.6)],
+                 [SamplingConfig()] * 3,
+                 [SamplingConfig(temperature=0.7), SamplingConfig(), SamplingConfig(temperature=1.3)]):
+        slots = programs.Slots(jnp.zeros(3, jnp.int32), jnp.array([c.temperature for c in cfgs]),
+                               jnp.array([c.top_k for c in cfgs]), jnp.array([c.top_p for c in cfgs]), keys)
+        picked = jax.jit(programs.choose)(logits, slots, keys)
+        for b, cfg in enumerate(cfgs):
+            assert int(picked.tokens[b]) == int(reference(logits[b : b + 1], keys[b], cfg)[0]), (cfgs, b)
+        np.testing.assert_allclose(picked.logprob, jax.nn.log_softmax(logits)[np.arange(3), picked.tokens], rtol=1e-6)
+    assert len({int(t) for t in jax.vmap(programs.choose, (None, None, 0))(
+        logits, slots, jax.vmap(lambda k: jax.random.split(k, 3))(jax.random.split(keys[0], 8))).tokens[:, 0]}) > 1
 
 
 class _Bytes:
