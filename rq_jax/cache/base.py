@@ -437,6 +437,18 @@ def _scatter(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Arra
     return old.at[index].set(jnp.moveaxis(val, (2, TOKEN_AXIS), (0, 1)).astype(old.dtype), mode="drop")
 
 
+def on_bits(update, old: Array, new: Array) -> Array:
+    """`update(old, new)` (a scatter or dynamic-update-slice of `new` into `old`, shapes unchanged) run on
+    a float leaf's bits, as unsigned integers of its width: XLA:CPU widens a bfloat16 or fp8 scatter to
+    float32, which copies the whole leaf both ways. Other dtypes run as they are."""
+    new = new.astype(old.dtype)
+    if not jnp.issubdtype(old.dtype, jnp.floating):
+        return update(old, new)
+    bits = jnp.dtype(f"uint{8 * old.dtype.itemsize}")
+    out = update(jax.lax.bitcast_convert_type(old, bits), jax.lax.bitcast_convert_type(new, bits))
+    return jax.lax.bitcast_convert_type(out, old.dtype)
+
+
 def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
     """`scatter_tokens` of one leaf as one dynamic-update-slice per row: row b's block of T positions
     from min(lengths[b], S − T), its new tokens merged into what the block held (read, for all rows at
@@ -450,12 +462,16 @@ def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[A
     step = start[:, None] + jnp.arange(t)[None, :] - lengths[:, None]  # the call's token at each block position
     per_token = (1, 1, old.shape[2], 1, t) + (1,) * (old.ndim - TOKEN_AXIS - 1)
 
-    def along_tokens(x, index):
-        return jnp.take_along_axis(x, jnp.broadcast_to(index.reshape(per_token), val.shape), axis=TOKEN_AXIS)
+    def per_row(fn, x, offsets):
+        """fn(row, offset) along the row axis (a gather of whole blocks, not one index per element)."""
+        return jax.vmap(fn, in_axes=(2, 0), out_axes=2)(x, offsets)
 
-    held = jax.lax.bitcast_convert_type(along_tokens(old, start[:, None] + jnp.arange(t)[None, :]), bits)
+    held = per_row(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, t, axis=TOKEN_AXIS - 1),
+                   jax.lax.bitcast_convert_type(old, bits), start)
+    # Block position j holds the call's token j − (lengths − start): the new tokens shifted right.
+    shifted = per_row(lambda x, i: jnp.roll(x, i, axis=TOKEN_AXIS - 1), val, lengths - start)
     keep = ((step < 0) | (step >= num_new[:, None])).reshape(per_token)
-    merged = jnp.where(keep, held, along_tokens(val, jnp.clip(step, 0, t - 1)))
+    merged = jnp.where(keep, held, shifted)
 
     def row(i, stored):
         block = jax.lax.dynamic_slice_in_dim(merged, i, 1, axis=2)

@@ -159,7 +159,7 @@ def _rows(cache: KVCache, fn, *others: KVCache) -> KVCache:
 def insert_rows(cache: KVCache, rows: KVCache, start: Int[Array, ""]) -> KVCache:
     """`cache` with rows [start, start + R) replaced by the R-row cache `rows` (same format and length)."""
     def put(axis, big, small):
-        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), start, axis)
+        return base.on_bits(lambda b, s: jax.lax.dynamic_update_slice_in_dim(b, s, start, axis), big, small)
 
     return _rows(cache, put, rows)
 
@@ -168,7 +168,7 @@ def scatter_rows(cache: KVCache, rows: KVCache, ids: Int[Array, "r"]) -> KVCache
     """`cache` with row ids[r] replaced by row r of `rows` (same format and length); an id ≥ B (padding)
     writes nothing."""
     def put(axis, big, small):
-        return big.at[(slice(None),) * axis + (ids,)].set(small.astype(big.dtype), mode="drop")
+        return base.on_bits(lambda b, s: b.at[(slice(None),) * axis + (ids,)].set(s, mode="drop"), big, small)
 
     return _rows(cache, put, rows)
 
