@@ -39,8 +39,10 @@ def parse_args(argv=None):
                    help="longest prefill call; longer prompts run in chunks between decode steps")
     p.add_argument("--prefill-budget", type=cli.positive_int,
                    help="prefill tokens (bucketed) per engine step before its decode step (default --chunk)")
-    p.add_argument("--prefill-rows", type=cli.positive_int, default=8,
+    p.add_argument("--prefill-rows", type=cli.positive_int, default=32,
                    help="waiting one-chunk prompts prefilled together by one program (1: one at a time)")
+    p.add_argument("--prefill-group", type=cli.positive_int, default=4,
+                   help="rows per pass of that program: it runs only the groups that hold requests")
     p.add_argument("--max-waiting", type=cli.positive_int, default=256, help="queued requests before 429")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -92,7 +94,8 @@ def build(p, args):
     try:
         engine = Engine(model, tokenizer, fmt, eos_ids=cli.stop_token_ids(tokenizer, folder), max_len=args.max_len,
                         num_slots=args.max_slots, memory_bytes=budget, calib=calib, mesh=mesh, chunk=args.chunk,
-                        prefill_budget=args.prefill_budget, prefill_rows=args.prefill_rows, metrics=metrics,
+                        prefill_budget=args.prefill_budget, prefill_rows=args.prefill_rows,
+                        prefill_group=args.prefill_group, metrics=metrics,
                         **cli.model_kwargs(args))
         memory.check_fits(model, fmt, batch=engine.num_slots, prompt_len=1, max_len=args.max_len,
                           num_loops=loops, compute_itemsize=jnp.dtype(args.dtype).itemsize, what="this server",

@@ -4,7 +4,8 @@ A request waits for a free slot; its prompt is prefilled into a staging row (len
 powers of two so compiles stay few; a prompt longer than `chunk` runs chunk by chunk, interleaved with
 decode steps so running streams keep flowing), written once into the served format and inserted into
 the slot. Waiting requests whose prompts fit one chunk enter together: up to `prefill_rows` of them are
-prefilled, encoded and scattered into their slots by one program. One compiled decode step advances
+prefilled (`prefill_group` rows at a time, in a loop over the groups that hold requests), encoded and
+scattered into their slots by one program. One compiled decode step advances
 every occupied slot (over the fewest leading slots that hold them, from a few compiled sizes), each
 with its own sampling parameters and PRNG key; a finished or cancelled request frees its slot at once
 and the next waiting request takes it.
@@ -222,17 +223,17 @@ class Engine:
     `decode_buckets` (`quarters(num_slots)`; all slots on a mesh split over `data`) that holds
     every running request: a request takes the lowest free slot, so few requests cost a small step.
     Up to `prefill_rows` waiting requests whose prompts fit one chunk (no prompt
-    log-probabilities) enter together through one batched prefill (`programs.prefill_batch`; off on a
-    mesh and for 1). `eos_ids` end every request. `calib`, `plain_fmt`, `mesh` and
-    `model_kwargs` (e.g. `num_loops`, Huginn's `init_scale`) are the Sampler's. `metrics` (a
-    `ServeMetrics`) is kept up to date when given.
+    log-probabilities) enter together through one batched prefill (`programs.prefill_batch`, which runs
+    `prefill_group` rows at a time over only the groups that hold requests; off on a mesh and for 1).
+    `eos_ids` end every request. `calib`, `plain_fmt`, `mesh` and `model_kwargs` (e.g. `num_loops`,
+    Huginn's `init_scale`) are the Sampler's. `metrics` (a `ServeMetrics`) is kept up to date when given.
     """
 
     def __init__(self, model, tokenizer, fmt: CacheFormat | None = None, *, eos_ids: Sequence[int] = (),
                  max_len: int = 256, num_slots: int | None = None, memory_bytes: int | None = None,
                  plain_fmt: CacheFormat | None = None, calib: CacheCalib | None = None, mesh=None,
-                 chunk: int = 256, prefill_budget: int | None = None, prefill_rows: int = 8,
-                 metrics: ServeMetrics | None = None, **model_kwargs):
+                 chunk: int = 256, prefill_budget: int | None = None, prefill_rows: int = 32,
+                 prefill_group: int = 4, metrics: ServeMetrics | None = None, **model_kwargs):
         config = model.config
         self.config, self.tokenizer, self.mesh, self.metrics = config, tokenizer, mesh, metrics
         self.fmt = fmt or Dense()
@@ -262,9 +263,13 @@ class Engine:
             raise ValueError(f"num_slots must be ≥ 1, got {num_slots}")
         if prefill_rows < 1:
             raise ValueError(f"prefill_rows must be ≥ 1, got {prefill_rows}")
+        if prefill_group < 1:
+            raise ValueError(f"prefill_group must be ≥ 1, got {prefill_group}")
         self.num_slots = num_slots
         # A batch of one is the single-request path; on a mesh the staging rows would need sharding too.
-        self.prefill_rows = min(prefill_rows, num_slots) if mesh is None else 1
+        rows = min(prefill_rows, num_slots) if mesh is None else 1
+        self.prefill_group = min(prefill_group, rows)
+        self.prefill_rows = -(-rows // self.prefill_group) * self.prefill_group  # whole groups
         # Slicing a data-sharded batch would move rows between devices: sharded, every step runs all slots.
         self.decode_buckets = quarters(num_slots) if data == 1 else (num_slots,)
 
@@ -272,7 +277,7 @@ class Engine:
         self.params = sharding.shard_state(params, config, mesh)
         stage_fmt = Dense(compute_dtype(model))
         self._stage = sharding.init_sharded_cache(config, 1, max_len, stage_fmt, mesh, num_loops=self.num_loops)
-        self._batch_stage = init_cache(config, self.prefill_rows, max_len, stage_fmt, num_loops=self.num_loops)
+        self._batch_stage = init_cache(config, self.prefill_group, max_len, stage_fmt, num_loops=self.num_loops)
         self._batch_rng = jax.random.split(jax.random.key(0), self.prefill_rows)  # unused: keys come from seeds
         # Built by a compiled program (also without a mesh), so that no two leaves share a buffer: the
         # decode step and the admit donate the cache.
@@ -317,10 +322,10 @@ class Engine:
         cache = sharding.constrain_cache(programs.insert_rows(cache, row, slot), self.mesh)
         return cache, programs.scatter_slots(slots, slot[None], sampling.replace(last=first))
 
-    def _prefill_batch_fn(self, params, cache, slots, calib, stage, tokens, num_new, seeds, sampling, ids):
+    def _prefill_batch_fn(self, params, cache, slots, calib, stage, tokens, num_new, seeds, sampling, ids, count):
         model = nnx.merge(self._graphdef, params)
         return programs.prefill_batch(model, self.config, self.fmt, self.plain_fmt, calib, cache, slots, stage, tokens,
-                                      num_new, seeds, sampling, ids, **self.model_kwargs)
+                                      num_new, seeds, sampling, ids, count, **self.model_kwargs)
 
     def _put(self, tree):
         return tree if self.mesh is None else sharding.put(tree, sharding.replicated(self.mesh))
@@ -500,7 +505,7 @@ class Engine:
     def _run_batch(self, batch: list[Request], bucket: int | None = None) -> int:
         """Prefill the waiting requests `batch` together (`prefill_batch`, padded to `prefill_rows` rows
         and the bucket of the longest prompt) into the lowest free slots, and emit their first tokens;
-        returns the bucket tokens it cost."""
+        returns the bucket tokens it cost (of the groups it ran)."""
         rows = self.prefill_rows
         bucket = bucket or next(b for b in self.buckets if b >= max(len(r.prompt) for r in batch))
         tokens, num_new = np.zeros((rows, bucket), np.int32), np.zeros(rows, np.int32)
@@ -516,7 +521,8 @@ class Engine:
         sampling = programs.Slots(np.zeros(rows, np.int32), temperature, top_k, top_p, self._batch_rng)
         began = time.perf_counter()
         self.cache, self.slots, picked = self._prefill_batch(self.params, self.cache, self.slots, self.calib,
-                                                             self._batch_stage, tokens, num_new, seeds, sampling, ids)
+                                                             self._batch_stage, tokens, num_new, seeds, sampling, ids,
+                                                             np.int32(len(batch)))
         self._ran("batch_prefill", began, picked)
         picked = sharding.to_host(picked)
         for i, request in enumerate(batch):
@@ -525,7 +531,7 @@ class Engine:
                 self.metrics.prompt_tokens.inc(len(request.prompt))
                 self.metrics.batch_prefill_requests.inc()
             self._emit(request, *(x[i] for x in picked))
-        return rows * bucket
+        return -(-len(batch) // self.prefill_group) * self.prefill_group * bucket
 
     def _begin(self, request: Request, slot: int) -> _Prefill:
         request.slot = slot

@@ -5,8 +5,8 @@
     encode_row      the staged prompt written once into a row of the served format (one `write`, as a
                     single-call prefill writes it)
     insert_rows     a row cache into slot i of the batched cache: every leaf's batch axis
-    prefill_batch   P requests' one-chunk prompts prefilled together, encoded and scattered into their
-                    slots in one program (the waiting queue's fast path: one call instead of 2P)
+    prefill_batch   up to P requests' one-chunk prompts prefilled G at a time, encoded and scattered into
+                    their slots in one program (the waiting queue's fast path: one call instead of 2P)
     decode_slots    one token for every slot of the first R (`rq_jax.sampling.decode_step`, the Sampler's),
                     each with its own sampling parameters and PRNG key
 
@@ -189,18 +189,34 @@ def scatter_slots(slots: Slots, ids: Int[Array, "r"], new: Slots) -> Slots:
 
 def prefill_batch(model, config: ModelConfig, fmt, plain_fmt, calib: CacheCalib | None, cache: KVCache,
                   slots: Slots, stage: KVCache, tokens: Int[Array, "p t"], num_new: Int[Array, "p"],
-                  seeds: Int[Array, "p"], sampling: Slots, ids: Int[Array, "p"],
+                  seeds: Int[Array, "p"], sampling: Slots, ids: Int[Array, "p"], count: Int[Array, ""],
                   **model_kwargs) -> tuple[KVCache, Slots, Picked]:
-    """P requests whose prompts fit one chunk (row p: num_new[p] of its T tokens real, seed seeds[p],
-    sampling row p) prefilled together into the empty P-row staging cache `stage`, encoded once into
-    `fmt` and scattered into slots ids [P] with their first tokens (an id ≥ B: a padding row, dropped).
-    Row p is the one-row prefill of its request: its own key chain (`request_keys(seeds[p])`; Huginn's
-    noise per row key) and its own choice; attention never crosses rows. Picked: [P]."""
-    keys = jax.vmap(request_keys)(seeds)  # [P, 3]: rng, model_rng, pick_rng
-    out = model(tokens, stage, num_new=num_new, rng=keys[:, 1], last_only=True, **model_kwargs)
-    picked = choose(out.logits, sampling, keys[:, 2])
-    cache = scatter_rows(cache, encode_row(config, fmt, plain_fmt, out.cache, calib), ids)
-    return cache, scatter_slots(slots, ids, sampling.replace(last=picked.tokens, rng=keys[:, 0])), picked
+    """The first `count` of P requests whose prompts fit one chunk (row p: num_new[p] of its T tokens
+    real, seed seeds[p], sampling row p) prefilled into the empty G-row staging cache `stage`, G rows at
+    a time (G divides P; a loop over the ceil(count / G) groups that hold requests, so the cost follows
+    the requests, not P), encoded once into `fmt` and scattered into slots ids [P] with their first
+    tokens (an id ≥ B: a padding row, dropped). Row p is the one-row prefill of its request: its own key
+    chain (`request_keys(seeds[p])`; Huginn's noise per row key) and its own choice; attention never
+    crosses rows. Picked: [P] (rows of groups past `count` are zeros)."""
+    g, p = stage.lengths.shape[0], tokens.shape[0]
+
+    def group(i, carry):
+        cache, slots, picked = carry
+        take = functools.partial(jax.tree_util.tree_map, lambda x: jax.lax.dynamic_slice_in_dim(x, i * g, g))
+        rows_ids, rows_sampling = take(ids), take(sampling)
+        keys = jax.vmap(request_keys)(take(seeds))  # [G, 3]: rng, model_rng, pick_rng
+        out = model(take(tokens), stage, num_new=take(num_new), rng=keys[:, 1], last_only=True, **model_kwargs)
+        new = choose(out.logits, rows_sampling, keys[:, 2])
+        cache = scatter_rows(cache, encode_row(config, fmt, plain_fmt, out.cache, calib), rows_ids)
+        slots = scatter_slots(slots, rows_ids, rows_sampling.replace(last=new.tokens, rng=keys[:, 0]))
+        picked = jax.tree_util.tree_map(lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, x, i * g, 0),
+                                        picked, new)
+        return cache, slots, picked
+
+    n = TOP_LOGPROBS
+    empty = Picked(jnp.zeros(p, jnp.int32), jnp.zeros(p, jnp.float32), jnp.zeros((p, n), jnp.int32),
+                   jnp.zeros((p, n), jnp.float32))
+    return jax.lax.fori_loop(0, (count + g - 1) // g, group, (cache, slots, empty))
 
 
 def decode_slots(model, calib: CacheCalib | None, cache: KVCache, slots: Slots, active: Bool[Array, "r"],

@@ -37,7 +37,7 @@ def additions(tokenizer, n: int) -> list[list[int]]:
 @pytest.mark.parametrize("cache", ["dense", "residual", "kivi"])
 def test_greedy_tokens_equal_the_samplers_whatever_joins_or_leaves(cache):
     """Eight sums on three slots, four of them arriving while others decode (waiting ones enter together
-    through batched prefills): each request's tokens equal the Sampler's for that prompt alone, and
+    through batched prefills, two rows per pass): each request's tokens equal the Sampler's for that prompt alone, and
     every slot is free afterwards. (Huginn, whose random initial
     state draws from each request's seed, is tested the same way through the server with mixed prompt
     and output lengths: tests/serve/test_server.py.)"""
@@ -45,7 +45,7 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_or_leaves(cache):
     fmt = get_format(cache)
     metrics = ServeMetrics("ouro-small-qat", cache)
     engine = Engine(model, tokenizer, fmt, eos_ids=stops, max_len=32, num_slots=3, chunk=16, metrics=metrics,
-                    **kwargs)
+                    prefill_group=2, **kwargs)  # the batched prefill runs groups of 2: one full, one half
     engine.warm_up()
     prompts = additions(tokenizer, 8)
     params = [SamplingParams(max_tokens=8, seed=i) for i in range(8)]
