@@ -468,8 +468,9 @@ def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[A
 
     held = per_row(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, t, axis=TOKEN_AXIS - 1),
                    jax.lax.bitcast_convert_type(old, bits), start)
-    # Block position j holds the call's token j − (lengths − start): the new tokens shifted right.
-    shifted = per_row(lambda x, i: jnp.roll(x, i, axis=TOKEN_AXIS - 1), val, lengths - start)
+    # Block position j holds the call's token j − (lengths − start): the new tokens shifted right (one
+    # token never shifts: its block starts at its own position, or it lands past S and is kept out).
+    shifted = val if t == 1 else per_row(lambda x, i: jnp.roll(x, i, axis=TOKEN_AXIS - 1), val, lengths - start)
     keep = ((step < 0) | (step >= num_new[:, None])).reshape(per_token)
     merged = jnp.where(keep, held, shifted)
 
