@@ -157,3 +157,24 @@ def test_row_writes_equal_the_scatter(dtype, t):
     rows = jax.jit(base._write_rows)(old, new, lengths, num_new)
     scattered = jax.jit(base._scatter)(old, new, lengths, num_new)
     np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(scattered, np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32", "uint8", "bool"])
+def test_updates_on_bits_equal_the_plain_updates(dtype):
+    """base.on_bits runs a scatter (with dropped ids) and a dynamic-update-slice on a leaf's bits: the
+    stored values are those of the same update on the leaf itself."""
+    rng = np.random.default_rng(4)
+    old = jnp.asarray(rng.normal(size=(2, 3, 5, 2, 4)) * 4).astype(dtype)
+    new = jnp.asarray(rng.normal(size=(2, 3, 3, 2, 4)) * 4).astype(dtype)
+    ids = jnp.asarray([4, 0, 5])  # 5: past the rows, dropped
+
+    def scatter(big, small):
+        return big.at[:, :, ids].set(small, mode="drop")
+
+    def update(big, small):
+        return jax.lax.dynamic_update_slice_in_dim(big, small, 1, 2)
+
+    for fn in (scatter, update):
+        got = jax.jit(lambda a, b: base.on_bits(fn, a, b))(old, new)
+        assert got.dtype == old.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(jax.jit(fn)(old, new), np.float32))
