@@ -438,7 +438,7 @@ def _scatter(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Arra
 
 
 def on_bits(update, old: Array, new: Array) -> Array:
-    """`update(old, new)` (a scatter or dynamic-update-slice of `new` into `old`, shapes unchanged) run on
+    """`update(old, new)` (a scatter or dynamic-update-slice of `new` into `old`, `old`'s shape kept) run on
     a float leaf's bits, as unsigned integers of its width: XLA:CPU widens a bfloat16 or fp8 scatter to
     float32, which copies the whole leaf both ways. Other dtypes run as they are."""
     new = new.astype(old.dtype)
@@ -452,39 +452,39 @@ def on_bits(update, old: Array, new: Array) -> Array:
 def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
     """`scatter_tokens` of one leaf as one dynamic-update-slice per row: row b's block of T positions
     from min(lengths[b], S − T), its new tokens merged into what the block held (read, for all rows at
-    once, before the first write). The merge works on the values' bits: XLA:CPU widens float selects
-    and reads, and a widened read inside the loop would copy the whole leaf."""
+    once, before the first write). All of it runs on the values' bits (`on_bits`): XLA:CPU widens float
+    selects and reads, and a widened read inside the loop would copy the whole leaf."""
     s = old.shape[TOKEN_AXIS]
     t = min(val.shape[TOKEN_AXIS], s)  # tokens past S can never land
-    bits = jnp.dtype(f"uint{8 * old.dtype.itemsize}")
-    val = jax.lax.bitcast_convert_type(jax.lax.slice_in_dim(val, 0, t, axis=TOKEN_AXIS).astype(old.dtype), bits)
     start = jnp.minimum(lengths, s - t)  # [B]
     step = start[:, None] + jnp.arange(t)[None, :] - lengths[:, None]  # the call's token at each block position
     per_token = (1, 1, old.shape[2], 1, t) + (1,) * (old.ndim - TOKEN_AXIS - 1)
+    keep = ((step < 0) | (step >= num_new[:, None])).reshape(per_token)
+    trailing = (0,) * (old.ndim - TOKEN_AXIS - 1)
 
     def per_row(fn, x, offsets):
         """fn(row, offset) along the row axis (a gather of whole blocks, not one index per element)."""
         return jax.vmap(fn, in_axes=(2, 0), out_axes=2)(x, offsets)
 
-    held = per_row(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, t, axis=TOKEN_AXIS - 1),
-                   jax.lax.bitcast_convert_type(old, bits), start)
-    # Block position j holds the call's token j − (lengths − start): the new tokens shifted right (one
-    # token never shifts: its block starts at its own position, or it lands past S and is kept out).
-    shifted = val if t == 1 else per_row(lambda x, i: jnp.roll(x, i, axis=TOKEN_AXIS - 1), val, lengths - start)
-    keep = ((step < 0) | (step >= num_new[:, None])).reshape(per_token)
-    merged = jnp.where(keep, held, shifted)
+    def write(old, val):
+        held = per_row(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, t, axis=TOKEN_AXIS - 1), old, start)
+        # Block position j holds the call's token j − (lengths − start): the new tokens shifted right (one
+        # token never shifts: its block starts at its own position, or it lands past S and is kept out).
+        shifted = val if t == 1 else per_row(lambda x, i: jnp.roll(x, i, axis=TOKEN_AXIS - 1), val, lengths - start)
+        merged = jnp.where(keep, held, shifted)
 
-    def row(i, stored):
-        block = jax.lax.dynamic_slice_in_dim(merged, i, 1, axis=2)
-        return jax.lax.dynamic_update_slice(stored, block, (0, 0, i, 0, start[i]) + (0,) * (old.ndim - TOKEN_AXIS - 1))
+        def row(i, stored):
+            block = jax.lax.dynamic_slice_in_dim(merged, i, 1, axis=2)
+            return jax.lax.dynamic_update_slice(stored, block, (0, 0, i, 0, start[i]) + trailing)
 
-    # The loop runs on the bits: a bfloat16 or fp8 dynamic-update-slice inside a loop is not done in place
-    # on XLA:CPU (a copy of the whole leaf per row, quadratic in the rows). One row: a trip count XLA cannot
-    # prove is 1, so the loop stays and the write stays in place (unrolled, XLA:CPU fuses the block's read
-    # into the write and copies the whole leaf).
-    rows = old.shape[2] if old.shape[2] > 1 else jnp.minimum(1, jnp.maximum(start[0], 1))
-    stored = jax.lax.fori_loop(0, rows, row, jax.lax.bitcast_convert_type(old, bits))
-    return jax.lax.bitcast_convert_type(stored, old.dtype)
+        # A bfloat16 or fp8 dynamic-update-slice inside a loop is not done in place on XLA:CPU (a copy of the
+        # whole leaf per row, quadratic in the rows), hence the bits. One row: a trip count XLA cannot prove
+        # is 1, so the loop stays and the write stays in place (unrolled, XLA:CPU fuses the block's read
+        # into the write and copies the whole leaf).
+        rows = old.shape[2] if old.shape[2] > 1 else jnp.minimum(1, jnp.maximum(start[0], 1))
+        return jax.lax.fori_loop(0, rows, row, old)
+
+    return on_bits(write, old, jax.lax.slice_in_dim(val, 0, t, axis=TOKEN_AXIS))
 
 
 def tree_nbytes(tree: Any) -> int:
