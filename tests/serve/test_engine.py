@@ -190,6 +190,8 @@ def test_slots_follow_the_memory_budget_and_the_formats_bytes():
         Engine(model, tokenizer, get_format("dense"), max_len=64, memory_bytes=1000)
     with pytest.raises(ValueError, match="prefill_rows must be ≥ 1, got 0"):
         Engine(model, tokenizer, get_format("dense"), max_len=64, num_slots=2, prefill_rows=0)
+    with pytest.raises(ValueError, match="prefill_group must be ≥ 1, got 0"):
+        Engine(model, tokenizer, get_format("dense"), max_len=64, num_slots=2, prefill_group=0)
 
 
 def test_insert_rows_first_rows_and_per_slot_sampling_match_references():
