@@ -291,7 +291,7 @@ class Sampler:
         tokens = np.full((len(prompts), lengths.max()), self.cfg.pad_id, np.int32)
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = p
-        cache = self._empty_cache(len(prompts), max_len, self.mesh)
+        cache = self._empty_cache(len(prompts), max_len, self.mesh).as_bits()  # written in place by both programs
         rng = jax.random.key(seed)
         if self.mesh is not None:
             rows = sharding.batch_sharding(self.mesh, tokens.shape)
@@ -315,5 +315,5 @@ class Sampler:
             if num_decoded:
                 mean_steps = float(np.sum(steps[:, 1:])) / num_decoded
         compiled = prefill_compile.seconds, decode_compile.seconds
-        return Generation(np.asarray(state.tokens), np.asarray(state.num_generated), logits, state.cache,
+        return Generation(np.asarray(state.tokens), np.asarray(state.num_generated), logits, state.cache.as_values(),
                           mid - start - compiled[0], end - mid - compiled[1], mean_steps, steps, sum(compiled))

@@ -188,7 +188,7 @@ def _run_case(config, fmt, mesh_text: str, prompts, check_hlo: bool) -> dict:
         tokens = np.zeros((len(prompts), lengths.max()), np.int32)
         rows = sharding.batch_sharding(mesh, tokens.shape)
         state = sampler._prefill(sampler.params, sampler.calib, *sharding.put((tokens, lengths), rows),
-                                 sampler._empty_cache(len(prompts), MAX_LEN, mesh),
+                                 sampler._empty_cache(len(prompts), MAX_LEN, mesh).as_bits(),
                                  sharding.put(jax.random.key(0), sharding.replicated(mesh)))
         decode = sampler._decode.lower(sampler.params, sampler.calib, state).compile()
         sampler._decode = decode

@@ -174,39 +174,65 @@ def context_tile(batch: int, num_queries: int, num_heads: int, num_kv_heads: int
 def slot_tile(tree: Any, index: Index, start: Int[Array, ""], size: int) -> Any:
     """Tokens start .. start + size − 1 of slot `index` of every leaf [G, N, B, K, S, ...]: [B, K, size, ...].
 
-    The slice is taken behind an optimization barrier with `start`: XLA:CPU widens a bfloat16 or fp8
-    dynamic slice to float32, and inside a loop it would hoist that conversion of the whole stacked leaf
-    out of the loop (a float32 copy of the cache); behind the barrier only the tile is converted.
+    The slice is taken on the leaves' bits (`bits_of`), behind an optimization barrier with `start`:
+    XLA:CPU widens a bfloat16 or fp8 dynamic slice to float32, and inside a loop it would hoist that
+    conversion of the whole stacked leaf out of the loop (a float32 copy of the cache); behind the
+    barrier only the tile is converted. On the bits, a cache held as bits (`KVCache.as_bits`) is never
+    made into a whole-leaf float array at all.
     """
-    tree, start = jax.lax.optimization_barrier((tree, start))
-
-    def one(x):
+    def one(x, start):
         at = (index[0], index[1], 0, 0, start) + (0,) * (x.ndim - 5)
         return jax.lax.dynamic_slice(x, at, (1, 1, *x.shape[2:4], size, *x.shape[5:]))[0, 0]
 
-    return jax.tree_util.tree_map(one, tree)
+    return _read_on_bits(one, tree, start)
 
 
 def slot_tokens(tree: Any, index: Index, positions: Int[Array, "m"]) -> Any:
     """Positions `positions` [M] (each inside the leaf) of slot `index` of every leaf [G, N, B, K, S, ...]:
-    [B, K, M, ...]; behind the barrier of `slot_tile`, for the same reason."""
-    tree, positions = jax.lax.optimization_barrier((tree, positions))
-    return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x[index[0], index[1], :, :, positions], 0, 2), tree)
+    [B, K, M, ...]; on the bits behind the barrier of `slot_tile`, for the same reasons."""
+    return _read_on_bits(lambda x, at: jnp.moveaxis(x[index[0], index[1], :, :, at], 0, 2), tree, positions)
 
 
-def tiled_partial(part: Callable[[Int[Array, ""], Bool[Array, "b s"]], Partial], shape: tuple[int, int, int, int],
-                  lengths: Int[Array, "b"], max_len: int, tile: int,
+def bits_of(x: Array) -> Array:
+    """A floating array's bits as unsigned integers of its width (`jax.lax.bitcast_convert_type`); other
+    arrays as they are."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def values_of(bits: Array, dtype) -> Array:
+    """The inverse of `bits_of`: `bits` bitcast to `dtype` (as they are when already of it)."""
+    return bits if bits.dtype == dtype else jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def _read_on_bits(read: Callable[[Array, Array], Array], tree: Any, where: Array) -> Any:
+    """`read(leaf, where)` of every leaf of `tree`, run on its bits behind an optimization barrier with
+    `where`, the result bitcast back to the leaf's dtype."""
+    bits, where = jax.lax.optimization_barrier((jax.tree_util.tree_map(bits_of, tree), where))
+    return jax.tree_util.tree_map(lambda x, b: jax.lax.bitcast_convert_type(read(b, where), x.dtype), tree, bits)
+
+
+def tiled_partial(part: Callable[[Any, Int[Array, ""], Bool[Array, "b s"]], Partial], stored: Any,
+                  shape: tuple[int, int, int, int], lengths: Int[Array, "b"], max_len: int, tile: int,
                   visible: Bool[Array, "b s"] | None = None) -> Partial:
     """The partial over stored positions s < lengths[b] (and `visible[b, s]`), one context tile at a time.
 
-    `part(start, valid)` is the partial over positions start .. start + tile − 1 where `valid` [B, tile];
-    the tiles are merged in order by `merge`. The loop has a static trip count, ⌈max_len / tile⌉ (so it
-    can be differentiated), and skips (`lax.cond`) every tile at or past max(lengths): its cost follows
-    the filled length, not `max_len`. The last tile of a cache that `tile` does not divide ends at
-    max_len instead (`valid` hides the positions an earlier tile covered). shape: (B, T, H, D) of the
-    output; needs tile ≤ max_len.
+    `part(stored, start, valid)` is the partial over positions start .. start + tile − 1 where `valid`
+    [B, tile], its tile read out of `stored` (a pytree of the state leaves, e.g. through `slot_tile`);
+    the tiles are merged in order by `merge`. `stored` enters the loop on its bits (`bits_of`) and is
+    taken back to its dtypes inside each iteration, behind a barrier with the iteration's index: a
+    conversion of a whole leaf that the loop does not change would otherwise be hoisted out of it and
+    made (a copy of the cache), while inside, XLA folds it into the tile read's own (`slot_tile`).
+
+    The loop has a static trip count, ⌈max_len / tile⌉ (so it can be differentiated), and skips
+    (`lax.cond`) every tile at or past max(lengths): its cost follows the filled length, not `max_len`.
+    The last tile of a cache that `tile` does not divide ends at max_len instead (`valid` hides the
+    positions an earlier tile covered). shape: (B, T, H, D) of the output; needs tile ≤ max_len.
     """
     filled = jnp.max(lengths)
+    dtypes = jax.tree_util.tree_map(lambda x: x.dtype, stored)
+    bits = jax.tree_util.tree_map(bits_of, stored)
 
     def body(acc, i):
         first = i * tile
@@ -217,7 +243,8 @@ def tiled_partial(part: Callable[[Int[Array, ""], Bool[Array, "b s"]], Partial],
             valid = (pos >= first)[None, :] & (pos[None, :] < lengths[:, None])
             if visible is not None:
                 valid = valid & jax.lax.dynamic_slice_in_dim(visible, start, tile, axis=1)
-            return merge(acc, part(start, valid))
+            held = jax.lax.optimization_barrier((bits, i))[0]
+            return merge(acc, part(jax.tree_util.tree_map(values_of, held, dtypes), start, valid))
 
         return jax.lax.cond(first < filled, fold, lambda acc: acc, acc), None
 
@@ -367,12 +394,12 @@ def tiled_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: i
     tile = context_tile(b, t, h, leaf.shape[3], d, max_len)
     calib = jax.tree_util.tree_map(lambda x: x[index][None, None], calib)  # the slot's, as a [1, 1] stack
 
-    def part(start, valid):
+    def part(state, start, valid):
         window = jax.tree_util.tree_map(lambda x: x[None, None], slot_tile(state, index, start, tile))
         k, v = fmt.reconstruct(window, (0, 0), loop, jnp.clip(lengths - start, 0, tile), calib)
         return dense_partial(q, k, v, jnp.broadcast_to(valid[:, None, :], (b, t, tile)))
 
-    return tiled_partial(part, (b, t, h, d), lengths, max_len, tile, visible)
+    return tiled_partial(part, state, (b, t, h, d), lengths, max_len, tile, visible)
 
 
 FormatFactory = Callable[..., CacheFormat]
@@ -444,9 +471,7 @@ def on_bits(update, old: Array, new: Array) -> Array:
     new = new.astype(old.dtype)
     if not jnp.issubdtype(old.dtype, jnp.floating):
         return update(old, new)
-    bits = jnp.dtype(f"uint{8 * old.dtype.itemsize}")
-    out = update(jax.lax.bitcast_convert_type(old, bits), jax.lax.bitcast_convert_type(new, bits))
-    return jax.lax.bitcast_convert_type(out, old.dtype)
+    return jax.lax.bitcast_convert_type(update(bits_of(old), bits_of(new)), old.dtype)
 
 
 def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:

@@ -137,25 +137,29 @@ def write_in_chunks(fmt: base.CacheFormat, state: tuple[Any, ...], kv: tuple[KV,
     `chunk` tokens at a time (a loop over the full chunks, then the rest): each chunk's positions are
     stacked [G, p, N, B, K, chunk, D] and encoded, so neither the stacking nor the encoder ever holds
     more than a chunk. Every format's state depends only on the tokens and where they land, not on how
-    the writes were split."""
+    the writes were split. The loop carries the state on its bits (`base.bits_of`), so that the writes'
+    own bitcasts (`base.on_bits`) fold into the carry's and no chunk copies a leaf."""
     t = kv[0][0].shape[4]
+    dtypes = jax.tree_util.tree_map(lambda x: x.dtype, state)
 
     def write(carry, start, size):
-        state, lost = carry
+        bits, lost = carry
         part = (jnp.stack([jax.lax.dynamic_slice_in_dim(x[i], start, size, axis=4) for x in kv], axis=1)
                 for i in (0, 1))
         done = jnp.minimum(num_new, start)  # tokens of each row written by the chunks before
-        written = fmt.write(state, *part, lengths + done, jnp.clip(num_new - start, 0, size), calib)
-        return written.state, lost + written.out_of_range
+        written = fmt.write(jax.tree_util.tree_map(base.values_of, bits, dtypes), *part, lengths + done,
+                            jnp.clip(num_new - start, 0, size), calib)
+        return jax.tree_util.tree_map(base.bits_of, written.state), lost + written.out_of_range
 
-    carry = (state, jnp.zeros_like(lengths))
+    carry = (jax.tree_util.tree_map(base.bits_of, state), jnp.zeros_like(lengths))
     if t <= chunk:
-        return base.Written(*write(carry, 0, t))
-    full = t // chunk
-    carry = jax.lax.fori_loop(0, full, lambda i, c: write(c, i * chunk, chunk), carry)
-    if t > full * chunk:
-        carry = write(carry, full * chunk, t - full * chunk)
-    return base.Written(*carry)
+        carry = write(carry, 0, t)
+    else:
+        full = t // chunk
+        carry = jax.lax.fori_loop(0, full, lambda i, c: write(c, i * chunk, chunk), carry)
+        if t > full * chunk:
+            carry = write(carry, full * chunk, t - full * chunk)
+    return base.Written(jax.tree_util.tree_map(base.values_of, carry[0], dtypes), carry[1])
 
 
 def in_flight_positions(kv: KV | tuple[KV, ...], size: int) -> tuple[KV, ...]:
@@ -209,7 +213,7 @@ class CacheContext(NamedTuple):
         past = None
         if self.cache is not None:
             fmt, segs = self.cache.schedule(group)
-            state = self.cache.stack(group)[seg]
+            state = self.cache.values(group)[seg]
             calib = self.calib.part(group)
             calib = None if calib is None else calib[seg]
             visible = None
@@ -228,9 +232,9 @@ class CacheContext(NamedTuple):
         each token computed (default all), recorded when the cache tracks steps. The K/V are written a
         chunk of tokens at a time (`write_in_chunks`).
         """
-        c = self.cache
-        if c is None:
+        if self.cache is None:
             return None, {}
+        c = self.cache.as_values()
 
         def write(group: Group, states, kvs):
             """The group's new states and the values its format reports out of range, per row."""
@@ -252,6 +256,7 @@ class CacheContext(NamedTuple):
             steps = base.scatter_tokens(steps[None, None, :, None], used[None, None, :, None], c.lengths,
                                         self.num_new)[0, 0, :, 0]
         end = c.lengths + self.num_new
-        return c.replace(looped=new_looped, plain=new_plain, lengths=jnp.minimum(end, c.max_len),
-                         overflow=c.overflow | (end > c.max_len),
-                         out_of_range=c.out_of_range + looped_lost + plain_lost, steps=steps), {}
+        c = c.replace(looped=new_looped, plain=new_plain, lengths=jnp.minimum(end, c.max_len),
+                      overflow=c.overflow | (end > c.max_len), out_of_range=c.out_of_range + looped_lost + plain_lost,
+                      steps=steps)
+        return (c if self.cache.bit_dtypes is None else c.as_bits()), {}

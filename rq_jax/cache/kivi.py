@@ -262,11 +262,11 @@ class Kivi(base.CacheFormat):
         max_len = st.v_codes.shape[base.TOKEN_AXIS] + st.v_full.shape[base.TOKEN_AXIS]
         tile = base.context_tile(b, t, h, st.v_full.shape[3], d, max_len)
 
-        def part(start, valid):
+        def part(state, start, valid):
             k, v = self._decode_at(state, index, lengths, start + jnp.arange(tile))
             return base.dense_partial(q, k, v, jnp.broadcast_to(valid[:, None, :], (b, t, tile)))
 
-        return base.tiled_partial(part, (b, t, h, d), lengths, max_len, tile, visible)
+        return base.tiled_partial(part, state, (b, t, h, d), lengths, max_len, tile, visible)
 
     def reconstruct(self, state: tuple[KiviState], index: base.Index, loop: int, lengths: Int[Array, "b"], calib
                     ) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:

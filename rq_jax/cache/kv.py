@@ -43,6 +43,9 @@ class KVCache:
     its skipped steps — attention at loop t sees only the positions with steps > t, the reference's
     default ("full") cache lookup. Without it, skipped steps read the token's last computed K/V
     (`latest-m4`); see `rq_jax.nn.huginn.AdaptiveExit.lookup`.
+
+    `bit_dtypes` is None while the K/V state holds its values; after `as_bits` it names every state
+    leaf's dtype and the floating leaves hold their bits (see `as_bits`).
     """
 
     looped: tuple[Any, ...]
@@ -56,6 +59,39 @@ class KVCache:
     num_loops: int = struct.field(pytree_node=False)
     max_len: int = struct.field(pytree_node=False)
     head_dim: int = struct.field(pytree_node=False)
+    bit_dtypes: tuple[str, ...] | None = struct.field(pytree_node=False, default=None)
+
+    def as_bits(self) -> "KVCache":
+        """This cache with every floating leaf of its K/V state (`looped`, `plain`) held as its bits,
+        unsigned integers of the same width (`as_values` undoes it exactly; a no-op when already so).
+
+        Hold a cache so wherever it crosses a compiled program's boundary (a donated argument, a loop
+        carry): a model call (`rq_jax.nn.common.run`) takes it to values at its start and back to bits
+        at its end, XLA folds each such pair of bitcasts away, and the rows a call writes (on the bits,
+        `base.on_bits`) are updated in place. Held as values, XLA:CPU's fusion emitters make each
+        write's bitcast a copy of the whole narrow-float leaf, on every call."""
+        if self.bit_dtypes is not None:
+            return self
+        state = (self.looped, self.plain)
+        dtypes = tuple(str(x.dtype) for x in jax.tree_util.tree_leaves(state))
+        looped, plain = jax.tree_util.tree_map(base.bits_of, state)
+        return self.replace(looped=looped, plain=plain, bit_dtypes=dtypes)
+
+    def as_values(self) -> "KVCache":
+        """The cache with its K/V state holding values again (see `as_bits`; a no-op when it does)."""
+        return self.replace(looped=self.values("looped"), plain=self.values("plain"), bit_dtypes=None)
+
+    def values(self, group: Group) -> tuple[Any, ...] | None:
+        """`stack(group)` holding values: a cache held as bits bitcast back leaf by leaf. Inside a
+        compiled program take it where it is read or written (not before a loop that reads it), so
+        that XLA folds these bitcasts into the reads' and writes' own (`base.slot_tile`, `base.on_bits`)."""
+        stack = self.stack(group)
+        if self.bit_dtypes is None or stack is None:
+            return stack
+        first = 0 if group == "looped" else len(jax.tree_util.tree_leaves(self.looped))
+        leaves, tree = jax.tree_util.tree_flatten(stack)
+        dtypes = self.bit_dtypes[first : first + len(leaves)]
+        return jax.tree_util.tree_unflatten(tree, [base.values_of(x, d) for x, d in zip(leaves, dtypes)])
 
     def schedule(self, group: Group) -> tuple[base.CacheFormat, tuple[base.Segment, ...]]:
         """The format and loop segments of the looped or plain layers."""
@@ -86,7 +122,7 @@ class KVCache:
         fmt = self.schedule(group)[0]
         seg, index, r = self.locate(group, loop, layer)
         calib = None if calib is None else calib.part(group)
-        return fmt.reconstruct(self.stack(group)[seg], index, r, self.lengths, None if calib is None else calib[seg])
+        return fmt.reconstruct(self.values(group)[seg], index, r, self.lengths, None if calib is None else calib[seg])
 
     def dense_kv(self, group: Group = "looped") -> KV:
         """K and V [L, N, B, K, S, D] of a dense cache's looped (L = num_loops) or plain (L = 1) layers."""
@@ -95,7 +131,7 @@ class KVCache:
         fmt = self.schedule(group)[0]
         if not isinstance(fmt, Dense):
             raise ValueError(f"dense_kv needs a dense cache, this one stores {group} layers as {fmt.name!r}")
-        ((slot,),) = self.stack(group)
+        ((slot,),) = self.values(group)
         return slot.k, slot.v
 
 

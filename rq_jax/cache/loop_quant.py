@@ -100,11 +100,12 @@ def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths:
     max_len = ops.k[0].codes.shape[base.TOKEN_AXIS]
     tile = base.context_tile(b, t, heads * per_kv, heads, d, max_len)
 
-    def part(start, valid):
-        k, v, k_alpha, v_alpha = base.slot_tile((ops.k, ops.v, ops.k_alpha, ops.v_alpha), ops.index, start, tile)
+    def part(stored, start, valid):
+        k, v, k_alpha, v_alpha = base.slot_tile(stored, ops.index, start, tile)
         return _rotated_partial(q_rot, k, v, k_alpha, v_alpha, ops.k_mean, valid)
 
-    return base.tiled_partial(part, (b, t, heads * per_kv, d), lengths, max_len, tile, visible)
+    stored = (ops.k, ops.v, ops.k_alpha, ops.v_alpha)
+    return base.tiled_partial(part, stored, (b, t, heads * per_kv, d), lengths, max_len, tile, visible)
 
 
 def _rotated_partial(q_rot: Float[Array, "b t k g d"], k: tuple[PackedCodes, ...], v: tuple[PackedCodes, ...],

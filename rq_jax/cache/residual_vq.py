@@ -217,7 +217,7 @@ class ResidualVQ(base.CacheFormat):
         value_books = _slot_books(calib.v, index)
         tile = base.context_tile(b, t * groups, h, heads, d, max_len)  # the gathered table entries dominate
 
-        def part(start, valid):
+        def part(state, start, valid):
             slot = base.slot_tile(state[0], index, start, tile)
             # scores[b, k, t, h, s] = Σ_G lut[b, k, t, G, h, byte[b, k, s, G]]
             codes = jnp.moveaxis(slot.k.astype(jnp.int32), -1, 2)  # [B, K, G, S]
@@ -228,7 +228,7 @@ class ResidualVQ(base.CacheFormat):
             acc = jnp.einsum("btkgs,bksd->btkgd", p.reshape(b, t, heads, -1, tile), values)
             return base.Partial(acc.reshape(b, t, h, d), m, l)
 
-        return base.tiled_partial(part, (b, t, h, d), lengths, max_len, tile, visible)
+        return base.tiled_partial(part, state, (b, t, h, d), lengths, max_len, tile, visible)
 
     def write(self, state: tuple[RVQSlot], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
               lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: RVQCalib) -> base.Written:

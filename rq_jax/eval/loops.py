@@ -126,7 +126,8 @@ class CacheScorer:
     def _score_fn(self, params, calib, tokens, prefix, lengths):
         b, t = tokens.shape
         rows = jnp.arange(b)
-        caches = (self._cache(self.fmt, self.plain_fmt, b, t), self._cache(self.reference, self.reference, b, t))
+        caches = (self._cache(self.fmt, self.plain_fmt, b, t).as_bits(),  # loop carries: written in place
+                  self._cache(self.reference, self.reference, b, t).as_bits())
         calibs = (calib, self.ref_calib)
 
         def record(out, pos, logits):

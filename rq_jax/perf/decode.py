@@ -41,7 +41,7 @@ FILL_ELEMENTS = 2**25
 
 def greedy_step(graphdef):
     """jit(params, tokens [B, 1], cache, calib, rng) -> (next tokens [B, 1], cache): `decode_step` then
-    the argmax, the cache donated (updated in place)."""
+    the argmax, the cache donated (updated in place when held as bits, `KVCache.as_bits`)."""
 
     def step(params, tokens, cache, calib, rng):
         out = decode_step(nnx.merge(graphdef, params), tokens[:, 0], cache, calib=calib, rng=rng)
@@ -150,7 +150,7 @@ class DecodeBench:
         options = SEARCH_OPTIONS if search and jax.default_backend() == "cpu" else None
         key = (label, context, batch, tuple(sorted((options or {}).items())))
         if key not in self.compiled:
-            cache = jax.eval_shape(lambda: init_cache(self.config, batch, context + 1, self.fmt(label)))
+            cache = jax.eval_shape(lambda: init_cache(self.config, batch, context + 1, self.fmt(label)).as_bits())
             nbytes = base.tree_nbytes((cache.looped, cache.plain))
             lowered = self.step.lower(self.param_shapes, jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache,
                                       self.calib(label), self.rng)
@@ -163,7 +163,7 @@ class DecodeBench:
     def prefill_memory(self, label: str, tokens: int) -> dict:
         """The memory of one prefill call of `tokens` tokens (batch 1) into an empty cache of `tokens + 1`
         positions, compiled for abstract inputs (with LLVM optimisation off on a CPU, as a search)."""
-        cache = jax.eval_shape(lambda: init_cache(self.config, 1, tokens + 1, self.fmt(label)))
+        cache = jax.eval_shape(lambda: init_cache(self.config, 1, tokens + 1, self.fmt(label)).as_bits())
         lowered = self.prefill.lower(self.param_shapes, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache,
                                      self.calib(label), self.rng)
         start = time.perf_counter()
@@ -215,7 +215,7 @@ class DecodeBench:
         if self.filled[0] != (label, context):  # one filled row kept: the batches of a format and context share it
             self.filled = (label, context), None
             self.filled = (label, context), filled_row(self.config, self.fmt(label), self.calib(label), context)
-        cache = jax.block_until_ready(repeat_rows(self.filled[1], batch, context))
+        cache = jax.block_until_ready(repeat_rows(self.filled[1], batch, context).as_bits())
         kept = {x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(self.filled[1])}
         if any(x.unsafe_buffer_pointer() in kept for x in jax.tree_util.tree_leaves(cache)):
             cache = jax.tree_util.tree_map(jnp.copy, cache)  # the step donates its cache: never the kept row

@@ -280,9 +280,10 @@ class Engine:
         self._batch_stage = init_cache(config, self.prefill_group, max_len, stage_fmt, num_loops=self.num_loops)
         self._batch_rng = jax.random.split(jax.random.key(0), self.prefill_rows)  # unused: keys come from seeds
         # Built by a compiled program (also without a mesh), so that no two leaves share a buffer: the
-        # decode step and the admit donate the cache.
-        self.cache = jax.jit(functools.partial(sharding.init_sharded_cache, config, num_slots, max_len, self.fmt, mesh,
-                                               num_loops=self.num_loops, plain_fmt=self.plain_fmt))()
+        # decode step and the admit donate the cache, held as bits so that they write it in place.
+        self.cache = jax.jit(lambda: sharding.init_sharded_cache(config, num_slots, max_len, self.fmt, mesh,
+                                                                 num_loops=self.num_loops,
+                                                                 plain_fmt=self.plain_fmt).as_bits())()
         if calib is None:
             calib = default_calib(jax.eval_shape(lambda: init_cache(config, 1, 1, self.fmt, num_loops=self.num_loops,
                                                                     plain_fmt=self.plain_fmt)))

@@ -143,7 +143,10 @@ def encode_row(config: ModelConfig, fmt, plain_fmt, stage: KVCache, calib: Cache
 
 def _rows(cache: KVCache, fn, *others: KVCache) -> KVCache:
     """`cache` with `fn(axis, leaf, *other_leaves)` applied to every leaf along its batch axis: the state
-    leaves [G, N, B, K, S, ...] along axis 2, the per-row counters along axis 0."""
+    leaves [G, N, B, K, S, ...] along axis 2, the per-row counters along axis 0; the others held as
+    `cache` is (values or bits, `KVCache.as_bits`)."""
+    others = tuple(o if cache.bit_dtypes is None else o.as_bits() for o in others)
+
     def along(axis):
         return functools.partial(jax.tree_util.tree_map, functools.partial(fn, axis))
 

@@ -85,12 +85,12 @@ def test_tiled_attend_equals_reference(label, small_tiles):
 def test_tile_loop_follows_the_filled_length(filled_to, starts):
     seen = []
 
-    def part(start, valid):
+    def part(stored, start, valid):
         jax.debug.callback(lambda s, n: seen.append((int(s), int(n))), start, jnp.sum(valid))
         return base.empty_partial(2, 1, 1, 1)
 
     lengths = jnp.asarray([filled_to, min(filled_to, 3)])
-    jax.block_until_ready(jax.jit(lambda n: base.tiled_partial(part, (2, 1, 1, 1), n, MAX_LEN, TILE))(lengths))
+    jax.block_until_ready(jax.jit(lambda n: base.tiled_partial(part, (), (2, 1, 1, 1), n, MAX_LEN, TILE))(lengths))
     jax.effects_barrier()
     assert [s for s, _ in seen] == starts
     # Each position is counted once: the moved-back last tile hides what the tile before covered.
