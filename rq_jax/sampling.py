@@ -26,6 +26,12 @@ from rq_jax.cache.dense import Dense
 from rq_jax.cache.calib import CacheCalib, default_calib, fit_calib
 from rq_jax.cache.kv import KVCache, init_cache
 from rq_jax.compilation import CompileClock
+from rq_jax.nn.common import ModelOutput
+
+
+#: Tokens per model call of a long prompt's prefill (`prefill`): at Ouro-1.4B's width one chunk's
+#: in-flight float32 K/V of 4 loops × 2 layers is 0.25 GiB, and its MLP activations 44 MiB.
+PREFILL_CHUNK = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +44,15 @@ class SamplingConfig:
     top_p: float = 1.0
     stop_tokens: tuple[int, ...] = ()
     pad_id: int = 0
+    #: A prompt longer than this runs through the model `prefill_chunk` tokens at a time (`prefill`), so
+    #: the prefill's memory follows the chunk, not the prompt; None: one call, whatever its length.
+    prefill_chunk: int | None = PREFILL_CHUNK
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be ≥ 1 or None, got {self.prefill_chunk}")
         if not self.temperature >= 0 or self.temperature == float("inf"):  # also rejects NaN
             raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature}")
         if self.top_k < 0 or not 0 < self.top_p <= 1:  # NaN top_p fails the comparison too
@@ -93,6 +104,41 @@ def decode_step(model, tokens: Int[Array, "b"], cache: KVCache, *, calib: CacheC
     the serving engine and the benchmarks share."""
     num_new = jnp.ones(tokens.shape, jnp.int32) if active is None else active.astype(jnp.int32)
     return model(tokens[:, None], cache, num_new=num_new, rng=rng, last_only=True, calib=calib, **model_kwargs)
+
+
+def prefill(model, tokens: Int[Array, "b t"], cache: KVCache, *, num_new: Int[Array, "b"],
+            chunk: int | None = PREFILL_CHUNK, rng: jax.Array | None = None, **model_kwargs):
+    """A prompt's prefill into `cache`: the model's output with logits [B, V] at each row's last real
+    token (of the first num_new[b] tokens [B, T]) and the cache holding the prompt.
+
+    A prompt of at most `chunk` tokens (or `chunk` None) is one model call. A longer one runs `chunk`
+    tokens per call in a `jax.lax.scan`, each call reading the chunks before it from the cache, as a
+    second prompt turn does: the memory follows the chunk, not the prompt (its in-flight K/V, its
+    activations and the write's temporaries), and the cache is carried on its bits (`KVCache.as_bits`;
+    it comes back held as it came). So a quantized format's later chunks read the earlier ones as the
+    format stores them — the logits differ from one call's by the format's error, as decode's do — and
+    a float32 dense cache gives one call's logits to float rounding. Huginn's random initial state is
+    drawn per chunk (`rng` folded with the chunk's index); extras are only a single call's.
+    """
+    b, t = tokens.shape
+    if chunk is None or t <= chunk:
+        return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, **model_kwargs)
+    count = -(-t // chunk)
+    tokens = jnp.pad(tokens, ((0, 0), (0, count * chunk - t)))
+    held = cache.bit_dtypes is not None
+
+    def one(carry, i):
+        cache, logits = carry
+        part = jax.lax.dynamic_slice_in_dim(tokens, i * chunk, chunk, axis=1)
+        here = jnp.clip(num_new - i * chunk, 0, chunk)
+        out = model(part, cache, num_new=here, rng=None if rng is None else jax.random.fold_in(rng, i),
+                    last_only=True, **model_kwargs)
+        ends_here = (here > 0) & (num_new <= (i + 1) * chunk)
+        return (out.cache, jnp.where(ends_here[:, None], out.logits, logits)), None
+
+    logits = jnp.zeros((b, model.config.vocab_size), jnp.float32)
+    (cache, logits), _ = jax.lax.scan(one, (cache.as_bits(), logits), jnp.arange(count))
+    return ModelOutput(logits, cache if held else cache.as_values(), {})
 
 
 @struct.dataclass
@@ -214,7 +260,9 @@ class Sampler:
     def _prefill_fn(self, params, calib, tokens, lengths, cache, rng):
         rng, model_rng, pick_rng = jax.random.split(rng, 3)
         model = nnx.merge(self.graphdef, params)
-        out = model(tokens, cache, num_new=lengths, rng=model_rng, last_only=True, calib=calib, **self.prefill_kwargs)
+        chunk = None if "adaptive" in self.prefill_kwargs else self.cfg.prefill_chunk  # a joint exit: one call
+        out = prefill(model, tokens, cache, num_new=lengths, chunk=chunk, rng=model_rng, calib=calib,
+                      **self.prefill_kwargs)
         first = choose_tokens(out.logits, pick_rng, self.cfg)
         n, b = self.cfg.max_new_tokens, tokens.shape[0]
         logits = None

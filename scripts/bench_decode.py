@@ -63,6 +63,7 @@ from rq_jax.cache.schemes import BENCH_DECODE, catalog
 from rq_jax.cli import HelpFormatter
 from rq_jax.config import ModelConfig, changes_from, parse_preset
 from rq_jax.perf.decode import DecodeBench, describe_device
+from rq_jax.sampling import PREFILL_CHUNK
 
 GiB = 2**30
 MiB = 2**20
@@ -200,15 +201,18 @@ def main(argv=None):
                    help="time only these contexts (the others compile only; default: every context)")
     p.add_argument("--filled", type=int, help="also time each step with its cache holding only this many tokens")
     p.add_argument("--prefill", type=int, nargs="+", default=[],
-                   help="also compile (batch 1, not run) one prefill call of this many tokens per format")
+                   help="also compile (batch 1, not run) the prefill of a prompt of this many tokens per format")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help="tokens per model call of those prefills (rq_jax.sampling.prefill; 0: one call)")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = p.parse_args(argv)
     if min(args.context) < 1 or min(args.batch) < 1 or args.repeats < 1 or args.warmup < 0 or args.max_batch < 1:
         p.error("contexts, batches, repeats and --max-batch must be positive, --warmup non-negative")
     if args.memory_gb is None and "dense bf16" not in args.formats:
         p.error("--budget-rows needs 'dense bf16' among --formats (or give --memory-gb)")
-    if args.budget_rows < 1 or (args.filled is not None and args.filled < 0) or min(args.prefill, default=1) < 1:
-        p.error("--budget-rows and --prefill must be positive, --filled non-negative")
+    if args.budget_rows < 1 or (args.filled is not None and args.filled < 0) or min(args.prefill, default=1) < 1 \
+            or args.prefill_chunk < 0:
+        p.error("--budget-rows and --prefill must be positive, --filled and --prefill-chunk non-negative")
     run_contexts = set() if args.no_run else set(args.run_contexts or args.context)
     models = [parse_model(spec, args.layers, max(args.context + args.prefill)) for spec in args.models]
     names = [m[0] for m in models]

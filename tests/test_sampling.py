@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rq_jax.cache import Dense
-from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
+from rq_jax.cache import Dense, default_calib, get_format
+from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens, prefill
 
 
 def test_no_retrace_for_same_shapes_and_compile_time_apart(ouro):
@@ -136,7 +136,58 @@ def test_generation_that_does_not_fit_is_rejected(ouro):
 
 @pytest.mark.parametrize("kwargs,match", [(dict(max_new_tokens=0), "max_new_tokens"),
                                           (dict(temperature=-1.0), "temperature"),
-                                          (dict(top_p=0.0), "top_p")])
+                                          (dict(top_p=0.0), "top_p"),
+                                          (dict(prefill_chunk=0), "prefill_chunk")])
 def test_bad_sampling_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kwargs)
+
+
+def _chunks_by_hand(model, tokens, cache, num_new, chunk, **kwargs):
+    """`prefill`'s chunked calls made one at a time: (logits at each row's last token, final cache)."""
+    logits = np.zeros((tokens.shape[0], model.config.vocab_size), np.float32)
+    padded = jnp.pad(tokens, ((0, 0), (0, -tokens.shape[1] % chunk)))
+    for i in range(padded.shape[1] // chunk):
+        here = jnp.clip(num_new - i * chunk, 0, chunk)
+        out = model(padded[:, i * chunk:(i + 1) * chunk], cache, num_new=here, last_only=True, **kwargs)
+        ends = np.asarray((here > 0) & (num_new <= (i + 1) * chunk))
+        logits[ends], cache = np.asarray(out.logits)[ends], out.cache
+    return logits, cache
+
+
+@pytest.mark.parametrize("held", ["values", "bits"])
+def test_a_long_prompt_prefills_chunk_by_chunk(ouro, held):
+    """Past `chunk` tokens a prompt runs one chunk per model call: into a float32 dense cache that is one
+    call's logits and K/V to float rounding; into a residual cache it is the same calls made by hand (the
+    later chunks read the earlier ones quantized); the cache comes back held as it came."""
+    model, _ = ouro
+    tokens = jax.random.randint(jax.random.key(0), (2, 40), 0, model.config.vocab_size)
+    num_new = jnp.asarray([40, 23])
+    empty = model.init_cache(2, 48, Dense("float32"))
+    empty = empty if held == "values" else empty.as_bits()
+    one = prefill(model, tokens, empty, num_new=num_new, chunk=None)
+    chunked = prefill(model, tokens, empty, num_new=num_new, chunk=16)
+    assert (chunked.cache.bit_dtypes is None) == (held == "values")
+    np.testing.assert_allclose(chunked.logits, one.logits, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(chunked.cache.lengths, [40, 23])
+    for a, b in zip(one.cache.as_values().dense_kv(), chunked.cache.as_values().dense_kv()):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+    fmt = get_format("residual", group_size=8)
+    empty = model.init_cache(2, 48, fmt)
+    calib = default_calib(empty)
+    chunked = prefill(model, tokens, empty, num_new=num_new, chunk=16, calib=calib)
+    logits, cache = _chunks_by_hand(model, tokens, empty, num_new, 16, calib=calib)
+    np.testing.assert_allclose(chunked.logits, logits, rtol=2e-5, atol=2e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(chunked.cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_sampler_prefills_a_long_prompt_in_chunks(ouro):
+    """Greedy generation with prefill_chunk below the prompt's length equals one-call prefill's
+    through a float32 dense cache."""
+    model, _ = ouro
+    prompts = [list(range(3, 43)), list(range(7, 30))]
+    outs = [Sampler(model, SamplingConfig(max_new_tokens=4, prefill_chunk=chunk), Dense("float32"))(prompts)
+            for chunk in (None, 16)]
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)

@@ -28,7 +28,7 @@ from rq_jax.cache.calib import default_calib
 from rq_jax.cache.kv import cache_nbytes, init_cache
 from rq_jax.config import ModelConfig
 from rq_jax.models import init_model
-from rq_jax.sampling import decode_step
+from rq_jax.sampling import PREFILL_CHUNK, decode_step, prefill
 
 GiB = 2**30
 #: Compiler options of the search's programs on a CPU: LLVM optimisation off (buffer sizes unchanged);
@@ -50,12 +50,14 @@ def greedy_step(graphdef):
     return jax.jit(step, donate_argnums=2)
 
 
-def prefill_step(graphdef):
-    """jit(params, tokens [B, T], cache, calib, rng) -> (next tokens [B], cache): one model call over the
-    whole prompt into the cache, then the argmax; the cache donated."""
+def prefill_step(graphdef, chunk: int | None = PREFILL_CHUNK):
+    """jit(params, tokens [B, T], cache, calib, rng) -> (next tokens [B], cache): the prompt's prefill
+    (`sampling.prefill`, `chunk` tokens per model call) into the cache, then the argmax; the cache
+    donated (held as bits, as `greedy_step`'s)."""
 
     def step(params, tokens, cache, calib, rng):
-        out = nnx.merge(graphdef, params)(tokens, cache, calib=calib, rng=rng, last_only=True)
+        num_new = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+        out = prefill(nnx.merge(graphdef, params), tokens, cache, num_new=num_new, chunk=chunk, calib=calib, rng=rng)
         return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
 
     return jax.jit(step, donate_argnums=2)
@@ -119,7 +121,7 @@ def _scheme_format(label: str) -> base.CacheFormat:
 class DecodeBench:
     """One model's random weights, its decode step, and the measurements at (scheme, context, batch).
 
-    `args` carries the run's settings: dtype, weight_dtype, warmup, repeats, machine_gb (see
+    `args` carries the run's settings: dtype, weight_dtype, warmup, repeats, machine_gb, prefill_chunk (see
     `scripts/bench_decode.py`). Schemes are the catalog's (`rq_jax.cache.schemes`), by label."""
 
     def __init__(self, label: str, config: ModelConfig, args, run: bool):
@@ -129,7 +131,8 @@ class DecodeBench:
         graphdef, self.param_shapes = nnx.split(nnx.eval_shape(make))
         self.params = nnx.split(make())[1] if run else None
         self.weights = base.tree_nbytes(self.param_shapes)
-        self.step, self.prefill = greedy_step(graphdef), prefill_step(graphdef)
+        self.step = greedy_step(graphdef)
+        self.prefill = prefill_step(graphdef, args.prefill_chunk or None)
         self.rng = jax.random.key(0)
         self.calibs, self.compiled, self.compile_seconds, self.filled = {}, {}, 0.0, (None, None)
 
