@@ -84,6 +84,9 @@ def tiny_parser(description: str) -> cli.ArgumentParser:
     g.add_argument("--prompt-weight", type=cli.nonnegative_float, default=0.0, help="loss weight of prompt tokens")
     g.add_argument("--branch-norm-init", type=cli.positive_float, default=None,
                    help="ouro: initial weight of the norms on each branch's output (default 1)")
+    g.add_argument("--branch-norm-switch", type=cli.positive_float, default=None,
+                   help="ouro: multiply the branch-output norms by this at the switch from one loop (step "
+                   "--one-loop-steps) to all loops (default: leave them)")
     g.add_argument("--objective", choices=["last-loop", "ouro"], default="last-loop",
                    help="last-loop: NLL of the last loop; ouro: Ouro's loss, every loop's NLL weighted by the exit "
                    "distribution minus --entropy-beta × its entropy (rq_jax/train/objectives.py)")
@@ -135,7 +138,8 @@ def tiny_config(a) -> TrainConfig:
                        weight_decay=a.weight_decay, b2=a.b2, clip_norm=a.clip, seed=a.seed,
                        task_weights=numbers(a.task_weights, float, 3, "--task-weights"),
                        random_state=not a.zero_state, embed_std=a.embed_std,
-                       branch_norm_init=a.branch_norm_init, one_loop_steps=a.one_loop_steps,
+                       branch_norm_init=a.branch_norm_init, branch_norm_switch=a.branch_norm_switch,
+                       one_loop_steps=a.one_loop_steps,
                        init_weights=a.init_weights, objective=a.objective, entropy_beta=a.entropy_beta,
                        entropy_beta_late=a.entropy_beta_late, entropy_beta_switch=a.entropy_beta_switch)
 

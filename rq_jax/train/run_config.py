@@ -73,6 +73,10 @@ class TrainConfig:
     #: loops share (layer-scale style); the loops' K/V then start alike and the training decides how far
     #: they drift apart.
     branch_norm_init: float | None = None
+    #: Ouro: at the switch from one loop to `num_loops` (step `one_loop_steps`), multiply the branch-output
+    #: norms by this factor (None: leave them), so that a circuit formed through one loop continues as
+    #: `num_loops` smaller updates of one shared state (1 / num_loops: the one-loop update split evenly).
+    branch_norm_switch: float | None = None
     #: The first `one_loop_steps` steps run one loop (one recurrence step), the rest `num_loops`: the
     #: retrieval circuit (an induction head) forms within a few hundred steps through one loop but
     #: stays at chance for a thousand through four, and survives the switch after a brief dip.
@@ -98,6 +102,10 @@ class TrainConfig:
         if self.branch_norm_init is not None and (self.model.family != "ouro" or not self.branch_norm_init > 0):
             raise ValueError(f"branch_norm_init needs an Ouro model and a value > 0, got {self.branch_norm_init!r} "
                              f"for {self.model.family!r}")
+        if self.branch_norm_switch is not None and (self.model.family != "ouro" or not self.one_loop_steps
+                                                    or not self.branch_norm_switch > 0):
+            raise ValueError(f"branch_norm_switch needs an Ouro model, one_loop_steps > 0 and a value > 0, got "
+                             f"{self.branch_norm_switch!r} for {self.model.family!r} with {self.one_loop_steps}")
         if min(self.entropy_beta, self.entropy_beta_late) < 0:
             raise ValueError(f"the entropy weights must be ≥ 0, got {self.entropy_beta} and {self.entropy_beta_late}")
 

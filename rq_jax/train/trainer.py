@@ -141,11 +141,14 @@ def reinit_embedding(params, cfg: TrainConfig):
 BRANCH_NORMS = ("input_layernorm_2", "post_attention_layernorm_2")
 
 
-def scale_branch_norms(params, value: float):
-    """params with every Ouro branch-output norm weight (`BRANCH_NORMS`) set to `value`."""
+def scale_branch_norms(params, value: float | None = None, factor: float | None = None):
+    """params with every Ouro branch-output norm weight (`BRANCH_NORMS`) set to `value`, or multiplied by
+    `factor`."""
     def one(path, p):
         names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        return jnp.full_like(p, value) if any(n in BRANCH_NORMS for n in names) else p
+        if not any(n in BRANCH_NORMS for n in names):
+            return p
+        return jnp.full_like(p, value) if factor is None else p * factor
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -310,6 +313,8 @@ class Trainer:
         """Train step `step` (the current one) and advance: (its log record, the bar's postfix)."""
         cfg = self.cfg
         t0 = time.time()
+        if cfg.branch_norm_switch is not None and step == cfg.one_loop_steps:
+            self.params = scale_branch_norms(self.params, factor=cfg.branch_norm_switch)
         tokens, weights, task = self.batch(step)
         self.params, self.opt_state, m = self._train_step(self.params, self.opt_state, tokens, weights, task, step)
         loss, per_task = float(m["loss"]), np.asarray(m["per_task"])

@@ -65,6 +65,22 @@ def test_interrupted_run_resumes_exactly(tmp_path, text):
         Trainer(TrainConfig(**{**cfg.__dict__, "lr": 1e-4}), opts("resumed", 6), text)
 
 
+def test_branch_norms_shrink_at_the_switch_to_all_loops(tmp_path, text):
+    cfg = small_config("ouro", one_loop_steps=2, branch_norm_switch=0.25)
+    trainer = Trainer(cfg, RunOptions(run_dir=str(tmp_path), stop_step=2, eval_every=0, progress=False), text)
+    trainer.run()
+    before, opt_state = trainer.params, trainer.opt_state
+    scaled = trainer_module.scale_branch_norms(before, factor=0.25)
+    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(scaled))]
+    assert sum(changed) == len(trainer_module.BRANCH_NORMS)  # the two branch norms (stacked over layers), only
+    expected = trainer._train_step(scaled, opt_state, *trainer.batch(2), 2)[0]
+    trainer._train_one(2)  # the switch: the norms scaled, then the step
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(trainer.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="branch_norm_switch"):
+        small_config("ouro", branch_norm_switch=0.25)  # no one-loop phase to switch from
+
+
 def test_training_lowers_the_loss(tmp_path, text):
     cfg = small_config("ouro")
     Trainer(cfg, RunOptions(run_dir=str(tmp_path), stop_step=12, eval_every=0, progress=False), text).run()
