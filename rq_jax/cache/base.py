@@ -210,7 +210,7 @@ def _read_on_bits(read: Callable[[Array, Array], Array], tree: Any, where: Array
     """`read(leaf, where)` of every leaf of `tree`, run on its bits behind an optimization barrier with
     `where`, the result bitcast back to the leaf's dtype."""
     bits, where = jax.lax.optimization_barrier((jax.tree_util.tree_map(bits_of, tree), where))
-    return jax.tree_util.tree_map(lambda x, b: jax.lax.bitcast_convert_type(read(b, where), x.dtype), tree, bits)
+    return jax.tree_util.tree_map(lambda x, b: values_of(read(b, where), x.dtype), tree, bits)
 
 
 def tiled_partial(part: Callable[[Any, Int[Array, ""], Bool[Array, "b s"]], Partial], stored: Any,
