@@ -75,8 +75,17 @@ def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
     loads its programs from there instead of compiling them. The scripts also quiet XLA's C++ logs."""
     from jax._src import compilation_cache
 
+    from rq_jax import compilation
+
     cache = tmp_path / "jax-cache"
     monkeypatch.setenv("RQ_JAX_COMPILE_CACHE", str(cache))
+    keep = compilation.use_persistent_cache
+
+    def keep_every_program(folder):  # under the suite's XLA flags the prefill compiles in about the 0.5 s floor
+        keep(folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+    monkeypatch.setattr(compilation, "use_persistent_cache", keep_every_program)
     monkeypatch.delenv("JAX_LOGGING_LEVEL", raising=False)
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     out = tmp_path / "new" / "kv.json"
