@@ -206,6 +206,16 @@ def values_of(bits: Array, dtype) -> Array:
     return bits if bits.dtype == dtype else jax.lax.bitcast_convert_type(bits, dtype)
 
 
+def tree_bits(tree: Any) -> tuple[Any, Any]:
+    """(every leaf of `tree` on its bits (`bits_of`), every leaf's dtype): `tree_values` undoes it."""
+    return jax.tree_util.tree_map(bits_of, tree), jax.tree_util.tree_map(lambda x: x.dtype, tree)
+
+
+def tree_values(bits: Any, dtypes: Any) -> Any:
+    """The inverse of `tree_bits`: every leaf of `bits` back to its dtype in `dtypes` (`values_of`)."""
+    return jax.tree_util.tree_map(values_of, bits, dtypes)
+
+
 def _read_on_bits(read: Callable[[Array, Array], Array], tree: Any, where: Array) -> Any:
     """`read(leaf, where)` of every leaf of `tree`, run on its bits behind an optimization barrier with
     `where`, the result bitcast back to the leaf's dtype."""
@@ -231,8 +241,7 @@ def tiled_partial(part: Callable[[Any, Int[Array, ""], Bool[Array, "b s"]], Part
     positions an earlier tile covered). shape: (B, T, H, D) of the output; needs tile ≤ max_len.
     """
     filled = jnp.max(lengths)
-    dtypes = jax.tree_util.tree_map(lambda x: x.dtype, stored)
-    bits = jax.tree_util.tree_map(bits_of, stored)
+    bits, dtypes = tree_bits(stored)
 
     def body(acc, i):
         first = i * tile
@@ -244,7 +253,7 @@ def tiled_partial(part: Callable[[Any, Int[Array, ""], Bool[Array, "b s"]], Part
             if visible is not None:
                 valid = valid & jax.lax.dynamic_slice_in_dim(visible, start, tile, axis=1)
             held = jax.lax.optimization_barrier((bits, i))[0]
-            return merge(acc, part(jax.tree_util.tree_map(values_of, held, dtypes), start, valid))
+            return merge(acc, part(tree_values(held, dtypes), start, valid))
 
         return jax.lax.cond(first < filled, fold, lambda acc: acc, acc), None
 
@@ -471,7 +480,7 @@ def on_bits(update, old: Array, new: Array) -> Array:
     new = new.astype(old.dtype)
     if not jnp.issubdtype(old.dtype, jnp.floating):
         return update(old, new)
-    return jax.lax.bitcast_convert_type(update(bits_of(old), bits_of(new)), old.dtype)
+    return values_of(update(bits_of(old), bits_of(new)), old.dtype)
 
 
 def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:

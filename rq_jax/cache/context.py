@@ -140,18 +140,18 @@ def write_in_chunks(fmt: base.CacheFormat, state: tuple[Any, ...], kv: tuple[KV,
     the writes were split. The loop carries the state on its bits (`base.bits_of`), so that the writes'
     own bitcasts (`base.on_bits`) fold into the carry's and no chunk copies a leaf."""
     t = kv[0][0].shape[4]
-    dtypes = jax.tree_util.tree_map(lambda x: x.dtype, state)
+    bits, dtypes = base.tree_bits(state)
 
     def write(carry, start, size):
         bits, lost = carry
         part = (jnp.stack([jax.lax.dynamic_slice_in_dim(x[i], start, size, axis=4) for x in kv], axis=1)
                 for i in (0, 1))
         done = jnp.minimum(num_new, start)  # tokens of each row written by the chunks before
-        written = fmt.write(jax.tree_util.tree_map(base.values_of, bits, dtypes), *part, lengths + done,
+        written = fmt.write(base.tree_values(bits, dtypes), *part, lengths + done,
                             jnp.clip(num_new - start, 0, size), calib)
-        return jax.tree_util.tree_map(base.bits_of, written.state), lost + written.out_of_range
+        return base.tree_bits(written.state)[0], lost + written.out_of_range
 
-    carry = (jax.tree_util.tree_map(base.bits_of, state), jnp.zeros_like(lengths))
+    carry = (bits, jnp.zeros_like(lengths))
     if t <= chunk:
         carry = write(carry, 0, t)
     else:
@@ -159,7 +159,7 @@ def write_in_chunks(fmt: base.CacheFormat, state: tuple[Any, ...], kv: tuple[KV,
         carry = jax.lax.fori_loop(0, full, lambda i, c: write(c, i * chunk, chunk), carry)
         if t > full * chunk:
             carry = write(carry, full * chunk, t - full * chunk)
-    return base.Written(jax.tree_util.tree_map(base.values_of, carry[0], dtypes), carry[1])
+    return base.Written(base.tree_values(carry[0], dtypes), carry[1])
 
 
 def in_flight_positions(kv: KV | tuple[KV, ...], size: int) -> tuple[KV, ...]:

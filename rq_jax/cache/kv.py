@@ -66,9 +66,10 @@ class KVCache:
         unsigned integers of the same width (`as_values` undoes it exactly; a no-op when already so).
 
         Hold a cache so wherever it crosses a compiled program's boundary (a donated argument, a loop
-        carry): a model call (`rq_jax.nn.common.run`) takes it to values at its start and back to bits
-        at its end, XLA folds each such pair of bitcasts away, and the rows a call writes (on the bits,
-        `base.on_bits`) are updated in place. Held as values, XLA:CPU's fusion emitters make each
+        carry): a model call takes its state to values where it reads it (`CacheContext.attend`, through
+        `values`) and writes it (`CacheContext.finish`), and back to bits at its end; XLA folds each such
+        bitcast into the reads' and writes' own (`base.slot_tile`, `base.on_bits`), and the rows a call
+        writes are updated in place. Held as values, XLA:CPU's fusion emitters make each
         write's bitcast a copy of the whole narrow-float leaf, on every call."""
         if self.bit_dtypes is not None:
             return self

@@ -164,8 +164,9 @@ class DecodeBench:
         return self.compiled[key]
 
     def prefill_memory(self, label: str, tokens: int) -> dict:
-        """The memory of one prefill call of `tokens` tokens (batch 1) into an empty cache of `tokens + 1`
-        positions, compiled for abstract inputs (with LLVM optimisation off on a CPU, as a search)."""
+        """The memory of the prefill (`prefill_step`: chunks of `args.prefill_chunk` tokens) of a `tokens`-token
+        prompt (batch 1) into an empty cache of `tokens + 1` positions, compiled for abstract inputs (with
+        LLVM optimisation off on a CPU, as a search)."""
         cache = jax.eval_shape(lambda: init_cache(self.config, 1, tokens + 1, self.fmt(label)).as_bits())
         lowered = self.prefill.lower(self.param_shapes, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache,
                                      self.calib(label), self.rng)
