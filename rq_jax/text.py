@@ -4,7 +4,7 @@
     generate("62217+89000=")                        # '423170': the shipped Huginn's answer, 71226 + 98 reversed
 
     from rq_jax import TextGenerator
-    gen = TextGenerator("checkpoints/ouro-small-qat", cache="residual", max_new_tokens=8)
+    gen = TextGenerator("checkpoints/ouro-small", cache="residual", max_new_tokens=8)
     gen(["62217+89000=", "00001+00002="])           # one compiled program per batch shape, reused
     gen.last                                         # the `Generation` behind the last call (tokens, cache, timings)
 """

@@ -42,7 +42,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 #: The cache formats compared: label -> serve.py options.
 FORMATS = {"dense bf16": ["--cache", "dense"], "residual [2,2,2,4]": ["--cache", "residual"]}
-#: vLLM 0.32's CPU build serving checkpoints/ouro-small on this 2-core machine (issue 24; not rerun here).
+#: vLLM 0.32's CPU build serving checkpoints/ouro-lastloop on this 2-core machine (issue 24; not rerun here).
 VLLM = {"c1_tok_s": "282-380", "c1_ttft_ms": "7-9", "c32_tok_s": "1,430-1,640", "c32_ttft_ms": "67-90",
         "startup_cold_s": "78", "startup_cached_s": "40", "rss_gb": "3.3"}
 

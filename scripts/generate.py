@@ -3,9 +3,9 @@
     python scripts/generate.py --model huginn
     python scripts/generate.py --checkpoint ~/weights/huginn-0125 --prompt "The capital of France is"
 
-Without --checkpoint it runs a small model shipped in checkpoints/: `huginn-small`, and for Ouro
-`ouro-small-qat`, `ouro-small` fine-tuned for the residual cache (quantization-aware training),
-because the base model's sums do not survive a 2-bit cache (docs/results.md). The shipped models know
+Without --checkpoint it runs a small model shipped in checkpoints/: `huginn-small` or `ouro-small`
+(Ouro trained with Ouro's objective, whose sums survive the residual cache; docs/results.md). The
+shipped models know
 only their training tasks: sums, key-value retrieval and Python source. A sum is written with both
 operands zero-padded to 5 digits and every number least significant digit first: the default prompt
 62217+89000= is 71226 + 98, and the answer 423170 reads 71324. For such a prompt the script prints

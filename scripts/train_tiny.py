@@ -1,7 +1,9 @@
 """Train (or resume) a tiny Ouro or Huginn model on the offline data mixture; optionally export it.
 
     python scripts/train_tiny.py --model ouro --run-dir /work/runs/ouro-a --lr 1e-3
-    python scripts/train_tiny.py --model ouro --run-dir /work/runs/ouro-a --lr 1e-3 --export checkpoints/ouro-small
+    python scripts/train_tiny.py --model ouro --run-dir /work/runs/ouro-a --lr 1e-3 --objective ouro --export DIR
+
+(`checkpoints/*/README.md` give each shipped model's full command.)
 
 Rerunning the same command resumes from the run directory's latest checkpoint (the trajectory-defining
 flags must match the saved run; the error lists any difference). Progress goes to a tqdm bar, metrics to

@@ -31,7 +31,7 @@ first-order difference, not a negligible one, which each pass shrinks. Mean KL(p
     model                                  dense    1 pass   2        4        8        28 (exact)
     ouro-tiny fixture, random tokens       0.0189   0.0163   0.0095   0.0050   0.0017   1e-9
     huginn-tiny fixture, random tokens     0.0204   0.0087   0.0048   0.0025   0.0013   0
-    checkpoints/ouro-small (untrained)     0.0013   0.0012   0.0005   0.0001   0.00004  1e-9
+    ouro-small's config, untrained        0.0013   0.0012   0.0005   0.0001   0.00004  1e-9
     tiny Ouro after 354 steps, stdlib      0.0057   0.0032   0.0027   0.0009   0.0003   0
       the same, uniform INT2               0.0121   0.0033   0.0022   0.0009   5e-9     5e-9
     tiny Huginn after ~280 steps, 8 loops  0.0121   0.0089   0.0036   0.0017   0.0013   0.0002

@@ -17,7 +17,7 @@ from tests.conftest import REPO, run_script
 
 N = 24
 SCHEMES = ["dense bf16", "+rotation g32"]  # residual INT2 g32, Hadamard: the tiny models lose some sums to it
-MODELS = {"ouro": "ouro-small-qat", "huginn": "huginn-small"}
+MODELS = {"ouro": "ouro-small", "huginn": "huginn-small"}
 
 
 def run(argv):
@@ -165,7 +165,7 @@ def test_bad_options_are_one_line_before_any_work(tmp_path, additions):
             "argument --max-new-tokens: the longest prompt (12 tokens) plus 2044 new tokens needs 2055 positions, "
             "more than the model's 2048")
     refused(gsm8k_args("ouro", data, out, "--init-state", "zeros"), "argument --init-state: Huginn's option")
-    refused(gsm8k_args("huginn", data, out, "--checkpoint", str(REPO / "checkpoints" / "ouro-small-qat")),
+    refused(gsm8k_args("huginn", data, out, "--checkpoint", str(REPO / "checkpoints" / "ouro-small")),
             "argument --model: huginn, but --checkpoint")
     refused(gsm8k_args("ouro", tmp_path / "none.jsonl", out), "argument --data: ")
     bad = tmp_path / "bad.jsonl"

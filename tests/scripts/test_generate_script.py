@@ -14,7 +14,7 @@ from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer, stop_token_ids
 from tests.conftest import SHIPPED, fixture_dir, run_script
 
-QAT = SHIPPED / "ouro-small-qat"
+OURO = SHIPPED / cli.DEFAULT_CHECKPOINT["ouro"]
 
 
 def weights_note(folder) -> str:
@@ -54,7 +54,8 @@ def shipped():
 def test_shipped_models_answer_the_sample_prompt_and_say_it_is_right(shipped, model):
     """The default run (residual cache) states the task format, answers the default sum, stops at its
     newline (generation_config.json's eos ids) and checks the answer read the usual way. Ouro's default
-    is its QAT model (the base `ouro-small` answers wrong through this cache, below)."""
+    is the model trained with Ouro's objective (the one trained on its last loop, `ouro-lastloop`, answers
+    wrong through this cache, below)."""
     out = shipped[model]
     folder = SHIPPED / cli.DEFAULT_CHECKPOINT[model]
     assert f"model: {model} from checkpoints/{folder.name}  [{weights_note(folder)}]" in out
@@ -89,7 +90,7 @@ def test_generate_prints_the_library_tokens_and_exact_bytes(model, extra):
 
 
 @pytest.mark.parametrize("argv,fmt,lines", [
-    (["--checkpoint", SHIPPED / "ouro-small", "--max-new-tokens", "7"], get_format("residual"),
+    (["--checkpoint", SHIPPED / "ouro-lastloop", "--max-new-tokens", "7"], get_format("residual"),
      ["check: 71226 + 98 = 71324; the model answered 423270 = 72324: wrong",
       "values the cache could not store (metadata outside its dtype's range, non-finite K/V): "]),
     (["--cache", "uniform", "--bits", "2", "--group-size", "16"], get_format("uniform", bits=2, group_size=16), []),
@@ -108,13 +109,13 @@ def test_generate_with_compressed_caches(argv, fmt, lines):
     """--model comes from the checkpoint's config; printed bytes equal those of a cache the library
     builds for the same positions, the bits per element the format's own accounting at that length;
     each format's explanation line is there (kivi's window only while every position sits in it)."""
-    out = generate(*([] if "--checkpoint" in argv else ["--checkpoint", QAT]), "--max-new-tokens", "3", *argv)
+    out = generate(*([] if "--checkpoint" in argv else ["--checkpoint", OURO]), "--max-new-tokens", "3", *argv)
     name = printed(out, r"KV cache \((\w+):")[0]
     bits, nbytes, positions = printed(
         out, rf"KV cache \({name}: .*\): looped layers at ([\d.]+) bits/element, metadata included; ([\d,]+) bytes "
              r"for (\d+) positions")
     assert "model: ouro from " in out
-    config, positions = checkpoint.read_config(QAT)[0], int(positions)
+    config, positions = checkpoint.read_config(OURO)[0], int(positions)
     assert int(nbytes.replace(",", "")) == cache_nbytes(init_cache(config, 1, positions, fmt))
     assert float(bits) == pytest.approx(float(fmt.bits_per_element(4, 64, positions)), rel=1e-3)
     assert f"{positions} positions are allocated (prompt + --max-new-tokens); this run stored " in out
@@ -147,13 +148,13 @@ def test_generate_reads_a_calibration_artifact(tmp_path):
     tokens with that calibration); an artifact for another group size is refused by name."""
     from rq_jax.calibrate import calibrate_model, calibration_set, load_calibration, save_calibration
 
-    model, _ = checkpoint.load(QAT)
+    model, _ = checkpoint.load(OURO)
     rows = [calibration_set(part, 2, 64, tasks=("addition",)).tokens for part in ("fit", "holdout")]
     fmt = get_format("residual", group_size=16)
     path = save_calibration(tmp_path / "cal", calibrate_model(model, fmt, *rows, method="oscar"))
     out = generate("--model", "ouro", "--max-new-tokens", "3", "--group-size", "16", "--calibration", path)
     (text,) = printed(out, r"generated: (.*)\n")
-    expected = library_text(QAT, cli.SAMPLE_PROMPT, 3, fmt, calib=load_calibration(path, model, fmt))
+    expected = library_text(OURO, cli.SAMPLE_PROMPT, 3, fmt, calib=load_calibration(path, model, fmt))
     assert ast.literal_eval(text) == expected
     run = run_script("generate", "--model", "ouro", "--max-new-tokens", "2", "--calibration", path)
     assert run.code == 2 and run.err.startswith("generate.py: error: argument --calibration: ")
@@ -170,7 +171,7 @@ def test_generate_reads_a_bit_allocation_schedule(tmp_path):
     save_schedule(str(path), schedule, {}, {})
     out = generate("--model", "ouro", "--max-new-tokens", "3", "--schedule", path)
     (text,) = printed(out, r"generated: (.*)\n")
-    assert ast.literal_eval(text) == library_text(QAT, cli.SAMPLE_PROMPT, 3, schedule.format())
+    assert ast.literal_eval(text) == library_text(OURO, cli.SAMPLE_PROMPT, 3, schedule.format())
     (bits,) = printed(out, r"looped layers at ([\d.]+) bits/element")
     assert float(bits) == pytest.approx(float(schedule.format().bits_per_element(4, 64)), rel=1e-3)
     for argv, message in ((["--bits", "2,2,2,4"], "the schedule " + str(path) + " fixes bits"),

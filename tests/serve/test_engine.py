@@ -41,9 +41,9 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_or_leaves(cache):
     every slot is free afterwards. (Huginn, whose random initial
     state draws from each request's seed, is tested the same way through the server with mixed prompt
     and output lengths: tests/serve/test_server.py.)"""
-    model, tokenizer, stops, kwargs = load("ouro-small-qat")
+    model, tokenizer, stops, kwargs = load("ouro-small")
     fmt = get_format(cache)
-    metrics = ServeMetrics("ouro-small-qat", cache)
+    metrics = ServeMetrics("ouro-small", cache)
     engine = Engine(model, tokenizer, fmt, eos_ids=stops, max_len=32, num_slots=3, chunk=16, metrics=metrics,
                     prefill_group=2, **kwargs)  # the batched prefill runs groups of 2: one full, one half
     engine.warm_up()
@@ -63,7 +63,7 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_or_leaves(cache):
     assert sorted(r.id for r in finished) == sorted(ids) and not engine.has_work()
     assert sorted(engine._free) == [0, 1, 2]
     entered = metrics.registry.get_sample_value("rq_serve_batch_prefill_requests_total",
-                                                {"model": "ouro-small-qat", "cache": cache})
+                                                {"model": "ouro-small", "cache": cache})
     assert entered >= 3  # the first three entered together
     sampler = Sampler(model, SamplingConfig(max_new_tokens=8, stop_tokens=stops), fmt, **kwargs)
     for rid, prompt, p in zip(ids, prompts, params):
@@ -77,7 +77,7 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_or_leaves(cache):
 
 @pytest.fixture(scope="module")
 def ouro():
-    model, tokenizer, stops, _ = load("ouro-small-qat")
+    model, tokenizer, stops, _ = load("ouro-small")
     engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=32, chunk=16)
     assert engine.decode_buckets == (8, 32)
     engine.warm_up()
