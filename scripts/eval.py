@@ -3,8 +3,8 @@
     python scripts/eval.py --model ouro --out results/ouro
 
 Without --checkpoint it scores the shipped base model of --model (checkpoints/ouro-small or
-checkpoints/huginn-small: the models as trained, where generate.py's Ouro default is the
-quantization-aware fine-tuned ouro-small-qat); with --checkpoint, --model may be left out.
+checkpoints/huginn-small: the models as trained, also generate.py's defaults); with --checkpoint,
+--model may be left out.
 
 Each row scores the eval split through that format's cache (`rq_jax.eval.loops`): exact match of
 greedy answers (addition, 43-pair retrieval) with a paired-bootstrap 95% CI of the difference to a
@@ -34,6 +34,7 @@ from rq_jax.cache import get_format
 from rq_jax.cache.kv_error import dense_kv, reconstruction_error
 from rq_jax.cache.schemes import calibrated_schemes, table_schemes
 from rq_jax.data import collate
+from rq_jax.eval import loops
 from rq_jax.eval.table import Tasks, evaluate
 
 #: The checkpoint each --model scores without --checkpoint: the shipped base models.
@@ -69,6 +70,9 @@ def parse_args(argv=None):
                    "schedule has one use it (label suffixed with its method)")
     p.add_argument("--schedule", action="append", default=[], metavar="FILE",
                    help="add a row per bit-allocation schedule (scripts/allocate.py); repeatable")
+    p.add_argument("--compare", action="append", default=[], metavar="LABEL",
+                   help="add a table of every row's accuracy minus row LABEL's on the same answers, with its "
+                   "paired-bootstrap 95%% CI (repeatable)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     p.add_argument("--out", required=True, help="output prefix: PREFIX.md, PREFIX.json, PREFIX_*.png (its folder is "
                    "created)")
@@ -120,7 +124,28 @@ def fmt_ci(m: dict) -> str:
     return f"{100 * m['accuracy']:.1f} ({100 * m['accuracy_diff_lo']:+.1f}, {100 * m['accuracy_diff_hi']:+.1f})"
 
 
-def markdown(rows: list[dict], header: str) -> str:
+def comparison(rows: list[dict], label: str) -> list[str]:
+    """Markdown lines: each row's accuracy difference to row `label`'s, paired on the same answers."""
+    base = next((r for r in rows if r["scheme"] == label), None)
+    if base is None:  # --calibration renamed it (its method appended)
+        return ["", f"No row `{label}` was scored (--calibration names rows after their method), so no comparison."]
+    lines = ["", f"Against `{label}`: accuracy difference in points, paired on the same answers (95% CI).", "",
+             "| scheme | bits/elem | addition Δ (CI) | retrieval Δ (CI) |", "|---|---|---|---|"]
+    for r in rows:
+        if r is base:
+            continue
+        cells = []
+        for task in ("addition", "retrieval"):
+            if "correct" in r[task] and "correct" in base[task]:  # rows of older runs lack the outcomes
+                diff, lo, hi = loops.paired_rows(r[task]["correct"], base[task]["correct"])
+                cells.append(f"{100 * diff:+.1f} ({100 * lo:+.1f}, {100 * hi:+.1f})")
+            else:
+                cells.append("—")
+        lines.append(f"| {r['scheme']} | {r['bits_per_element']:.3f} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def markdown(rows: list[dict], header: str, compare: tuple[str, ...] = ()) -> str:
     lines = [header, "",
              "| scheme | bits/elem | bytes/token | addition % (Δ CI) | retrieval % (Δ CI) | agree add/ret/text | "
              "KL add/ret/text | answer NLL add/ret | bpb |",
@@ -146,6 +171,8 @@ def markdown(rows: list[dict], header: str) -> str:
         lines += ["", f"Dense float32 reference: addition {100 * dense['addition']['dense_accuracy']:.1f}%, retrieval "
                       f"{100 * dense['retrieval']['dense_accuracy']:.1f}%, "
                       f"{dense['text']['dense_bpb']:.3f} bits per byte."]
+    for label in compare:
+        lines += comparison(rows, label)
     return "\n".join(lines) + "\n"
 
 
@@ -238,6 +265,10 @@ def main(argv=None):
     for path, scheme in zip(args.schedule, cli.schedule_schemes(p, args.schedule)):
         cli.check_format(p, f"--schedule {path}", scheme.fmt, config, args.loops or config.num_loops)
         rows_to_run.append(scheme)
+    missing = [c for c in args.compare if c not in {s.label for s in rows_to_run}]
+    if missing:
+        p.error(f"argument --compare: {', '.join(missing)} is not a row of this run; its rows are "
+                f"{', '.join(s.label for s in rows_to_run)}")
     cli.output_file(p, "--out", args.out)
     cli.start(args)
     mesh = cli.device_mesh(p, args)
@@ -307,7 +338,7 @@ def main(argv=None):
               "float32 dense cache.")
     if not writer:
         return rows
-    text = markdown(rows, header)
+    text = markdown(rows, header, tuple(args.compare))
     print(text)
     with open(f"{args.out}.md", "w") as f:
         f.write(text)

@@ -246,11 +246,12 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, groups: np.ndarray | None = N
     return float(np.mean(a - b)), float(lo), float(hi)
 
 
-def task_metrics(scores: Scores, answer_id: np.ndarray) -> dict[str, float]:
+def task_metrics(scores: Scores, answer_id: np.ndarray) -> dict[str, float | int | str]:
     """Answer-level metrics of scored examples: accuracy (greedy exact match) through the format and
     the reference, the paired-bootstrap 95% CI of their difference, greedy agreement with the dense
-    model on answer tokens, mean answer NLL (nats per token), mean KL over every scored position, and
-    the values the format could not store (`KVCache.out_of_range`, summed)."""
+    model on answer tokens, mean answer NLL (nats per token), mean KL over every scored position, the
+    values the format could not store (`KVCache.out_of_range`, summed), and every answer's outcome
+    (`correct_words`, for `paired_rows`)."""
     res = answers(scores, answer_id)
     on_answers = answer_id > 0
     diff, lo, hi = paired_bootstrap(res.correct, res.ref_correct, res.example)
@@ -258,7 +259,24 @@ def task_metrics(scores: Scores, answer_id: np.ndarray) -> dict[str, float]:
             "accuracy_diff": diff, "accuracy_diff_lo": lo, "accuracy_diff_hi": hi,
             "agreement": float(np.mean(scores.agree[on_answers])),
             "answer_nll": float(np.mean(scores.nll[on_answers])),
-            "kl": float(np.mean(scores.kl[scores.scored])), "out_of_range": int(np.sum(scores.out_of_range))}
+            "kl": float(np.mean(scores.kl[scores.scored])), "out_of_range": int(np.sum(scores.out_of_range)),
+            "correct": correct_words(res)}
+
+
+def correct_words(res: AnswerResults) -> str:
+    """Every answer's exact match as one word of 0/1 per example, e.g. "1 0 1" (three one-answer
+    examples) or "1101 1111" (two of four answers each)."""
+    return " ".join("".join("01"[int(c)] for c in res.correct[res.example == e]) for e in np.unique(res.example))
+
+
+def paired_rows(a: str, b: str) -> tuple[float, float, float]:
+    """Accuracy of `correct_words` a minus that of b on the same answers, with the paired-bootstrap 95%
+    CI resampling whole examples: (diff, lo, hi). Raises ValueError when they score other answers."""
+    wa, wb = a.split(), b.split()
+    if [len(w) for w in wa] != [len(w) for w in wb]:
+        raise ValueError("the two rows scored different answers (another --n, seed or data)")
+    groups = np.repeat(np.arange(len(wa)), [len(w) for w in wa])
+    return paired_bootstrap(*(np.array(list("".join(w))) == "1" for w in (wa, wb)), groups)
 
 
 def text_metrics(scores: Scores) -> dict[str, float]:

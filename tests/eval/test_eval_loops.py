@@ -8,7 +8,7 @@ import pytest
 
 from rq_jax.cache import Dense, get_format
 from rq_jax.data import Example
-from rq_jax.eval.loops import CacheScorer, paired_bootstrap, score_examples, task_metrics
+from rq_jax.eval.loops import CacheScorer, paired_bootstrap, paired_rows, score_examples, task_metrics
 from rq_jax.sampling import Sampler, SamplingConfig
 
 
@@ -47,7 +47,7 @@ def test_exact_match_is_greedy_decoding_through_the_cache(ouro, fmt):
     scorer = CacheScorer(model, fmt)
     scores, _, answer_id = score_examples(scorer, examples, 11, batch=2)
     assert np.all(scores.correct[answer_id > 0])
-    assert task_metrics(scores, answer_id)["accuracy"] == 1.0
+    assert task_metrics(scores, answer_id)["accuracy"] == 1.0 and task_metrics(scores, answer_id)["correct"] == "1 1"
     changed = examples[0].tokens.copy()
     changed[8] = (changed[8] + 1) % model.config.vocab_size
     scores, _, _ = score_examples(scorer, [Example("t", changed, examples[0].answer_id, b"")], 11, batch=2)
@@ -87,3 +87,15 @@ def test_paired_bootstrap():
     assert paired_bootstrap(a, a) == (0.0, 0.0, 0.0)
     # grouped: each group's pairs move together, so groups that differ only internally cancel exactly
     assert paired_bootstrap([1, 0, 1, 0], [0, 1, 0, 1], groups=[0, 0, 1, 1]) == (0.0, 0.0, 0.0)
+
+
+def test_paired_rows_resample_whole_examples():
+    """Two rows' per-example outcome words compare as the grouped bootstrap of their answers; rows of
+    other answers are refused."""
+    a, b = "1101 1111 0 10", "1001 1110 1 10"
+    flat = [np.array([c == "1" for c in w.replace(" ", "")]) for w in (a, b)]
+    groups = [0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 3]
+    assert paired_rows(a, b) == paired_bootstrap(*flat, groups=groups)
+    assert paired_rows(a, a) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="different answers"):
+        paired_rows(a, "1101 1111 01")

@@ -52,8 +52,11 @@ def test_progress_counts_answers_and_resume_keeps_finished_rows(tmp_path):
     assert counts[0] == 0 and counts[-1] == 5 and counts == sorted(counts) and set(counts) <= {0, 2, 4, 5}
     assert "answer" in first.err
     kept = json.loads(out.with_suffix(".json").read_text())["rows"]
-    again = run_script("eval", *small, "--only", "dense bf16", "--only", "kivi", "--resume", "--no-progress")
+    again = run_script("eval", *small, "--only", "dense bf16", "--only", "kivi", "--resume", "--no-progress",
+                       "--compare", "dense bf16")
     assert again.code == 0, again.err
+    assert "Against `dense bf16`: accuracy difference in points, paired on the same answers" in again.out
+    assert re.search(r"\| kivi INT2 \| [\d.]+ \| [+-]\d+\.\d \([+-]\d+\.\d, [+-]\d+\.\d\) \| ", again.out), again.out
     assert re.findall(r"eval: (.*?): addition", again.err) == ["kivi INT2"]  # one line per row scored
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [r["scheme"] for r in rows] == ["dense bf16", "kivi INT2"] and rows[0] == kept[0]
@@ -70,6 +73,7 @@ def test_progress_counts_answers_and_resume_keeps_finished_rows(tmp_path):
     (["--rotations", "pca"], "argument --rotations: pca; the methods are"),
     (["--only", "no such scheme"], "argument --only: no such scheme matches no scheme; the labels are dense bf16"),
     (["--mesh", "data=3"], "argument --mesh: "),
+    (["--only", "kivi", "--compare", "dense bf16"], "argument --compare: dense bf16 is not a row of this run"),
     (["--checkpoint", SHIPPED / "huginn-small"], "argument --model: ouro, but --checkpoint"),
     (["--out", "/proc/nope/x"], "argument --out: cannot create /proc/nope"),
 ])
@@ -84,4 +88,4 @@ def test_eval_help_lists_the_only_labels_and_the_default_checkpoints():
     run = run_script("eval", "--help")
     text = " ".join(run.out.split())
     assert run.code == 0 and ", ".join(s.label for s in table_schemes((32, 16))) in text
-    assert "checkpoints/ouro-small" in text and "ouro-small-qat" in text and "(default: 1000)" in text
+    assert "checkpoints/ouro-small" in text and "(default: 1000)" in text
