@@ -48,7 +48,6 @@ and reads 6.47). KIVI's bits are its own accounting at the row's context.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -57,10 +56,10 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
+from rq_jax import cli
 from rq_jax.cache import base
 from rq_jax.cache.context import SELF_TILE
 from rq_jax.cache.schemes import BENCH_DECODE, catalog
-from rq_jax.cli import HelpFormatter
 from rq_jax.config import ModelConfig, changes_from, parse_preset
 from rq_jax.perf.decode import DecodeBench, describe_device
 from rq_jax.sampling import PREFILL_CHUNK
@@ -170,49 +169,47 @@ def prefill_table(rows: list[dict]) -> list[str]:
 
 def main(argv=None):
     on_gpu = jax.default_backend() == "gpu"
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
-                                formatter_class=HelpFormatter)
+    p = cli.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--models", nargs="+", default=GPU_MODELS if on_gpu else CPU_MODELS,
                    help=f"NAME[:field=value,...]: a preset with ModelConfig fields changed (Huginn at a CPU's "
                         f"scale: {CPU_HUGINN})")
-    p.add_argument("--layers", type=int, help="looped layers (Ouro layers, Huginn core blocks) of every model")
+    p.add_argument("--layers", type=cli.positive_int,
+                   help="looped layers (Ouro layers, Huginn core blocks) of every model")
     labels = [s.label for s in catalog()]
     p.add_argument("--formats", nargs="+", choices=labels, default=list(BENCH_DECODE), metavar="LABEL",
                    help=f"scheme labels of the catalog (rq_jax/cache/schemes.py), among {labels}")
-    p.add_argument("--context", type=int, nargs="+",
+    p.add_argument("--context", type=cli.positive_int, nargs="+",
                    default=[1024, 2048, 4096, 8192, 16384] if on_gpu else [4096], help="tokens already cached")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16] if on_gpu else [1], help="rows per step")
+    p.add_argument("--batch", type=cli.positive_int, nargs="+", default=[1, 4, 16] if on_gpu else [1],
+                   help="rows per step")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16" if on_gpu else "float32",
                    help="compute dtype")
     p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights' dtype")
-    p.add_argument("--memory-gb", type=float, default=32.0 if on_gpu else None,
+    p.add_argument("--memory-gb", type=cli.nonnegative_float, default=32.0 if on_gpu else None,
                    help="one memory budget in GiB for every largest-batch search (0: skip the search; default "
                         "on a CPU: --budget-rows)")
-    p.add_argument("--budget-rows", type=int, default=4,
+    p.add_argument("--budget-rows", type=cli.positive_int, default=4,
                    help="without --memory-gb: each (model, context)'s budget is the 'dense bf16' step's memory at "
                         "this batch, so dense fits exactly that many rows")
-    p.add_argument("--max-batch", type=int, default=4096, help="largest batch the search tries")
-    p.add_argument("--machine-gb", type=float,
+    p.add_argument("--max-batch", type=cli.positive_int, default=4096, help="largest batch the search tries")
+    p.add_argument("--machine-gb", type=cli.positive_float,
                    help="memory a run may use (default: the device's free memory; CPU: 60%% of MemAvailable)")
-    p.add_argument("--repeats", type=int, default=10 if on_gpu else 3, help="timed steps (the median is reported)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    p.add_argument("--repeats", type=cli.positive_int, default=10 if on_gpu else 3,
+                   help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=1, help="untimed steps before them")
     p.add_argument("--no-run", action="store_true", help="compile only: bytes and the budget search, no timing")
-    p.add_argument("--run-contexts", type=int, nargs="+",
+    p.add_argument("--run-contexts", type=cli.positive_int, nargs="+",
                    help="time only these contexts (the others compile only; default: every context)")
-    p.add_argument("--filled", type=int, help="also time each step with its cache holding only this many tokens")
-    p.add_argument("--prefill", type=int, nargs="+", default=[],
+    p.add_argument("--filled", type=cli.nonnegative_int,
+                   help="also time each step with its cache holding only this many tokens")
+    p.add_argument("--prefill", type=cli.positive_int, nargs="+", default=[],
                    help="also compile (batch 1, not run) the prefill of a prompt of this many tokens per format")
-    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+    p.add_argument("--prefill-chunk", type=cli.nonnegative_int, default=PREFILL_CHUNK,
                    help="tokens per model call of those prefills (rq_jax.sampling.prefill; 0: one call)")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = p.parse_args(argv)
-    if min(args.context) < 1 or min(args.batch) < 1 or args.repeats < 1 or args.warmup < 0 or args.max_batch < 1:
-        p.error("contexts, batches, repeats and --max-batch must be positive, --warmup non-negative")
     if args.memory_gb is None and "dense bf16" not in args.formats:
         p.error("--budget-rows needs 'dense bf16' among --formats (or give --memory-gb)")
-    if args.budget_rows < 1 or (args.filled is not None and args.filled < 0) or min(args.prefill, default=1) < 1 \
-            or args.prefill_chunk < 0:
-        p.error("--budget-rows and --prefill must be positive, --filled and --prefill-chunk non-negative")
     run_contexts = set() if args.no_run else set(args.run_contexts or args.context)
     models = [parse_model(spec, args.layers, max(args.context + args.prefill)) for spec in args.models]
     names = [m[0] for m in models]

@@ -36,7 +36,6 @@ them for every target; it prints those classes as `OVERRIDES` entries.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import configs, deviceless, launch  # noqa: E402
+from rq_jax import cli  # noqa: E402
 
 
 def compile_row(cfg: configs.KernelConfig, target: deviceless.Target, cache, override=None) -> dict:
@@ -217,7 +217,7 @@ def table_source(table: dict, name: str = "TABLE") -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", nargs="+", default=list(deviceless.TARGETS), choices=list(deviceless.TARGETS))
     p.add_argument("--only", nargs="+", default=None, help="configurations whose name contains any of these")
     p.add_argument("--ci-subset", action="store_true", help="only configs.CI_SUBSET (what the tests compile)")

@@ -21,7 +21,6 @@ NMSE ratios also go into the checkpoint's model card (README.md), as its "Loop s
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ import numpy as np
 from rq_jax import checkpoint
 from rq_jax.cache.kv_error import dense_kv, loop_similarity, reconstruction_error
 from rq_jax.cache.schemes import pick
+from rq_jax import cli
 from rq_jax.cli import positive_int
 from rq_jax.data import Addition, Retrieval, collate
 
@@ -139,8 +139,7 @@ def heatmap(results: dict, prefix: str) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint folder or cached hub id")
     p.add_argument("--loops", type=positive_int, help="loops / recurrence steps (default: the config's)")
     p.add_argument("--rows", type=positive_int, default=16, help="held-out rows per task")

@@ -143,7 +143,10 @@ BRANCH_NORMS = ("input_layernorm_2", "post_attention_layernorm_2")
 
 def scale_branch_norms(params, value: float | None = None, factor: float | None = None):
     """params with every Ouro branch-output norm weight (`BRANCH_NORMS`) set to `value`, or multiplied by
-    `factor`."""
+    `factor`. Raises ValueError unless exactly one of the two is given."""
+    if (value is None) == (factor is None):
+        raise ValueError(f"scale_branch_norms takes a value or a factor, not both or neither (got {value}, {factor})")
+
     def one(path, p):
         names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
         if not any(n in BRANCH_NORMS for n in names):

@@ -116,6 +116,8 @@ def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
     ("kv_error", ["--group-size", "8", "--json", "/proc/nope/kv.json"], "argument --json: cannot create /proc/nope"),
     ("bench_compile", ["--width", "30", "--head-dim", "16"], "argument --head-dim: 16 does not divide --width 30"),
     ("bench_compile", ["--formats", "dense,nope"], "argument --formats: nope; the formats are"),
+    ("bench_decode", ["--prefill-chunk", "-1"], "argument --prefill-chunk: must be ≥ 0, got -1"),
+    ("bench_decode", ["--formats", "direct INT2 g32"], "--budget-rows needs 'dense bf16' among --formats"),
     ("train_tiny", ["--model", "ouro", "--run-dir", "/proc/nope/run"], "argument --run-dir: cannot create /proc/nope"),
     ("train_tiny", ["--model", "ouro", "--run-dir", "RUN", "--hidden", "100"],
      "argument --hidden: 100 is not a multiple of 64"),

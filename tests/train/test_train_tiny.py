@@ -79,6 +79,9 @@ def test_branch_norms_shrink_at_the_switch_to_all_loops(tmp_path, text):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="branch_norm_switch"):
         small_config("ouro", branch_norm_switch=0.25)  # no one-loop phase to switch from
+    for kwargs in ({}, dict(value=1.0, factor=0.25)):
+        with pytest.raises(ValueError, match="a value or a factor"):
+            trainer_module.scale_branch_norms(before, **kwargs)
 
 
 def test_training_lowers_the_loss(tmp_path, text):
