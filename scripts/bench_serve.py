@@ -33,8 +33,7 @@ import aiohttp
 import httpx
 import numpy as np
 
-from rq_jax import cli
-from rq_jax.cli import output_file, positive_int
+from rq_jax.cli import ArgumentParser, output_file, positive_int
 from rq_jax.data import Addition
 from rq_jax.serve.metrics import PHASES
 from rq_jax.tokenizer import load_tokenizer
@@ -49,7 +48,7 @@ VLLM = {"c1_tok_s": "282-380", "c1_ttft_ms": "7-9", "c32_tok_s": "1,430-1,640", 
 
 
 def parse_args(argv=None):
-    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("ouro", "huginn"), default="ouro")
     p.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "ouro-small"))
     p.add_argument("--memory-gb", type=float, default=0.004, help="the one cache budget of every format")

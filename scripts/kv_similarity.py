@@ -31,8 +31,7 @@ import numpy as np
 from rq_jax import checkpoint
 from rq_jax.cache.kv_error import dense_kv, loop_similarity, reconstruction_error
 from rq_jax.cache.schemes import pick
-from rq_jax import cli
-from rq_jax.cli import positive_int
+from rq_jax.cli import ArgumentParser, positive_int
 from rq_jax.data import Addition, Retrieval, collate
 
 DIRECT, RESIDUAL = "direct INT2 g32", "+residual α=1 g32"
@@ -139,7 +138,7 @@ def heatmap(results: dict, prefix: str) -> None:
 
 
 def main(argv=None):
-    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, help="checkpoint folder or cached hub id")
     p.add_argument("--loops", type=positive_int, help="loops / recurrence steps (default: the config's)")
     p.add_argument("--rows", type=positive_int, default=16, help="held-out rows per task")
