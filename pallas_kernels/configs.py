@@ -66,12 +66,16 @@ class KernelConfig:
         """The launch table's kernel name: "residual", "dense-bfloat16" or "dense-float32"."""
         return "residual" if self.links else f"dense-{self.kv}"
 
+    def groups(self) -> tuple[int, ...]:
+        """Per link, the finer of its key and value group sizes: what the dispatch keys on."""
+        return tuple(min(k, v) for (_, k), (_, v) in zip(self.links, self.v_links or self.links))
+
     def launch_key(self) -> launch.LaunchKey | None:
-        return launch.key(self.kernel, self.dim, self.rows, tuple(g for _, g in self.links))
+        return launch.key(self.kernel, self.dim, self.rows, self.groups())
 
     def launch(self) -> launch.Launch:
         """The launch parameters the dispatch picks for this call (`pallas_kernels.launch`)."""
-        return launch.lookup(self.kernel, self.dim, self.rows, tuple(g for _, g in self.links))
+        return launch.lookup(self.kernel, self.dim, self.rows, self.groups())
 
     def compile(self, target: deviceless.Target, cache_dir=None, override: launch.Launch | None = None):
         """`deviceless.Resources` of this call compiled for `target` with the dispatch's launch

@@ -72,6 +72,12 @@ OVERRIDES = {
     LaunchKey("residual", 64, 3, 32, 32): Launch(32, 4, 2, 32),
     LaunchKey("residual", 64, 4, 32, 16): Launch(16, 4, 2, 16, dequant_keys=True),
     LaunchKey("residual", 64, 4, 32, 64): Launch(32, 8, 2, 16),
+    # Two-link D64 chains whose finest group is 16 at one row block, with the bit allocator's schedules
+    # (docs/results/allocation) in the class: INT2 g32 keys over an INT4 g64 anchor beside INT2 g64 / g16
+    # values spills 40 B on sm_90 with the sweep's (64, 8, 2); every candidate of the per-group key path
+    # spills on one of the class's 14 configurations, and reconstructed keys in 16-token tiles at 8 warps
+    # compile all of them clean on both targets (75-127 registers).
+    LaunchKey("residual", 64, 2, 16, 16): Launch(16, 8, 2, 16, dequant_keys=True),
     LaunchKey("residual", 96, 2, 32, 16): Launch(32, 8, 2, 16),
     LaunchKey("residual", 96, 2, 32, 32): Launch(16, 4, 2, 16),
     LaunchKey("residual", 96, 2, 32, 64): Launch(32, 8, 2, 16),
