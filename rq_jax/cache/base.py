@@ -219,8 +219,9 @@ def tree_values(bits: Any, dtypes: Any) -> Any:
 def _read_on_bits(read: Callable[[Array, Array], Array], tree: Any, where: Array) -> Any:
     """`read(leaf, where)` of every leaf of `tree`, run on its bits behind an optimization barrier with
     `where`, the result bitcast back to the leaf's dtype."""
-    bits, where = jax.lax.optimization_barrier((jax.tree_util.tree_map(bits_of, tree), where))
-    return jax.tree_util.tree_map(lambda x, b: values_of(read(b, where), x.dtype), tree, bits)
+    bits, dtypes = tree_bits(tree)
+    bits, where = jax.lax.optimization_barrier((bits, where))
+    return tree_values(jax.tree_util.tree_map(lambda b: read(b, where), bits), dtypes)
 
 
 def tiled_partial(part: Callable[[Any, Int[Array, ""], Bool[Array, "b s"]], Partial], stored: Any,
