@@ -5,11 +5,10 @@
 
 Without --checkpoint it runs a small model shipped in checkpoints/: `huginn-small` or `ouro-small`
 (Ouro trained with Ouro's objective, whose sums survive the residual cache; docs/results.md). The
-shipped models know
-only their training tasks: sums, key-value retrieval and Python source. A sum is written with both
-operands zero-padded to 5 digits and every number least significant digit first: the default prompt
-62217+89000= is 71226 + 98, and the answer 423170 reads 71324. For such a prompt the script prints
-the sum read the usual way and whether the model got it right.
+shipped models know only their training tasks: sums, key-value retrieval and Python source. A sum is
+written with both operands zero-padded to 5 digits and every number least significant digit first: the
+default prompt 62217+89000= is 71226 + 98, and the answer 423170 reads 71324. For such a prompt the
+script prints the sum read the usual way and whether the model got it right.
 
 Prints the text, prefill and decode tokens/s (a first call compiles, then a second is timed), and
 the KV cache's bytes against dense bf16. Compiled programs are kept in a cache folder, so the second
