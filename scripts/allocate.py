@@ -20,6 +20,7 @@ import sys
 from rq_jax import checkpoint, cli
 from rq_jax.calibrate.allocate import OPTIONS, Schedule, allocate, measure_kl, save_schedule
 from rq_jax.calibrate.data import calibration_set
+from rq_jax.data import TASKS
 
 
 def main(argv=None):
@@ -34,6 +35,8 @@ def main(argv=None):
     p.add_argument("--batch", type=cli.positive_int, default=16, help="rows per scoring call")
     p.add_argument("--loops", type=cli.positive_int, help="loops / recurrence steps (default: the config's)")
     p.add_argument("--seed", type=int, default=0, help="calib rows' seed")
+    p.add_argument("--tasks", default=",".join(TASKS),
+                   help="the calib split's tasks the rows cycle through, e.g. addition,retrieval")
     p.add_argument("--options", default=",".join(f"{b}g{g}" for b, g in OPTIONS),
                    help="the (bits, group size) a slot may take, e.g. 2g32,4g32 (the last: the reference)")
     p.add_argument("--quiet", action="store_true", help="no line per measured schedule")
@@ -46,6 +49,9 @@ def main(argv=None):
         p.error(f"argument --options: {args.options}: give at least two options")
     if args.prefix >= args.seq_len:
         p.error(f"--prefix {args.prefix} must be below --seq-len {args.seq_len}")
+    tasks = tuple(args.tasks.split(","))
+    if not tasks or set(tasks) - set(TASKS):
+        p.error(f"argument --tasks: {args.tasks}: expected a comma-separated subset of {','.join(TASKS)}")
     cli.output_file(p, "--out", args.out)
     try:
         model, _ = checkpoint.load(args.checkpoint)
@@ -58,12 +64,14 @@ def main(argv=None):
         sizes = sorted({g for _, g in options})
         p.error(f"--checkpoint {args.checkpoint}: head_dim {model.config.head_dim} is not divisible by the group sizes "
                 f"{sizes}")
-    rows = calibration_set("fit", args.rows, args.seq_len, seed=args.seed).tokens
+    rows = calibration_set("fit", args.rows, args.seq_len, seed=args.seed, tasks=tasks).tokens
     kwargs = dict(num_loops=loops, prefix=args.prefix, batch=args.batch)
 
     record = f"{args.out}-measured.json"  # every KL measured so far: a rerun with the same settings resumes
     settings = dict(checkpoint=os.path.abspath(args.checkpoint), loops=loops, rows=args.rows, seq_len=args.seq_len,
                     prefix=args.prefix, seed=args.seed)
+    if tasks != TASKS:  # absent from the records of runs on every task
+        settings["tasks"] = list(tasks)
     measured = {}
     if os.path.exists(record):
         with open(record) as f:
@@ -83,7 +91,7 @@ def main(argv=None):
         allocs = allocate(model, rows, args.budget, options=options, measured=measured, progress=report, **kwargs)
     except ValueError as err:
         p.error(f"--budget: {err}")
-    print(f"{loops} loops, {args.rows} calib rows of {args.seq_len} tokens ({args.prefix} prefilled), "
+    print(f"{loops} loops, {args.rows} calib rows ({args.tasks}) of {args.seq_len} tokens ({args.prefix} prefilled), "
           f"{allocs[-1].seconds:.0f} s")
     print("| budget | schedule | bits/elem | KL to dense (measured) | predicted | paper's rule | its bits | its KL |\n"
           "|---|---|---|---|---|---|---|---|")
@@ -100,7 +108,7 @@ def main(argv=None):
         path = f"{args.out}-{alloc.budget:g}.json"
         save_schedule(path, alloc.schedule, {}, dict(
             allocation=alloc.to_json(), checkpoint=args.checkpoint, loops=loops, rows=args.rows,
-            seq_len=args.seq_len, prefix=args.prefix, seed=args.seed,
+            seq_len=args.seq_len, prefix=args.prefix, seed=args.seed, tasks=list(tasks),
             rule=dict(bits=rule_bits, kl=rule_kl, schedule=rule.schedule_name(loops))))
         written.append(os.path.abspath(path))
         print(f"| {alloc.budget:g} | {alloc.schedule.label()} | {alloc.bits:.4f} | {alloc.kl:.3e} | "

@@ -8,6 +8,7 @@ import pytest
 
 from rq_jax.calibrate.allocate import (Schedule, allocate, best_schedule, load_schedule, save_schedule,
                                        schedule_bits)
+from tests.conftest import SHIPPED, run_script
 
 OPTS = ((2, 8), (4, 8), (2, 4))
 
@@ -58,3 +59,12 @@ def test_allocation_on_the_fixture_model(ouro, tmp_path):
     assert load_schedule(str(path)) == alloc.schedule.format()
     with pytest.raises(ValueError, match="not a bit-allocation schedule"):
         load_schedule(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("tasks", ["addition,sums", ""])
+def test_allocate_script_names_a_bad_task_list(tmp_path, tasks):
+    run = run_script("allocate", "--checkpoint", SHIPPED / "ouro-small", "--budget", "3", "--out", tmp_path / "s",
+                     "--tasks", tasks)
+    assert run.code == 2 and run.err.count("\n") == 1
+    assert f"allocate.py: error: argument --tasks: {tasks}: expected a comma-separated subset of " in run.err
+    assert list(tmp_path.iterdir()) == []
