@@ -62,7 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--only", action="append", metavar="TEXT",
                    help=f"keep the schemes whose label contains TEXT (repeatable); the labels at the default group "
                    f"sizes: {labels}; with --rotations also 'rotated INT2 g32 oscar', '+rotation g32 oscar', "
-                   "'[2,2,2,4] g32 oscar' and the same per group size and method")
+                   "'[2,2,2,4] g32 oscar' and the same per group size and method; a --schedule's row: "
+                   "'allocated NAME' (its file's name)")
     p.add_argument("--rotations", default="", help=f"comma-separated calibration methods ({', '.join(METHODS)}) to "
                    "add as rows beside Hadamard, fitted on the calib split's fit/holdout rows")
     p.add_argument("--calibration-rows", type=cli.positive_int, default=32, help="fit and holdout rows for --rotations")
@@ -257,14 +258,14 @@ def main(argv=None):
     cli.check_group_sizes(p, "--group-sizes", args.group_sizes, config.head_dim)
     tasks = Tasks(n=args.n, retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows)
     rows_to_run = table_schemes(args.group_sizes) + calibrated_schemes(args.group_sizes, args.rotations)
-    if args.only:
-        rows_to_run = [s for s in rows_to_run if any(k in s.label for k in args.only)]
-        if not rows_to_run:
-            p.error(f"argument --only: {', '.join(args.only)} matches no scheme; the labels are "
-                    f"{', '.join(s.label for s in table_schemes(args.group_sizes))}")
     for path, scheme in zip(args.schedule, cli.schedule_schemes(p, args.schedule)):
         cli.check_format(p, f"--schedule {path}", scheme.fmt, config, args.loops or config.num_loops)
         rows_to_run.append(scheme)
+    if args.only:
+        labels = ", ".join(s.label for s in rows_to_run)
+        rows_to_run = [s for s in rows_to_run if any(k in s.label for k in args.only)]
+        if not rows_to_run:
+            p.error(f"argument --only: {', '.join(args.only)} matches no scheme; the labels are {labels}")
     missing = [c for c in args.compare if c not in {s.label for s in rows_to_run}]
     if missing:
         p.error(f"argument --compare: {', '.join(missing)} is not a row of this run; its rows are "

@@ -65,6 +65,19 @@ def test_progress_counts_answers_and_resume_keeps_finished_rows(tmp_path):
     assert refused.code == 2 and "eval.py: error: argument --resume: " in refused.err and "'n': 2" in refused.err
 
 
+def test_only_selects_a_schedules_row(tmp_path):
+    """`--only allocated` keeps the --schedule rows alone (their label: "allocated" and the file's name)."""
+    from rq_jax.calibrate.allocate import Schedule, save_schedule
+
+    path = tmp_path / "mine.json"
+    save_schedule(str(path), Schedule(((4, 64), (2, 64), (2, 64), (4, 32)), ((2, 32),) * 4), {}, {})
+    out = tmp_path / "t"
+    run = run_script("eval", "--model", "ouro", "--n", "2", "--retrieval-pairs", "2", "--text-windows", "1",
+                     "--batch", "2", "--only", "allocated", "--schedule", path, "--no-progress", "--out", out)
+    assert run.code == 0, run.err
+    assert [r["scheme"] for r in json.loads(out.with_suffix(".json").read_text())["rows"]] == ["allocated mine"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--n", "0"], "argument --n: must be a positive integer, got 0"),
     (["--batch", "nan"], "argument --batch: invalid positive_int value: 'nan'"),
