@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 import zlib
 
 import jax
@@ -37,12 +38,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import decode_common as dc
+from pallas_kernels import configs, decode_common as dc
 
 #: Interpret mode unless RQ_PALLAS_INTERPRET=0 (then the kernels run compiled, on a GPU).
 INTERPRET = os.environ.get("RQ_PALLAS_INTERPRET", "1") != "0"
 TRITON_CALL = getattr(dc.pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 TOL = {"float32": 2e-4, "bfloat16": 1e-4}
+ALLOCATION = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "allocation"
+
+
+def allocated_configs() -> dict[str, configs.KernelConfig]:
+    """The decode-kernel calls of every schedule the bit allocator emitted for the shipped models
+    (docs/results/allocation/MODEL-BUDGET.json): their chains at head dim 64, one query row per kv head
+    (both models' shapes), by name; a chain two schedules share appears once."""
+    from rq_jax.calibrate.allocate import load_schedule
+
+    out = {}
+    for path in sorted(ALLOCATION.glob("*.json")):
+        if not path.stem.endswith("-measured"):
+            chains = load_schedule(str(path)).kernel_chains(4)
+            out.update((c.name, c) for c in configs.schedule_configs(chains, 64, 1, "allocated"))
+    return out
 
 
 def has_gpu() -> bool:

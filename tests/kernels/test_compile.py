@@ -20,8 +20,9 @@ import pytest
 
 from pallas_kernels import configs, deviceless, launch
 
+from ._base import allocated_configs
+
 NAMES = configs.BY_NAME if os.environ.get("RQ_KERNEL_COMPILE") == "all" else configs.CI_SUBSET
-ALLOCATION = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "allocation"
 #: The pinned wheel exists for Linux x86_64 only; elsewhere the compile tests cannot run.
 WHEEL_PLATFORM = platform.system() == "Linux" and platform.machine() == "x86_64"
 
@@ -42,20 +43,6 @@ def test_compiles_without_spills(name, target):
     assert deviceless.problems(res) == [], f"{name} on {target} with {cfg.launch()}: {res}"
     assert res.tensor_cores in ("mma", "wgmma"), f"{name} on {target}: no tensor-core instructions"
     assert deviceless.blocks_per_sm(res) >= 1
-
-
-def allocated_configs() -> dict[str, configs.KernelConfig]:
-    """The decode-kernel calls of every schedule the bit allocator emitted for the shipped models
-    (docs/results/allocation/MODEL-BUDGET.json): their chains at head dim 64, one query row per kv head
-    (both models' shapes), by name; a chain two schedules share is compiled once."""
-    from rq_jax.calibrate.allocate import load_schedule
-
-    out = {}
-    for path in sorted(ALLOCATION.glob("*.json")):
-        if not path.stem.endswith("-measured"):
-            chains = load_schedule(str(path)).kernel_chains(4)
-            out.update((c.name, c) for c in configs.schedule_configs(chains, 64, 1, "allocated"))
-    return out
 
 
 ALLOCATED = allocated_configs()

@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels import residual_attention as ra
 
-from ._base import DecodeKernelTestBase, array, normal, random_bytes, seeded, uniform
+from ._base import DecodeKernelTestBase, allocated_configs, array, normal, random_bytes, seeded, uniform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +90,8 @@ CASES = (
     Case("d64-chain3", 64, 1, ((2, 16), (2, 16), (4, 32)), lengths=(45, 0), block_s=16, num_splits=2),
     # More query rows than one row block (two programs along rows).
     Case("d64-rows80", 64, 80, ((2, 32),), lengths=(20, 0), s=40),
-    # The bit allocator's schedules (docs/results/allocation): an INT4 loop over an INT2 anchor (ouro-lastloop),
-    # and INT2 keys beside INT4 values over INT4 anchors (huginn-small at 3.69 bits).
-    Case("d64-int4-over-int2-anchor", 64, 1, ((4, 32), (2, 32)), lengths=(70, 9), num_splits=2),
+    # Keys and values with different links: INT2 keys beside INT4 values over INT4 anchors.
     Case("d64-kv-split-int4-values", 64, 1, LOOP_G32, v_links=((4, 32), (4, 32)), lengths=(33, 100)),
-    # ouro-small's (issue 26's Ouro): one metadata group over the whole head dim (g64), keys' loop 3 over
-    # a g16 anchor beside g64 values, and an INT4 g64 loop over an INT2 g64 anchor.
-    Case("d64-int2g64-over-int2g16-v-g64", 64, 1, ((2, 64), (2, 16)), v_links=((2, 64), (2, 64)), lengths=(64, 17),
-         num_splits=2),
-    Case("d64-int4g64-over-int2g64", 64, 2, ((4, 64), (2, 64)), lengths=(5, 90)),
     # The reconstructed-key path (`dequant_keys`): straddling planes with key means on every link; a
     # three-link chain with a mean on two links; four g16 links, bf16 queries and no α.
     Case("d96-loop-g16-means-dequant", 96, 3, LOOP_G16, lengths=(50, 7), meta="bfloat16", means=(True, True),
@@ -111,6 +104,12 @@ CASES = (
     Case("d64-chain4-g32-means-dequant", 64, 1, ((2, 32),) * 3 + ((4, 32),), lengths=(16, 61), means=(True,) * 4,
          num_splits=2),
 )
+
+
+#: Every chain of every schedule the bit allocator emitted (docs/results/allocation), keys and values apart,
+#: with the launch the dispatch picks for it (issue 28: every emitted schedule runs through the kernel).
+ALLOCATED_CASES = tuple(Case(f"allocated-{name}", 64, 1, cfg.links, v_links=cfg.v_links, lengths=(70, 9),
+                             num_splits=2) for name, cfg in sorted(allocated_configs().items()))
 
 
 def _lower_cases():
@@ -133,7 +132,7 @@ def _lower_cases():
 
 
 class TestResidualDecodeAttention(DecodeKernelTestBase):
-    CASES = CASES
+    CASES = CASES + ALLOCATED_CASES
     LOWER_CASES = _lower_cases()
     SKIP_CASE = Case("skip", 64, 2, LOOP_G32, lengths=(0, 1, 16, 17, 33), s=96, block_s=16, num_splits=2)
     kernel = staticmethod(ra.residual_decode_attention)
