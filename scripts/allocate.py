@@ -50,7 +50,7 @@ def main(argv=None):
     if args.prefix >= args.seq_len:
         p.error(f"--prefix {args.prefix} must be below --seq-len {args.seq_len}")
     tasks = tuple(args.tasks.split(","))
-    if not tasks or set(tasks) - set(TASKS):
+    if set(tasks) - set(TASKS):
         p.error(f"argument --tasks: {args.tasks}: expected a comma-separated subset of {','.join(TASKS)}")
     cli.output_file(p, "--out", args.out)
     try:
