@@ -50,8 +50,10 @@ def main(argv=None):
     if args.prefix >= args.seq_len:
         p.error(f"--prefix {args.prefix} must be below --seq-len {args.seq_len}")
     tasks = tuple(args.tasks.split(","))
-    if set(tasks) - set(TASKS):
-        p.error(f"argument --tasks: {args.tasks}: expected a comma-separated subset of {','.join(TASKS)}")
+    try:
+        rows = calibration_set("fit", args.rows, args.seq_len, seed=args.seed, tasks=tasks).tokens
+    except ValueError as err:
+        p.error(f"calib rows (--rows {args.rows}, --seq-len {args.seq_len}, --tasks {args.tasks}): {err}")
     cli.output_file(p, "--out", args.out)
     try:
         model, _ = checkpoint.load(args.checkpoint)
@@ -64,7 +66,6 @@ def main(argv=None):
         sizes = sorted({g for _, g in options})
         p.error(f"--checkpoint {args.checkpoint}: head_dim {model.config.head_dim} is not divisible by the group sizes "
                 f"{sizes}")
-    rows = calibration_set("fit", args.rows, args.seq_len, seed=args.seed, tasks=tasks).tokens
     kwargs = dict(num_loops=loops, prefix=args.prefix, batch=args.batch)
 
     record = f"{args.out}-measured.json"  # every KL measured so far: a rerun with the same settings resumes

@@ -61,10 +61,15 @@ def test_allocation_on_the_fixture_model(ouro, tmp_path):
         load_schedule(str(tmp_path / "missing.json"))
 
 
-@pytest.mark.parametrize("tasks", ["addition,sums", ""])
-def test_allocate_script_names_a_bad_task_list(tmp_path, tasks):
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "addition,sums"], "--tasks addition,sums): calibration tasks must be a non-empty subset of "),
+    (["--tasks", ""], "--tasks ): calibration tasks must be a non-empty subset of "),
+    (["--seq-len", "12", "--prefix", "4"], "--seq-len 12, --tasks addition,retrieval,text): seq_len 12 is too "
+                                           "short for a retrieval example (13 tokens)"),
+])
+def test_allocate_script_names_bad_calib_rows(tmp_path, argv, message):
     run = run_script("allocate", "--checkpoint", SHIPPED / "ouro-small", "--budget", "3", "--out", tmp_path / "s",
-                     "--tasks", tasks)
-    assert run.code == 2 and run.err.count("\n") == 1
-    assert f"allocate.py: error: argument --tasks: {tasks}: expected a comma-separated subset of " in run.err
+                     *argv)
+    assert run.code == 2 and run.err.count("\n") == 1, run.err
+    assert run.err.startswith("allocate.py: error: calib rows (--rows 16, ") and message in run.err, run.err
     assert list(tmp_path.iterdir()) == []
