@@ -3,7 +3,8 @@
     python scripts/allocate.py --checkpoint checkpoints/ouro-small --budget 2.6 3.1 3.6 --out schedules/ouro
 
 Measures, on the data's calib split (`rq_jax.calibrate.data`), the KL from the dense model's next-token
-distributions through the cache of each single-slot change from the richest schedule, picks the
+distributions (at every position, or with `--kl-on answers` at the addition and retrieval answers' tokens)
+through the cache of each single-slot change from the richest schedule, picks the
 schedule with the least summed KL within each budget (exhaustive search; the single-slot costs are
 measured once for all budgets), and measures it end to end beside the paper's rule at about the same
 bits ([2,2,2,4] g32, or residual INT2 g32 below 3.09 bits); see `rq_jax.calibrate.allocate`. Each
@@ -37,6 +38,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="calib rows' seed")
     p.add_argument("--tasks", default=",".join(TASKS),
                    help="the calib split's tasks the rows cycle through, e.g. addition,retrieval")
+    p.add_argument("--kl-on", choices=("all", "answers"), default="all",
+                   help="the positions whose KL the allocator minimises: every scored token, or only the answer tokens "
+                        "of the addition and retrieval rows (the tokens the tasks' accuracy scores)")
     p.add_argument("--options", default=",".join(f"{b}g{g}" for b, g in OPTIONS),
                    help="the (bits, group size) a slot may take, e.g. 2g32,4g32 (the last: the reference)")
     p.add_argument("--quiet", action="store_true", help="no line per measured schedule")
@@ -51,9 +55,15 @@ def main(argv=None):
         p.error(f"--prefix {args.prefix} must be below --seq-len {args.seq_len}")
     tasks = tuple(args.tasks.split(","))
     try:
-        rows = calibration_set("fit", args.rows, args.seq_len, seed=args.seed, tasks=tasks).tokens
+        calib = calibration_set("fit", args.rows, args.seq_len, seed=args.seed, tasks=tasks)
     except ValueError as err:
         p.error(f"calib rows (--rows {args.rows}, --seq-len {args.seq_len}, --tasks {args.tasks}): {err}")
+    rows, mask = calib.tokens, None
+    if args.kl_on == "answers":
+        mask = calib.answers
+        if not mask[:, args.prefix:].any():
+            p.error(f"--kl-on answers: the calib rows (--tasks {args.tasks}, --rows {args.rows}) have no answer "
+                    f"token past the {args.prefix}-token prefix")
     cli.output_file(p, "--out", args.out)
     try:
         model, _ = checkpoint.load(args.checkpoint)
@@ -66,13 +76,15 @@ def main(argv=None):
         sizes = sorted({g for _, g in options})
         p.error(f"--checkpoint {args.checkpoint}: head_dim {model.config.head_dim} is not divisible by the group sizes "
                 f"{sizes}")
-    kwargs = dict(num_loops=loops, prefix=args.prefix, batch=args.batch)
+    kwargs = dict(num_loops=loops, prefix=args.prefix, batch=args.batch, mask=mask)
 
     record = f"{args.out}-measured.json"  # every KL measured so far: a rerun with the same settings resumes
     settings = dict(checkpoint=os.path.abspath(args.checkpoint), loops=loops, rows=args.rows, seq_len=args.seq_len,
                     prefix=args.prefix, seed=args.seed)
-    if tasks != TASKS:  # absent from the records of runs on every task
+    if tasks != TASKS:  # these two are absent from the records of runs with the defaults
         settings["tasks"] = list(tasks)
+    if args.kl_on != "all":
+        settings["kl_on"] = args.kl_on
     measured = {}
     if os.path.exists(record):
         with open(record) as f:
@@ -93,7 +105,7 @@ def main(argv=None):
     except ValueError as err:
         p.error(f"--budget: {err}")
     print(f"{loops} loops, {args.rows} calib rows ({args.tasks}) of {args.seq_len} tokens ({args.prefix} prefilled), "
-          f"{allocs[-1].seconds:.0f} s")
+          f"KL on {args.kl_on} positions, {allocs[-1].seconds:.0f} s")
     print("| budget | schedule | bits/elem | KL to dense (measured) | predicted | paper's rule | its bits | its KL |\n"
           "|---|---|---|---|---|---|---|---|")
     written = []
@@ -103,13 +115,14 @@ def main(argv=None):
         rule_bits = float(rule.bits_per_element(loops, model.config.head_dim))
         label = f"rule {rule.schedule_name(loops)}"
         if label not in measured:
-            measured[label] = measure_kl(model, rule, rows, args.prefix, args.batch, num_loops=loops)
+            measured[label] = measure_kl(model, rule, rows, args.prefix, args.batch, mask=mask,
+                                         num_loops=loops)
             report(label, measured[label])
         rule_kl = measured[label]
         path = f"{args.out}-{alloc.budget:g}.json"
         save_schedule(path, alloc.schedule, {}, dict(
             allocation=alloc.to_json(), checkpoint=args.checkpoint, loops=loops, rows=args.rows,
-            seq_len=args.seq_len, prefix=args.prefix, seed=args.seed, tasks=list(tasks),
+            seq_len=args.seq_len, prefix=args.prefix, seed=args.seed, tasks=list(tasks), kl_on=args.kl_on,
             rule=dict(bits=rule_bits, kl=rule_kl, schedule=rule.schedule_name(loops))))
         written.append(os.path.abspath(path))
         print(f"| {alloc.budget:g} | {alloc.schedule.label()} | {alloc.bits:.4f} | {alloc.kl:.3e} | "

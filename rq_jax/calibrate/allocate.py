@@ -5,7 +5,8 @@ The paper fixes one rule (INT4 for each group's anchor, INT2 elsewhere, the same
 Here every *slot* — a (group position, K or V) pair — picks an option (bits, channel group size) from
 `OPTIONS`, and the allocator measures, on the data's calib split, the KL from the dense model's
 next-token distribution through the cache (`rq_jax.eval.loops.CacheScorer`: a prefill, then token by
-token, every token reading its past from the packed cache):
+token, every token reading its past from the packed cache), averaged over every scored position or over
+a mask's (the tasks' answer tokens: the positions their accuracy scores):
 
 1. reference: every slot at the richest option (INT4 g16 by default);
 2. each slot's cost of each cheaper option, the others at the reference: ΔKL(slot, option);
@@ -103,12 +104,17 @@ class Allocation:
                     reference_kl=self.reference_kl, costs=self.costs, seconds=self.seconds)
 
 
-def measure_kl(model, fmt, tokens: np.ndarray, prefix: int, batch: int, calib=None, **model_kwargs) -> float:
-    """Mean KL(dense ‖ cache) of next-token distributions at every scored position of rows tokens [N, T]
-    (a prefill of `prefix` tokens, then one token per call), through a cache of `fmt`."""
+def measure_kl(model, fmt, tokens: np.ndarray, prefix: int, batch: int, calib=None,
+               mask: np.ndarray | None = None, **model_kwargs) -> float:
+    """Mean KL(dense ‖ cache) of next-token distributions at the scored positions of rows tokens [N, T]
+    (a prefill of `prefix` tokens, then one token per call), through a cache of `fmt`: every one, or
+    those where `mask` [N, T] bool is True (e.g. `CalibrationSet.answers`)."""
+    keep = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
+    if keep.shape != tokens.shape or not keep[:, prefix:].any():
+        raise ValueError(f"a mask {keep.shape} selects no token past the {prefix}-token prefix of rows {tokens.shape}")
     scorer = loops.CacheScorer(model, fmt, calib=calib, **model_kwargs)
     scores = loops.score_windows(scorer, tokens, prefix, batch)
-    return float(np.mean(scores.kl[scores.scored]))
+    return float(np.mean(scores.kl[scores.scored & keep]))
 
 
 def best_schedule(costs: dict[tuple[str, int, tuple[int, int]], float], positions: int,
@@ -139,12 +145,13 @@ def best_schedule(costs: dict[tuple[str, int, tuple[int, int]], float], position
 
 def allocate(model, tokens: np.ndarray, budgets: Sequence[float], *, num_loops: int, prefix: int = 32,
              batch: int = 16, positions: int = 4, options: Sequence[tuple[int, int]] = OPTIONS,
-             reference: tuple[int, int] | None = None, policy: dict | None = None,
+             reference: tuple[int, int] | None = None, policy: dict | None = None, mask: np.ndarray | None = None,
              measured: dict[str, float] | None = None, progress: Callable[[str, float], None] = lambda *_: None,
              **model_kwargs) -> list[Allocation]:
     """Allocate a `positions`-loop group's K/V slots under each of `budgets` bits per element (see the
     module docstring) on calib rows tokens [N, T]; the single-slot costs are measured once for all
-    budgets. `policy`: the other residual fields (rotation, LS, ...). `measured` maps a schedule's label
+    budgets. `policy`: the other residual fields (rotation, LS, ...). `mask` [N, T] bool: the
+    positions whose KL counts (`measure_kl`; default every one). `measured` maps a schedule's label
     to its KL: labels found there are not measured again, new ones are added (a run can resume), and
     `progress(label, kl)` is called after each new measurement. Raises ValueError when no schedule of
     `options` fits a budget."""
@@ -159,8 +166,8 @@ def allocate(model, tokens: np.ndarray, budgets: Sequence[float], *, num_loops: 
     def kl(schedule: Schedule) -> float:
         label = schedule.label()
         if label not in measured:
-            measured[label] = measure_kl(model, schedule.format(**policy), tokens, prefix, batch, num_loops=num_loops,
-                                         **model_kwargs)
+            measured[label] = measure_kl(model, schedule.format(**policy), tokens, prefix, batch, mask=mask,
+                                         num_loops=num_loops, **model_kwargs)
             progress(label, measured[label])
         return measured[label]
 

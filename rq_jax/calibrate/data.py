@@ -30,10 +30,12 @@ def part_of(key: bytes) -> str:
 
 
 class CalibrationSet(NamedTuple):
-    """Calibration rows [N, T] int32 and, per row, where its tokens came from: the keys of the packed
-    examples (addition, retrieval) or `(b"text", start)` for a window of the calib text."""
+    """Calibration rows [N, T] int32, which of their tokens are answers [N, T] bool (the answer tokens of
+    packed addition and retrieval examples; none in text rows) and, per row, where its tokens came from:
+    the keys of the packed examples or `(b"text", start)` for a window of the calib text."""
 
     tokens: np.ndarray
+    answers: np.ndarray
     sources: tuple[tuple, ...]
     info: dict
 
@@ -54,19 +56,23 @@ def _draw(task: str, rng: np.random.Generator, part: str, seq_len: int, max_trie
     raise RuntimeError(f"no calib/{part} {task} example in {max_tries} draws")
 
 
-def _packed(task: str, part: str, row: int, seq_len: int, seed: int) -> tuple[np.ndarray, tuple[bytes, ...]]:
-    """Whole examples back to back until the next does not fit; the tail EOS."""
+def _packed(task: str, part: str, row: int, seq_len: int,
+            seed: int) -> tuple[np.ndarray, np.ndarray, tuple[bytes, ...]]:
+    """Whole examples back to back until the next does not fit; the tail EOS. Returns the tokens [T],
+    the answer mask [T] and the examples' keys."""
     rng = stream_rng(seed, "calib", _STREAM, TASKS.index(task), PARTS.index(part), row)
     tokens = np.full(seq_len, EOS, np.int32)
+    answers = np.zeros(seq_len, bool)
     keys, pos = [], 0
     while True:
         ex = _draw(task, rng, part, seq_len)
         if pos + len(ex) > seq_len:
             break
         tokens[pos : pos + len(ex)] = ex.tokens
+        answers[pos : pos + len(ex)] = ex.answer_id > 0
         keys.append(ex.key)
         pos += len(ex)
-    return tokens, tuple(keys)
+    return tokens, answers, tuple(keys)
 
 
 def calibration_set(part: str, n: int, seq_len: int, *, seed: int = 0, tasks: Sequence[str] = TASKS,
@@ -90,19 +96,23 @@ def calibration_set(part: str, n: int, seq_len: int, *, seed: int = 0, tasks: Se
         if count > len(own):
             raise ValueError(f"the calib text has {len(own)} {part} windows of {seq_len} tokens, asked for {count}")
         windows = own[(np.arange(count) * len(own)) // count] * seq_len
-    rows, sources, seen = [], [], {}
+    rows, answers, sources, seen = [], [], [], {}
     for i, task in enumerate(kinds):
         j = seen[task] = seen.get(task, -1) + 1
         if task == "text":
             start = int(windows[j])
             rows.append(data[start : start + seq_len].astype(np.int32))
+            answers.append(np.zeros(seq_len, bool))
             sources.append((b"text", start))
         else:
-            tokens, keys = _packed(task, part, j, seq_len, seed)
+            tokens, mask, keys = _packed(task, part, j, seq_len, seed)
             rows.append(tokens)
+            answers.append(mask)
             sources.append(keys)
     info = dict(source="rq_jax.data calib split", part=part, rows=n, seq_len=seq_len, seed=seed,
                 tasks=list(tasks))
     if text is not None:
         info.update(python_version=text.python_version, text_modules=text.modules["calib"])
-    return CalibrationSet(np.stack(rows) if rows else np.zeros((0, seq_len), np.int32), tuple(sources), info)
+    if not rows:
+        return CalibrationSet(np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), bool), (), info)
+    return CalibrationSet(np.stack(rows), np.stack(answers), tuple(sources), info)

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from rq_jax.calibrate.allocate import (Schedule, allocate, best_schedule, load_schedule, save_schedule,
+from rq_jax.calibrate.allocate import (Schedule, allocate, best_schedule, load_schedule, measure_kl, save_schedule,
                                        schedule_bits)
 from tests.conftest import SHIPPED, run_script
 
@@ -59,6 +59,35 @@ def test_allocation_on_the_fixture_model(ouro, tmp_path):
     assert load_schedule(str(path)) == alloc.schedule.format()
     with pytest.raises(ValueError, match="not a bit-allocation schedule"):
         load_schedule(str(tmp_path / "missing.json"))
+
+
+def test_measured_kl_on_a_mask_and_its_complement_average_to_every_positions(ouro):
+    """`measure_kl`'s mask picks the positions it averages: the KL on a mask and on the rest, weighted by
+    their counts past the prefix, give the KL on every position; a mask with none there is refused."""
+    model, ref = ouro
+    rows = np.asarray(ref["input_ids"])[:, :8]
+    mask = np.zeros(rows.shape, bool)
+    mask[0, 5], mask[1, 4:7] = True, True
+    fmt = Schedule.uniform(4, (2, 8)).format()
+
+    def kl(m):
+        return measure_kl(model, fmt, rows, 4, 2, mask=m, num_loops=4)
+
+    every, on, off = kl(None), kl(mask), kl(~mask)
+    n_on, n_off = mask[:, 4:].sum(), (~mask)[:, 4:].sum()
+    assert on != pytest.approx(off, rel=1e-3)
+    assert (n_on * on + n_off * off) / (n_on + n_off) == pytest.approx(every, rel=1e-5)
+    mask[:, 4:] = False
+    with pytest.raises(ValueError, match="selects no token past the 4-token prefix"):
+        kl(mask)
+
+
+def test_allocate_script_names_calib_rows_without_answers(tmp_path):
+    run = run_script("allocate", "--checkpoint", SHIPPED / "ouro-small", "--budget", "3", "--out", tmp_path / "s",
+                     "--tasks", "text", "--kl-on", "answers")
+    assert run.code == 2 and run.err.count("\n") == 1, run.err
+    assert "error: --kl-on answers: the calib rows (--tasks text, --rows 16) have no answer token" in run.err, run.err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, message", [

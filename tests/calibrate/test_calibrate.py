@@ -22,7 +22,7 @@ from rq_jax.cache.residual_vq import ResidualVQ, RVQCalib
 from rq_jax.calibrate import (OptRHConfig, artifact_name, calibrate_model, calibration_set, collect, load_calibration,
                               optr, oscar, read_artifact, save_calibration)
 from rq_jax.calibrate.losses import SlotData
-from rq_jax.data import CALIB_MODULES, EVAL_MODULES, split_of
+from rq_jax.data import CALIB_MODULES, EVAL_MODULES, decode, split_of
 from rq_jax.cache.kv_error import reconstruction_error
 from tests.conftest import run_script
 
@@ -286,6 +286,21 @@ def test_calibration_rows_come_from_the_calib_split_fit_and_holdout_disjoint():
     assert set(fit.info["text_modules"]) <= set(CALIB_MODULES)
     again = calibration_set("fit", 9, 64)
     np.testing.assert_array_equal(again.tokens, fit.tokens)  # deterministic
+
+
+def test_calibration_rows_mark_the_answers_of_their_examples():
+    """The answer mask covers exactly each packed example's answer: an addition answer follows its "=" and
+    ends with "\n"; a retrieval answer is the one digit after a queried key; text rows have none."""
+    rows = calibration_set("fit", 3, 259)  # addition, retrieval, text
+    assert rows.answers.shape == rows.tokens.shape and not rows.answers[2].any()
+    add, ret = ([decode([t]) for t in row] for row in rows.tokens[:2])
+    mask = rows.answers[0].astype(int)
+    starts, ends = np.flatnonzero(np.diff(mask) == 1) + 1, np.flatnonzero(np.diff(mask) == -1)
+    assert len(starts) == len(ends) == len(rows.sources[0])
+    assert {add[i - 1] for i in starts} == {b"="} and {add[i] for i in ends} == {b"\n"}
+    queries = sum(len(key.split(b"\n")[1]) // 3 for key in rows.sources[1])  # key, value, ";" per query
+    at = np.flatnonzero(rows.answers[1])
+    assert len(at) == queries and all(ret[i].isdigit() and ret[i - 1].isalpha() for i in at)
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------
