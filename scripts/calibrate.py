@@ -18,6 +18,7 @@ from rq_jax import checkpoint, cli
 from rq_jax.cache import available_formats, get_format
 from rq_jax.cache.base import policy_fields
 from rq_jax.calibrate import METHODS, OptRHConfig, calibrate_model, calibration_set, save_calibration
+from rq_jax.calibrate.allocate import load_schedule
 from rq_jax.data import TASKS, encode
 
 #: Formats that read a calibration (the others have nothing to fit).
@@ -31,6 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--bits", type=cli.int_list, help="bits per loop of a group, e.g. 2,2,2,4; default the format's")
     p.add_argument("--group-size", type=cli.int_list,
                    help="channel group size, or one per loop, each a divisor of head_dim; default the format's")
+    p.add_argument("--schedule", metavar="FILE",
+                   help="residual: fit for a bit-allocation schedule (scripts/allocate.py), not --bits / --group-size")
     p.add_argument("--method", choices=METHODS, default="optr-h", help="rotation method (LoopQuant formats)")
     p.add_argument("--out", help="artifact folder (default <checkpoint>/calibration/<schedule>-<method>)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact folder")
@@ -97,6 +100,9 @@ def main(argv=None):
     if given:
         p.error(f"--cache {args.cache} does not take {', '.join('--' + g.replace('_', '-') for g in given)}")
     policy = {k: getattr(args, k) for k in ("bits", "group_size") if getattr(args, k) is not None}
+    if args.schedule is not None and (args.cache != "residual" or policy):
+        p.error("--schedule FILE fixes the residual format's bits and group sizes: drop --bits / --group-size / "
+                f"--cache {args.cache}")
     if len(policy.get("group_size", (0, 0))) == 1:
         policy["group_size"] = policy["group_size"][0]  # one size for every loop
     tasks = tuple(t for t in args.tasks.split(",") if t)
@@ -109,7 +115,11 @@ def main(argv=None):
     loops = args.loops or config.num_loops
     what = " ".join([f"--cache {args.cache}"] + [cli.spelled(k, getattr(args, k)) for k in policy])
     try:
-        fmt = get_format(args.cache, **policy)
+        if args.schedule is not None:
+            what = f"--schedule {args.schedule}"
+            fmt = load_schedule(args.schedule)
+        else:
+            fmt = get_format(args.cache, **policy)
     except ValueError as err:
         p.error(f"{what}: {err}")
     cli.check_format(p, what, fmt, config, loops)

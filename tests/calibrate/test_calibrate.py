@@ -19,8 +19,9 @@ from flax import nnx
 from rq_jax.cache import Dense, get_format, init_cache
 from rq_jax.cache.base import Segment
 from rq_jax.cache.residual_vq import ResidualVQ, RVQCalib
-from rq_jax.calibrate import (OptRHConfig, artifact_name, calibrate_model, calibration_set, collect, load_calibration,
-                              optr, oscar, read_artifact, save_calibration)
+from rq_jax.calibrate import (OptRHConfig, artifact_name, calibrate_model, calibration_set, collect, find_artifact,
+                              load_calibration, optr, oscar, read_artifact, save_calibration)
+from rq_jax.calibrate.allocate import load_schedule
 from rq_jax.calibrate.losses import SlotData
 from rq_jax.data import CALIB_MODULES, EVAL_MODULES, decode, split_of
 from rq_jax.cache.kv_error import reconstruction_error
@@ -305,6 +306,9 @@ def test_calibration_rows_mark_the_answers_of_their_examples():
 
 # ---- CLI ------------------------------------------------------------------------------------------------
 
+SCHEDULE = REPO / "docs" / "results" / "allocation" / "ouro-len259-3.1875.json"
+
+
 def test_calibrate_script(tmp_path):
     """calibrate.py fits and saves an artifact (into a folder it creates); an existing one, options the
     format does not take, a group size not dividing head_dim and a model of another vocabulary are
@@ -326,7 +330,21 @@ def test_calibrate_script(tmp_path):
             ([*args, "--cache", "residual_vq"], "--cache residual_vq does not take --bits, --group-size"),
             ([*args[:4], "--group-size", "24"], "argument --group-size: 24 does not divide the model's head_dim 64"),
             (["--checkpoint", REPO / "tests" / "fixtures" / "ouro-tiny", "--group-size", "8"], "byte-level token ids"),
-            ([*args, "--tasks", "addition,poetry"], "calibration tasks must be a non-empty subset of")]:
+            ([*args, "--tasks", "addition,poetry"], "calibration tasks must be a non-empty subset of"),
+            ([*args, "--schedule", SCHEDULE], "--schedule FILE fixes the residual format's bits and group sizes"),
+            ([*args[:2], "--schedule", out / "missing.json"], "is not a bit-allocation schedule")]:
         run = run_script("calibrate", *argv)
         assert run.code == 2 and run.err.startswith("calibrate.py: error: ") and run.err.count("\n") == 1, run.err
         assert message in run.err
+
+
+def test_calibrate_script_fits_a_schedule(tmp_path):
+    """--schedule fits the rotations of a bit-allocation schedule's own format: eval.py and generate.py
+    find the artifact for that schedule, not for the paper's rule at the same bits."""
+    args = ["--checkpoint", REPO / "checkpoints" / "ouro-small", "--schedule", SCHEDULE, "--method", "oscar",
+            "--fit-rows", "3", "--holdout-rows", "3", "--seq-len", "40", "--query-len", "16", "--quiet"]
+    run = run_script("calibrate", *args, "--out", tmp_path / "art")
+    assert run.code == 0, run.err
+    assert find_artifact(tmp_path, load_schedule(str(SCHEDULE)), 4) == str(tmp_path / "art")
+    with pytest.raises(ValueError, match="no calibration artifact"):
+        find_artifact(tmp_path, get_format("residual", group_size=32), 4)
