@@ -73,7 +73,7 @@ def parse_args(argv=None):
                    help="add a row per bit-allocation schedule (scripts/allocate.py); repeatable")
     p.add_argument("--compare", action="append", default=[], metavar="LABEL",
                    help="add a table of every row's accuracy minus row LABEL's on the same answers, with its "
-                   "paired-bootstrap 95%% CI (repeatable)")
+                   "paired-bootstrap 95%% CI (repeatable; LABEL as --only lists it, before a --calibration suffix)")
     p.add_argument("--mesh", help="run sharded on a device mesh, e.g. data=4,model=2 (default: one device)")
     p.add_argument("--out", required=True, help="output prefix: PREFIX.md, PREFIX.json, PREFIX_*.png (its folder is "
                    "created)")
@@ -127,9 +127,7 @@ def fmt_ci(m: dict) -> str:
 
 def comparison(rows: list[dict], label: str) -> list[str]:
     """Markdown lines: each row's accuracy difference to row `label`'s, paired on the same answers."""
-    base = next((r for r in rows if r["scheme"] == label), None)
-    if base is None:  # --calibration renamed it (its method appended)
-        return ["", f"No row `{label}` was scored (--calibration names rows after their method), so no comparison."]
+    base = next(r for r in rows if r["scheme"] == label)
     lines = ["", f"Against `{label}`: accuracy difference in points, paired on the same answers (95% CI).", "",
              "| scheme | bits/elem | addition Δ (CI) | retrieval Δ (CI) |", "|---|---|---|---|"]
     for r in rows:
@@ -299,11 +297,14 @@ def main(argv=None):
         bar.set_postfix_str(status, refresh=False)
         bar.update(answers)
 
+    compare = {label: label for label in args.compare}  # --compare's label → its row's (with a --calibration suffix)
     for scheme in rows_to_run:
         calib, extra = None, {}
         if args.calibration and not scheme.method and scheme.fmt.needs_calib and (
                 found := saved_calibration(args.calibration, model, scheme, loops)):
             calib, method = found
+            if scheme.label in compare:
+                compare[scheme.label] = f"{scheme.label} {method}"
             scheme = dataclasses.replace(scheme, label=f"{scheme.label} {method}", method=method)
         if scheme.label in done:
             rows.append(done[scheme.label])
@@ -339,7 +340,7 @@ def main(argv=None):
               "float32 dense cache.")
     if not writer:
         return rows
-    text = markdown(rows, header, tuple(args.compare))
+    text = markdown(rows, header, tuple(compare.values()))
     print(text)
     with open(f"{args.out}.md", "w") as f:
         f.write(text)

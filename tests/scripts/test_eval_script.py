@@ -65,17 +65,24 @@ def test_progress_counts_answers_and_resume_keeps_finished_rows(tmp_path):
     assert refused.code == 2 and "eval.py: error: argument --resume: " in refused.err and "'n': 2" in refused.err
 
 
-def test_only_selects_a_schedules_row(tmp_path):
-    """`--only allocated` keeps the --schedule rows alone (their label: "allocated" and the file's name)."""
+def test_a_schedules_row_with_its_calibration_and_compared_by_its_label(tmp_path):
+    """`--only allocated` keeps the --schedule rows alone (their label: "allocated" and the file's name);
+    with --calibration the schedule's row reads the artifact calibrate.py --schedule fitted for it (label
+    suffixed with the method), and --compare names it by its label before the suffix."""
     from rq_jax.calibrate.allocate import Schedule, save_schedule
 
     path = tmp_path / "mine.json"
     save_schedule(str(path), Schedule(((4, 64), (2, 64), (2, 64), (4, 32)), ((2, 32),) * 4), {}, {})
-    out = tmp_path / "t"
+    fit = run_script("calibrate", "--checkpoint", SHIPPED / "ouro-small", "--schedule", path, "--method", "oscar",
+                     "--fit-rows", "2", "--holdout-rows", "2", "--seq-len", "40", "--query-len", "16", "--quiet",
+                     "--out", tmp_path / "cal" / "art")
+    assert fit.code == 0, fit.err
     run = run_script("eval", "--model", "ouro", "--n", "2", "--retrieval-pairs", "2", "--text-windows", "1",
-                     "--batch", "2", "--only", "allocated", "--schedule", path, "--no-progress", "--out", out)
+                     "--batch", "2", "--schedule", path, "--only", "allocated", "--calibration", tmp_path / "cal",
+                     "--compare", "allocated mine", "--no-progress", "--out", tmp_path / "t")
     assert run.code == 0, run.err
-    assert [r["scheme"] for r in json.loads(out.with_suffix(".json").read_text())["rows"]] == ["allocated mine"]
+    assert [r["scheme"] for r in json.loads((tmp_path / "t.json").read_text())["rows"]] == ["allocated mine oscar"]
+    assert "Against `allocated mine oscar`: accuracy difference in points" in run.out
 
 
 @pytest.mark.parametrize("argv,message", [
