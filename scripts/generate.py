@@ -168,6 +168,8 @@ def print_cache(args, fmt, out, config) -> None:
           f"{nbytes:,} bytes for {c.max_len} positions (dense bf16 would take {dense:,}: {nbytes / dense:.1%})")
     used = int(sharding.to_host(c.lengths).max())
     print(f"  {c.max_len} positions are allocated (prompt + --max-new-tokens); this run stored {used}")
+    if args.calibration:
+        print(f"  calibration: fitted, from --calibration {args.calibration} (in place of the defaults named above)")
     if bits >= 16 and args.cache != "dense":
         window = " (kivi's window of recent tokens, --residual-length)" if args.cache == "kivi" else ""
         print(f"  at {c.max_len} positions every token sits in the format's full-precision part{window}, so nothing "

@@ -156,6 +156,7 @@ def test_generate_reads_a_calibration_artifact(tmp_path):
     (text,) = printed(out, r"generated: (.*)\n")
     expected = library_text(OURO, cli.SAMPLE_PROMPT, 3, fmt, calib=load_calibration(path, model, fmt))
     assert ast.literal_eval(text) == expected
+    assert f"calibration: fitted, from --calibration {path} (in place of the defaults named above)" in out
     run = run_script("generate", "--model", "ouro", "--max-new-tokens", "2", "--calibration", path)
     assert run.code == 2 and run.err.startswith("generate.py: error: argument --calibration: ")
 
