@@ -113,13 +113,10 @@ def main(argv=None):
     if args.group_size is not None:
         cli.check_group_sizes(p, "--group-size", args.group_size, config.head_dim)
     loops = args.loops or config.num_loops
-    what = " ".join([f"--cache {args.cache}"] + [cli.spelled(k, getattr(args, k)) for k in policy])
+    what = (f"--schedule {args.schedule}" if args.schedule is not None else
+            " ".join([f"--cache {args.cache}"] + [cli.spelled(k, getattr(args, k)) for k in policy]))
     try:
-        if args.schedule is not None:
-            what = f"--schedule {args.schedule}"
-            fmt = load_schedule(args.schedule)
-        else:
-            fmt = get_format(args.cache, **policy)
+        fmt = load_schedule(args.schedule) if args.schedule is not None else get_format(args.cache, **policy)
     except ValueError as err:
         p.error(f"{what}: {err}")
     cli.check_format(p, what, fmt, config, loops)
