@@ -6,10 +6,12 @@ import dataclasses
 from fractions import Fraction
 from typing import NamedTuple
 
+import cpu_kernels
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-from rq_jax.cache import base
+from rq_jax.cache import attention, base
 from rq_jax.quant import ste
 
 
@@ -23,9 +25,12 @@ class DenseSlot(NamedTuple):
 @base.register("dense")
 @dataclasses.dataclass(frozen=True)
 class Dense(base.CacheFormat):
-    """Full-precision storage; `dtype` is "bfloat16" or "float32". Every loop is its own group."""
+    """Full-precision storage; `dtype` is "bfloat16" or "float32". Every loop is its own group.
+    `attend_impl`: the decode-attention op's implementation (`rq_jax.cache.attention`; "auto": the
+    Pallas kernel on a GPU, the native kernel on a CPU)."""
 
     dtype: str = "bfloat16"
+    attend_impl: str = "auto"
     name: str = dataclasses.field(default="dense", init=False)
     group_len: int = dataclasses.field(default=1, init=False)
     needs_calib: bool = dataclasses.field(default=False, init=False)
@@ -34,6 +39,7 @@ class Dense(base.CacheFormat):
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dense cache dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        attention.check_impl(self.name, self.attend_impl)
 
     def init(self, seg, num_layers, batch, max_len, num_kv_heads, head_dim) -> tuple[DenseSlot]:
         """Zeroed [G, N, B, K, S, D] keys and values."""
@@ -50,6 +56,13 @@ class Dense(base.CacheFormat):
         slot = base.at(state[loop], index)
         return slot.k.astype(jnp.float32), slot.v.astype(jnp.float32)
 
+    def attend(self, state, index, loop, q, lengths, calib, visible=None) -> base.Partial:
+        """Attention to slot `index`'s stored K/V through the decode-attention op (XLA's tiled attention
+        under a `visible` mask, which the kernels do not take)."""
+        if visible is not None:
+            return base.tiled_attend(self, state, index, loop, q, lengths, calib, visible)
+        return attention.DENSE(self.attend_impl, self, state[loop], index, q, lengths, calib, who=self.name)
+
     def fake_quant(self, k, v, calib) -> tuple[Array, Array]:
         """K/V rounded to the storage dtype (float32 values), gradients passed straight through."""
         def cast(x):
@@ -64,3 +77,43 @@ class Dense(base.CacheFormat):
 
     def describe(self) -> str:
         return {"bfloat16": "bf16", "float32": "f32"}[self.dtype]
+
+
+@attention.DENSE.register("xla")
+def _attend_xla(fmt: Dense, slot: DenseSlot, index: base.Index, q: Float[Array, "b t h d"], lengths: Int[Array, "b"],
+                calib) -> base.Partial:
+    """XLA's tiled attention to the slot (`base.tiled_attend`)."""
+    return base.tiled_attend(fmt, (slot,), index, 0, q, lengths, calib)
+
+
+def _kernel_partial(kernel, slot: DenseSlot, index: base.Index, q: Float[Array, "b t h d"],
+                    lengths: Int[Array, "b"], **kw) -> base.Partial:
+    """The partial through a kernel of `pallas_kernels.dense_decode_attention`'s signature: queries as
+    [B, K, T·H/K, D] rows, K/V flattened over [G·N] slots."""
+    b, t, h, d = q.shape
+    kv_heads = slot.k.shape[3]
+    per_kv = h // kv_heads
+    rows = base.group_queries(q, kv_heads).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * per_kv, d)
+    flat = [x.reshape(-1, *x.shape[2:]) for x in slot]
+    acc, m, l = kernel(rows, *flat, lengths, index[0] * slot.k.shape[1] + index[1], **kw)
+
+    def back(x):
+        rest = x.shape[3:]
+        return jnp.moveaxis(x.reshape(b, kv_heads, t, per_kv, *rest), 2, 1).reshape(b, t, h, *rest)
+    return base.Partial(back(acc), back(m), back(l))
+
+
+@attention.DENSE.register("native")
+def _attend_native(fmt, slot, index, q, lengths, calib) -> base.Partial:
+    """The native CPU kernel (`cpu_kernels.dense_decode_attention`, XLA FFI)."""
+    if jax.device_count() > 1:
+        raise NotImplementedError(f"the native kernel is not partitioned over {jax.device_count()} devices")
+    return _kernel_partial(cpu_kernels.dense_decode_attention, slot, index, q, lengths)
+
+
+@attention.DENSE.register("pallas")
+def _attend_pallas(fmt, slot, index, q, lengths, calib) -> base.Partial:
+    """The dense Pallas kernel (`pallas_kernels.dense_decode_attention`; interpret mode off a GPU)."""
+    from pallas_kernels import dense_decode_attention
+
+    return _kernel_partial(dense_decode_attention, slot, index, q, lengths, interpret=jax.default_backend() != "gpu")

@@ -21,7 +21,8 @@ State (the layout of `rq_jax.cache.base`): per group position a `LoopSlot` of pa
 
 `attend` is split at the kernel seam: `operands` selects what slot (group, layer) and its reference
 chain store — packed codes, metadata, α, key means — without unpacking anything, and an attention
-implementation (`ATTEND_IMPLS`, chosen by the policy's `attend_impl`) computes the partial from the
+implementation of the decode-attention op (`attention.PACKED`: XLA, the Pallas kernel, the native CPU
+kernel; the policy's `attend_impl` picks) computes the partial from the
 rotated queries: s_r = α_r·s_p(r) + q̃·D(c_r) + q̃·μ_r (recursively down to the anchor), and values
 through the same recursion, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated basis. The
 caller rotates the queries and un-rotates the output once. The XLA implementation does this one
@@ -36,21 +37,20 @@ Calibration (`RotationCalib`, per segment): rotations [G, N, K, D, D] for keys a
 from __future__ import annotations
 
 import dataclasses
-import logging
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Callable, ClassVar, Mapping, NamedTuple
+from typing import ClassVar, Mapping, NamedTuple
 
+import cpu_kernels
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from rq_jax.cache import base
+from rq_jax.cache import attention, base
 from rq_jax.quant import affine, bits as qbits, residual, rotation, ste
 from rq_jax.quant.packing import PackedCodes
 
-log = logging.getLogger(__name__)
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -134,11 +134,12 @@ def _rotated_partial(q_rot: Float[Array, "b t k g d"], k: tuple[PackedCodes, ...
     return base.Partial(acc.reshape(b, t, heads * per_kv, d), m, l)
 
 
-def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
-    """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
-    compiled for Triton on a GPU, run in interpret mode elsewhere. Raises NotImplementedError (at
-    trace time) for configurations the kernel does not cover."""
-    from pallas_kernels import QuantStream, residual_decode_attention
+def _kernel_partial(kernel, q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"],
+                    **kw) -> base.Partial:
+    """`attend_rotated` through a decode kernel of `pallas_kernels.residual_decode_attention`'s signature
+    (the Pallas kernel, or the native CPU kernel): queries as [B, K, T·H/K, D] rows, the chain's streams
+    flattened over [G·N] slots, key means as per-row mean scores."""
+    from pallas_kernels import QuantStream
 
     b, t, heads, per_kv, d = q_rot.shape
     q = q_rot.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
@@ -150,22 +151,38 @@ def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: 
         codes = map(PackedCodes.effective, codes)
         return tuple(QuantStream(flat(c.codes), flat(c.scale), flat(c.offset)) for c in codes)
     means = tuple(None if mu is None else jnp.einsum("bkrd,kd->bkr", q, mu) for mu in ops.k_mean)
-    acc, m, l = residual_decode_attention(
+    acc, m, l = kernel(
         q, streams(ops.k), streams(ops.v), tuple(map(flat, ops.k_alpha)), tuple(map(flat, ops.v_alpha)),
         means, lengths, jnp.asarray(slot, jnp.int32), k_bits=tuple(c.bits for c in ops.k),
         v_bits=tuple(c.bits for c in ops.v), k_group_sizes=tuple(c.group_size for c in ops.k),
-        v_group_sizes=tuple(c.group_size for c in ops.v), interpret=jax.default_backend() != "gpu")
+        v_group_sizes=tuple(c.group_size for c in ops.v), **kw)
     def rows(x):
         rest = x.shape[3:]
         return jnp.moveaxis(x.reshape(b, heads, t, per_kv, *rest), 2, 1).reshape(b, t, heads * per_kv, *rest)
     return base.Partial(rows(acc), rows(m), rows(l))
 
 
-#: Attention implementations over `LoopOperands`, by name ("auto": "pallas" on a GPU, else "xla"). One
-#: may raise NotImplementedError (at trace time) for a configuration it does not cover; `LoopQuant.attend`
-#: then falls back to "xla" with a logged reason.
-ATTEND_IMPLS: dict[str, Callable[[Array, LoopOperands, Array], base.Partial]] = {
-    "xla": attend_rotated, "pallas": attend_pallas}
+@attention.PACKED.register("pallas")
+def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
+    """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
+    compiled for Triton on a GPU, run in interpret mode elsewhere. Raises NotImplementedError (at
+    trace time) for configurations the kernel does not cover."""
+    from pallas_kernels import residual_decode_attention
+
+    return _kernel_partial(residual_decode_attention, q_rot, ops, lengths, interpret=jax.default_backend() != "gpu")
+
+
+@attention.PACKED.register("native")
+def attend_native(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
+    """`attend_rotated` through the native CPU kernel (`cpu_kernels.residual_decode_attention`, XLA FFI),
+    reading the codes where they lie. Raises NotImplementedError (at trace time) for configurations it
+    does not cover, or when the kernels cannot be built here."""
+    if jax.device_count() > 1:
+        raise NotImplementedError(f"the native kernel is not partitioned over {jax.device_count()} devices")
+    return _kernel_partial(cpu_kernels.residual_decode_attention, q_rot, ops, lengths)
+
+
+attention.PACKED.register("xla")(attend_rotated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +193,8 @@ class LoopQuant(base.CacheFormat):
     `super_scale`: store the FP8 metadata relative to a per-vector bfloat16 super-scale (NVFP4/MX
     style; 16 more bits per vector, counted) instead of plain FP8, which saturates at 448 and flushes
     below 2**-9. Either way `out_of_range` counts the metadata values the dtype could not hold.
-    `attend_impl`: a key of `ATTEND_IMPLS`, or "auto" (the Pallas kernel on a GPU, XLA elsewhere).
+    `attend_impl`: an implementation of the decode-attention op (`rq_jax.cache.attention`: "auto" is the
+    Pallas kernel on a GPU, the native kernel on a CPU, XLA elsewhere; "xla", "native", "pallas").
 
     Non-finite K/V entries are stored as 0 (before the rotation, which would spread them over the
     whole vector) and counted by `out_of_range`.
@@ -215,8 +233,7 @@ class LoopQuant(base.CacheFormat):
             object.__setattr__(self, "group_size_v", self._sizes(self.group_size_v, self.bits, "group_size_v"))
         if self.rotation not in rotation.ROTATION_KINDS:
             raise ValueError(f"unknown rotation {self.rotation!r}: expected one of {rotation.ROTATION_KINDS}")
-        if self.attend_impl != "auto" and self.attend_impl not in ATTEND_IMPLS:
-            raise ValueError(f"unknown attend_impl {self.attend_impl!r}: available {['auto', *sorted(ATTEND_IMPLS)]}")
+        attention.check_impl(self.name, self.attend_impl)
         for kind in "kv":  # validates bits, group sizes, metadata dtype and reference
             self.group_config(len(self.bits), kind)
 
@@ -415,15 +432,10 @@ class LoopQuant(base.CacheFormat):
         q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, key_rot.shape[0]).astype(jnp.float32),
                            key_rot, precision=_HI)
         ops = self.operands(state, index, loop, calib)
-        impl = self.attend_impl if self.attend_impl != "auto" else "pallas" if jax.default_backend() == "gpu" else "xla"
-        try:
-            if visible is not None:  # the kernels take no mask
-                part = attend_rotated(q_rot, ops, lengths, visible)
-            else:
-                part = ATTEND_IMPLS[impl](q_rot, ops, lengths)
-        except NotImplementedError as why:
-            log.warning("%s attend_impl=%r does not cover this slot (%s); using xla", self.name, impl, why)
-            part = attend_rotated(q_rot, ops, lengths)
+        if visible is not None:  # the kernels take no mask
+            part = attend_rotated(q_rot, ops, lengths, visible)
+        else:
+            part = attention.PACKED(self.attend_impl, q_rot, ops, lengths, who=self.name)
         acc = part.acc.reshape(q_rot.shape)
         acc = jnp.einsum("btkqe,ked->btkqd", acc, value_rot, precision=_HI)
         return part._replace(acc=acc.reshape(b, t, h, d))

@@ -112,16 +112,18 @@ def test_calibration_is_checked_before_tracing(ouro):
 
 def test_attend_impl_falls_back_to_xla_with_a_logged_reason(monkeypatch, caplog):
     """An implementation that does not cover a slot raises NotImplementedError; XLA answers instead."""
-    from rq_jax.cache import loop_quant as residual
+    from rq_jax.cache import attention
     from rq_jax.cache.base import Segment
 
     def declines(q_rot, ops, lengths):
         raise NotImplementedError("head dim 16 not covered")
 
-    monkeypatch.setitem(residual.ATTEND_IMPLS, "declining", declines)
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, "declining", None)
+    monkeypatch.setitem(attention.PACKED.impls, "declining", declines)
     with pytest.raises(ValueError, match="unknown attend_impl 'missing'"):
         get_format("residual", attend_impl="missing")
-    fmt, xla = get_format("residual", group_size=8, attend_impl="declining"), get_format("residual", group_size=8)
+    fmt = get_format("residual", group_size=8, attend_impl="declining")
+    xla = get_format("residual", group_size=8, attend_impl="xla")
     seg = Segment(0, 1, 4)
     rng = np.random.default_rng(0)
     kv = [jnp.asarray(rng.normal(size=(1, 4, 1, 2, 2, 5, 16)), jnp.float32) for _ in range(2)]

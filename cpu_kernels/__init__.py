@@ -1,0 +1,237 @@
+"""Native CPU decode-attention and cache-write kernels over rq_jax's cache layouts (XLA FFI, C++).
+
+The CPU counterpart of `pallas_kernels`: the same array layouts and the same signatures as its
+`*_reference` functions, so a caller swaps one for the other. This package imports nothing from rq_jax.
+
+    dense_decode_attention(q, k, v, lengths, slot)                  bf16 / f32 K/V
+    residual_decode_attention(q, keys, values, k_alpha, v_alpha, mean_scores, lengths, slot, ...)
+                                                                    packed chains: uniform, rotated,
+                                                                    ResidualQuant of any length
+    write_tokens(store, new, lengths, num_new)                      in place (the buffer is aliased)
+
+Each attention returns the unnormalised partial (acc [B, K, R, D], m, l [B, K, R], float32; a row with
+no stored token: m = -1e30, l = 0, acc = 0). The C++ (`src/`) reads the codes where they lie — per
+stored token each chain link's bytes unpacked plane by plane, group scales and offsets applied per
+group, α chained, online softmax — split over (row, kv head, 512-token context slices) on XLA's CPU
+thread pool, the slices merged in a fixed order (the same bits at any thread count). It is compiled on
+first use (`cpu_kernels.build`), with AVX-512, AVX2 and baseline x86-64 variants chosen at load time.
+
+A function raises NotImplementedError (at trace time) for what it does not cover — or everything,
+when the library cannot be built or loaded here (`unavailable_reason()` says why; RQ_JAX_NATIVE=0
+turns it off) — so a caller can fall back to XLA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+NEG = -1e30
+SUPPORTED_BITS = (1, 2, 4, 8)
+SUPPORTED_META = (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_HEAD_DIM = 512
+MAX_LINKS = 8
+_TARGETS = {"dense": "RqDenseAttention", "quant": "RqQuantAttention", "write": "RqWriteTokens"}
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library with its FFI targets registered, "") or (None, why not)."""
+    if os.environ.get("RQ_JAX_NATIVE", "1") == "0":
+        return None, "turned off (RQ_JAX_NATIVE=0)"
+    from cpu_kernels import build
+
+    try:
+        lib = ctypes.CDLL(str(build.library()))
+    except (build.BuildError, OSError) as err:
+        why = f"could not be built or loaded: {err}"
+        log.warning("native CPU kernels %s; decode attention runs on XLA", why)
+        return None, why
+    for kind, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(f"rq_cpu_{kind}", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    lib.RqCpuIsa.restype = ctypes.c_char_p
+    return lib, ""
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (building them on the first call)."""
+    return _load()[0] is not None
+
+
+def unavailable_reason() -> str:
+    """Why the native kernels cannot run here ("" when they can)."""
+    return _load()[1]
+
+
+def isa() -> str:
+    """The instruction set the loaded kernels were chosen for ("avx512", "avx2", "generic"); "" when
+    unavailable. $RQ_CPU_ISA forces a lower one (e.g. "generic")."""
+    lib = _load()[0]
+    return "" if lib is None else lib.RqCpuIsa().decode()
+
+
+def _require():
+    if not available():
+        raise NotImplementedError(f"native CPU kernels {unavailable_reason()}")
+
+
+def _check_query(q, lengths):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, K, R, D], got {q.shape}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise NotImplementedError(f"query dtype {q.dtype} (native kernels cover float32 and bfloat16)")
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dim {q.shape[3]} (native kernels cover up to {MAX_HEAD_DIM})")
+    if lengths.shape != (q.shape[0],):
+        raise ValueError(f"lengths must be [{q.shape[0]}], got {lengths.shape}")
+
+
+def _partial_shapes(q):
+    b, k, r, d = q.shape
+    return (jax.ShapeDtypeStruct((b, k, r, d), jnp.float32), jax.ShapeDtypeStruct((b, k, r), jnp.float32),
+            jax.ShapeDtypeStruct((b, k, r), jnp.float32))
+
+
+def _empty(q):
+    b, k, r, d = q.shape
+    return (jnp.zeros((b, k, r, d), jnp.float32), jnp.full((b, k, r), NEG, jnp.float32),
+            jnp.zeros((b, k, r), jnp.float32))
+
+
+def _scalars(lengths, slot):
+    return lengths.astype(jnp.int32), jnp.asarray(slot, jnp.int32).reshape(())
+
+
+def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, slot: jax.Array | int,
+                           **launch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Unnormalised attention partial of q [B, K, R, D] (float32 | bfloat16) over a slot's stored keys and
+    values k = v [M, B, K, S, D] (bfloat16 | float32) at s < lengths[b] [B] int32; `slot` [] picks one of
+    the M stacked slots. Returns acc [B, K, R, D], m, l [B, K, R] (float32). Launch keywords of the Pallas
+    kernel (`block_s`, ...) are accepted and ignored."""
+    del launch
+    _check_query(q, lengths)
+    if k.ndim != 5 or v.shape != k.shape or k.shape[1:3] != q.shape[:2] or k.shape[4] != q.shape[3]:
+        raise ValueError(f"want k = v [M, B, K, S, D] for q {q.shape}; got {k.shape}, {v.shape}")
+    if k.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != k.dtype:
+        raise NotImplementedError(f"cache dtypes {k.dtype}/{v.dtype} (native kernel covers bfloat16 and float32)")
+    _require()
+    if k.shape[3] == 0:
+        return _empty(q)
+    call = jax.ffi.ffi_call("rq_cpu_dense", _partial_shapes(q), vmap_method="sequential")
+    return tuple(call(q, k, v, *_scalars(lengths, slot)))
+
+
+def _links(streams, bits, groups, dim: int, what: str) -> tuple[tuple[int, int], ...]:
+    """(bits, group size) per link from the arrays' shapes, checked against `bits`/`groups` when given."""
+    if not 1 <= len(streams) <= MAX_LINKS:
+        raise NotImplementedError(f"{what}: chains of 1 to {MAX_LINKS} links, got {len(streams)}")
+    out = []
+    for i, st in enumerate(streams):
+        nbytes, ngroups = st.codes.shape[-1], st.scale.shape[-1]
+        b = 8 * nbytes // dim if bits is None else int(bits[i])
+        if b not in SUPPORTED_BITS:
+            raise NotImplementedError(f"{what} link {i}: {b}-bit codes (native kernel covers {SUPPORTED_BITS})")
+        if st.codes.dtype != jnp.uint8 or nbytes * 8 != dim * b:
+            raise ValueError(f"{what} link {i}: codes {st.codes.dtype}{list(st.codes.shape)} for {b}-bit D={dim}")
+        if dim % (8 // b):
+            raise NotImplementedError(f"{what} link {i}: head dim {dim} does not split into {8 // b} planes")
+        g = dim // max(ngroups, 1) if groups is None else int(groups[i])
+        if ngroups == 0 or g * ngroups != dim:
+            raise ValueError(f"{what} link {i}: {ngroups} metadata groups of {g} for head dim {dim}")
+        if st.scale.dtype not in [jnp.dtype(t) for t in SUPPORTED_META] or st.offset.dtype != st.scale.dtype:
+            raise NotImplementedError(f"{what} link {i}: metadata dtypes {st.scale.dtype}/{st.offset.dtype}")
+        if st.offset.shape != st.scale.shape or st.scale.shape[:-1] != st.codes.shape[:-1]:
+            raise ValueError(f"{what} link {i}: codes {st.codes.shape}, scale {st.scale.shape}, "
+                             f"offset {st.offset.shape} disagree")
+        out.append((b, g))
+    return tuple(out)
+
+
+def residual_decode_attention(
+    q: jax.Array,                             # [B, K, R, D] float32 | bfloat16, rotated key basis
+    keys: Sequence,                           # chain links (codes, scale, offset), loop first, anchor last
+    values: Sequence,                         # the same chain for values
+    k_alpha: Sequence[jax.Array | None],      # len(keys) - 1 entries: [M, B, K, S] bf16, or None (α = 1)
+    v_alpha: Sequence[jax.Array | None],      # len(values) - 1 entries
+    mean_scores: Sequence[jax.Array | None] | None,  # per key link: q·μ_i [B, K, R] float32, or None
+    lengths: jax.Array,                       # [B] int32 valid stored tokens per row
+    slot: jax.Array | int,                    # [] int32: which of the M stacked slots
+    *,
+    k_bits: tuple[int, ...] | None = None,
+    v_bits: tuple[int, ...] | None = None,
+    k_group_sizes: tuple[int, ...] | None = None,
+    v_group_sizes: tuple[int, ...] | None = None,
+    **launch,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Unnormalised attention partial of rotated queries over a slot's packed stored tokens, the
+    signature of `pallas_kernels.residual_decode_attention_reference`: codes uint8 [M, B, K, S, D·bits/8]
+    (planar packing, bits 1/2/4/8), scale/offset [M, B, K, S, D/g] (float8_e4m3fn, bfloat16, float16 or
+    float32; any g dividing D, per link), α bf16. Returns acc [B, K, R, D] (rotated value basis), m, l
+    [B, K, R], float32. Launch keywords of the Pallas kernel are accepted and ignored."""
+    del launch
+    keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
+    _check_query(q, lengths)
+    d = q.shape[3]
+    k_links = _links(keys, k_bits, k_group_sizes, d, "keys")
+    v_links = _links(values, v_bits, v_group_sizes, d, "values")
+    for name, alphas, chain in (("k_alpha", k_alpha, keys), ("v_alpha", v_alpha, values)):
+        if len(alphas) != len(chain) - 1:
+            raise ValueError(f"{name}: {len(alphas)} entries for a chain of {len(chain)} links")
+        for a in alphas:
+            if a is not None and (a.dtype != jnp.bfloat16 or a.shape != chain[0].codes.shape[:4]):
+                raise NotImplementedError(f"{name}: {a.dtype}{list(a.shape)} (native kernel reads bf16 [M, B, K, S])")
+    lead = keys[0].codes.shape[:4]
+    if lead[1:3] != q.shape[:2] or any(st.codes.shape[:4] != lead for st in (*keys, *values)):
+        raise ValueError(f"every link must share [M, B, K, S] with B, K = {q.shape[:2]}; got {lead}")
+    if mean_scores is not None and len(mean_scores) != len(keys):
+        raise ValueError(f"mean_scores: {len(mean_scores)} entries for a chain of {len(keys)} links")
+    _require()
+    if lead[3] == 0:
+        return _empty(q)
+    args = [q, *_scalars(lengths, slot)]
+    for streams, alphas in ((keys, k_alpha), (values, v_alpha)):
+        for st in streams:
+            args += [st.codes, st.scale, st.offset]
+        args += [a for a in alphas if a is not None]
+    means = mean_scores is not None and any(mu is not None for mu in mean_scores)
+    if means:
+        args.append(jnp.stack([jnp.zeros(q.shape[:3], jnp.float32) if mu is None else mu.astype(jnp.float32)
+                               for mu in mean_scores], axis=-1))
+    call = jax.ffi.ffi_call("rq_cpu_quant", _partial_shapes(q), vmap_method="sequential")
+    flags = lambda alphas: np.array([a is not None for a in alphas], np.int64)  # noqa: E731
+    return tuple(call(*args, k_bits=np.array([b for b, _ in k_links], np.int64),
+                      k_groups=np.array([g for _, g in k_links], np.int64),
+                      v_bits=np.array([b for b, _ in v_links], np.int64),
+                      v_groups=np.array([g for _, g in v_links], np.int64),
+                      k_alpha=flags(k_alpha), v_alpha=flags(v_alpha), has_means=np.int64(means)))
+
+
+def write_tokens(store: jax.Array, new: jax.Array, lengths: jax.Array, num_new: jax.Array) -> jax.Array:
+    """`store` [G, N, B, K, S, ...] with token t < num_new[b] of `new` [G, N, B, K, T, ...] (store's dtype)
+    at position lengths[b] + t; tokens landing at or past S are dropped, never wrapped. The output aliases
+    `store`'s buffer: under jit with `store` donated (or dead after the call) it is written in place, a
+    copy of the new tokens' bytes and nothing else. Raises NotImplementedError when the kernels are
+    unavailable."""
+    if store.ndim < 5 or new.ndim != store.ndim or new.dtype != store.dtype or \
+            new.shape[:4] != store.shape[:4] or new.shape[5:] != store.shape[5:]:
+        raise ValueError(f"new tokens {new.dtype}{list(new.shape)} do not fit store {store.dtype}{list(store.shape)}")
+    _require()
+    if math.prod(new.shape) == 0:
+        return store
+    call = jax.ffi.ffi_call("rq_cpu_write", jax.ShapeDtypeStruct(store.shape, store.dtype),
+                            input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(store, new, lengths.astype(jnp.int32), num_new.astype(jnp.int32))
+
+
+__all__ = ["available", "dense_decode_attention", "isa", "residual_decode_attention", "unavailable_reason",
+           "write_tokens"]

@@ -1,0 +1,319 @@
+// XLA FFI handlers of the CPU kernels (registered by cpu_kernels/__init__.py):
+//
+//   RqDenseAttention     q, k, v, lengths, slot                      -> acc, m, l
+//   RqQuantAttention     q, lengths, slot, key links (codes, scale, offset)..., key α..., value links...,
+//                        value α..., [mean scores]                   -> acc, m, l
+//   RqWriteTokens        store, new, lengths, num_new                -> store (aliased: written in place)
+//
+// Attention work is split into items of (row, kv head, query-row block, context split of kSplit tokens);
+// only items holding stored tokens run. Items go to XLA's CPU thread pool and the calling thread alike,
+// and their partials are merged in a fixed order, so the result does not depend on the thread count.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace rq {
+namespace {
+
+constexpr int64_t kSplit = 512;  // context tokens per work item
+
+const Kernels& kernels() {
+  static const Kernels chosen = [] {
+    const char* want = std::getenv("RQ_CPU_ISA");
+    const std::string w = want ? want : "";
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    const bool avx512 = false, avx2 = false;
+#endif
+    if (w == "generic") return kernels_generic();
+    if (w == "avx2" && avx2) return kernels_avx2();
+    if (avx512 && (w.empty() || w == "avx512")) return kernels_avx512();
+    if (avx2) return kernels_avx2();
+    return kernels_generic();
+  }();
+  return chosen;
+}
+
+// Runs fn(0) .. fn(n - 1) on the pool's threads and this one; returns when every call has finished.
+// Work is claimed from a shared counter, so a pool task that starts late finds nothing left and exits.
+void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t n = 0;
+    const std::function<void(int64_t)>* fn = nullptr;
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto st = std::make_shared<State>();
+  st->n = n;
+  st->fn = &fn;
+  auto work = [](const std::shared_ptr<State>& s) {
+    for (int64_t i; (i = s->next.fetch_add(1)) < s->n;) {
+      (*s->fn)(i);
+      if (s->done.fetch_add(1) + 1 == s->n) {
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->cv.notify_all();
+      }
+    }
+  };
+  int64_t threads = pool.num_threads();
+  if (const char* cap = std::getenv("RQ_CPU_THREADS")) threads = std::min<int64_t>(threads, std::atoll(cap) - 1);
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(threads, n - 1));
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([st, work] { work(st); });
+  work(st);
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait(lock, [&] { return st->done.load() == st->n; });
+}
+
+int meta_of(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return kF32;
+    case ffi::DataType::BF16: return kBF16;
+    case ffi::DataType::F16: return kF16;
+    case ffi::DataType::F8E4M3FN: return kFP8;
+    default: return -1;
+  }
+}
+
+bool is_bf16(const ffi::AnyBuffer& x) { return x.element_type() == ffi::DataType::BF16; }
+
+// Runs every item of problem `p` and merges the splits into acc [B, K, R, D], m, l [B, K, R].
+ffi::Error run_attention(ffi::ThreadPool& pool, Problem p, ItemFn item, float* acc, float* m, float* l) {
+  const int64_t B = p.B, K = p.K, R = p.R, D = p.D;
+  const int64_t rblocks = (R + kMaxRows - 1) / kMaxRows;
+  const int64_t nsplit = std::max<int64_t>(1, (p.S + kSplit - 1) / kSplit);
+  struct Item {
+    int64_t b, k, rb, split;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> first(B * K * rblocks + 1, 0);  // items of (b, k, rb) start at first[...]
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = std::clamp<int64_t>(p.lengths[b], 0, p.S);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t rb = 0; rb < rblocks; ++rb) {
+        for (int64_t s = 0; s < nsplit && s * kSplit < len; ++s) items.push_back({b, k, rb, s});
+        first[(b * K + k) * rblocks + rb + 1] = int64_t(items.size());
+      }
+  }
+  const int64_t stride = kMaxRows * (D + 2);
+  std::vector<float> scratch(items.size() * stride);
+  parallel_for(pool, int64_t(items.size()), [&](int64_t i) {
+    const Item& it = items[i];
+    Problem q = p;
+    q.row0 = it.rb * kMaxRows;
+    q.rows = std::min<int64_t>(kMaxRows, R - q.row0);
+    const int64_t len = std::clamp<int64_t>(p.lengths[it.b], 0, p.S);
+    float* out = &scratch[i * stride];
+    item(q, it.b, it.k, it.split * kSplit, std::min(len, (it.split + 1) * kSplit), out, out + q.rows * D,
+         out + q.rows * (D + 1));
+  });
+  for (int64_t bk = 0; bk < B * K; ++bk)
+    for (int64_t rb = 0; rb < rblocks; ++rb) {
+      const int64_t row0 = rb * kMaxRows, rows = std::min<int64_t>(kMaxRows, R - row0);
+      const int64_t i0 = first[bk * rblocks + rb], i1 = first[bk * rblocks + rb + 1];
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t o = bk * R + row0 + r;
+        float mx = kNeg;
+        for (int64_t i = i0; i < i1; ++i) mx = std::max(mx, scratch[i * stride + rows * D + r]);
+        float* a = acc + o * D;
+        std::fill(a, a + D, 0.0f);
+        float sum = 0.0f;
+        for (int64_t i = i0; i < i1; ++i) {
+          const float* part = &scratch[i * stride];
+          const float w = std::exp(part[rows * D + r] - mx);
+          sum += w * part[rows * (D + 1) + r];
+          for (int64_t c = 0; c < D; ++c) a[c] += w * part[r * D + c];
+        }
+        m[o] = mx;
+        l[o] = sum;
+      }
+    }
+  return ffi::Error::Success();
+}
+
+Problem base_problem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& slot,
+                     const ffi::AnyBuffer& stored) {
+  Problem p;
+  auto qd = q.dimensions();
+  auto sd = stored.dimensions();
+  p.B = qd[0];
+  p.K = qd[1];
+  p.R = qd[2];
+  p.D = qd[3];
+  p.M = sd[0];
+  p.S = sd[3];
+  p.q = q.untyped_data();
+  p.q_bf16 = is_bf16(q);
+  p.lengths = static_cast<const int32_t*>(lengths.untyped_data());
+  p.slot = *static_cast<const int32_t*>(slot.untyped_data());
+  return p;
+}
+
+ffi::Error check_outputs(ffi::Result<ffi::AnyBuffer>& acc, const Problem& p) {
+  auto d = acc->dimensions();
+  if (d.size() != 4 || d[0] != p.B || d[1] != p.K || d[2] != p.R || d[3] != p.D)
+    return ffi::Error::InvalidArgument("acc must be [B, K, R, D]");
+  if (p.slot < 0 || p.slot >= p.M) return ffi::Error::InvalidArgument("slot out of range");
+  if (p.D > kMaxDim) return ffi::Error::InvalidArgument("head dim over 512");
+  return ffi::Error::Success();
+}
+
+ffi::Error dense_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer lengths, ffi::AnyBuffer slot, ffi::Result<ffi::AnyBuffer> acc,
+                           ffi::Result<ffi::AnyBuffer> m, ffi::Result<ffi::AnyBuffer> l) {
+  Problem p = base_problem(q, lengths, slot, k);
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.kv_bf16 = is_bf16(k);
+  if (auto err = check_outputs(acc, p); !err.success()) return err;
+  return run_attention(pool, p, kernels().dense, static_cast<float*>(acc->untyped_data()),
+                       static_cast<float*>(m->untyped_data()), static_cast<float*>(l->untyped_data()));
+}
+
+ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                           ffi::Span<const int64_t> k_bits, ffi::Span<const int64_t> k_groups,
+                           ffi::Span<const int64_t> v_bits, ffi::Span<const int64_t> v_groups,
+                           ffi::Span<const int64_t> k_alpha, ffi::Span<const int64_t> v_alpha, int64_t has_means) {
+  size_t next = 0;
+  std::optional<ffi::AnyBuffer> missing;
+  auto arg = [&]() -> std::optional<ffi::AnyBuffer> {
+    if (next >= args.size()) return missing;
+    auto a = args.get<ffi::AnyBuffer>(next++);
+    if (a.has_error()) return missing;
+    return *a;
+  };
+  auto q = arg(), lengths = arg(), slot = arg();
+  if (!q || !lengths || !slot) return ffi::Error::InvalidArgument("missing q, lengths or slot");
+  Problem p;
+  bool first = true;
+  auto chain = [&](Chain& c, ffi::Span<const int64_t> bits, ffi::Span<const int64_t> groups,
+                   ffi::Span<const int64_t> alpha) -> ffi::Error {
+    c.n = int(bits.size());
+    if (c.n < 1 || c.n > kMaxLinks || int(groups.size()) != c.n || int(alpha.size()) != c.n - 1)
+      return ffi::Error::InvalidArgument("chain attributes disagree");
+    for (int i = 0; i < c.n; ++i) {
+      auto codes = arg(), scale = arg(), offset = arg();
+      if (!codes || !scale || !offset) return ffi::Error::InvalidArgument("missing link");
+      if (first) {
+        p = base_problem(*q, *lengths, *slot, *codes);
+        first = false;
+      }
+      const int meta = meta_of(scale->element_type());
+      if (meta < 0 || offset->element_type() != scale->element_type())
+        return ffi::Error::InvalidArgument("metadata dtype not covered");
+      c.link[i] = Link{static_cast<const uint8_t*>(codes->untyped_data()), scale->untyped_data(),
+                       offset->untyped_data(), meta, int(bits[i]), int(groups[i])};
+    }
+    for (int i = 0; i + 1 < c.n; ++i) {
+      c.alpha[i] = nullptr;
+      if (alpha[i]) {
+        auto a = arg();
+        if (!a) return ffi::Error::InvalidArgument("missing alpha");
+        c.alpha[i] = static_cast<const uint16_t*>(a->untyped_data());
+      }
+    }
+    return ffi::Error::Success();
+  };
+  Chain keys, values;
+  if (auto err = chain(keys, k_bits, k_groups, k_alpha); !err.success()) return err;
+  if (auto err = chain(values, v_bits, v_groups, v_alpha); !err.success()) return err;
+  p.keys = keys;
+  p.values = values;
+  if (has_means) {
+    auto means = arg();
+    if (!means) return ffi::Error::InvalidArgument("missing mean scores");
+    p.mean_scores = static_cast<const float*>(means->untyped_data());
+  }
+  auto acc = rets.get<ffi::AnyBuffer>(0), m = rets.get<ffi::AnyBuffer>(1), l = rets.get<ffi::AnyBuffer>(2);
+  if (acc.has_error() || m.has_error() || l.has_error()) return ffi::Error::InvalidArgument("need 3 outputs");
+  if (auto err = check_outputs(*acc, p); !err.success()) return err;
+  return run_attention(pool, p, kernels().quant, static_cast<float*>((*acc)->untyped_data()),
+                       static_cast<float*>((*m)->untyped_data()), static_cast<float*>((*l)->untyped_data()));
+}
+
+// Token t < num_new[b] of every (g, n, b, k) of `fresh` [G, N, B, K, T, ...] to position lengths[b] + t of
+// `store` [G, N, B, K, S, ...] (dropped at or past S); `out` is `store`'s buffer (aliased), else a copy.
+ffi::Error write_tokens(ffi::AnyBuffer store, ffi::AnyBuffer fresh, ffi::AnyBuffer lengths, ffi::AnyBuffer num_new,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  auto sd = store.dimensions();
+  auto nd = fresh.dimensions();
+  if (sd.size() < 5 || nd.size() != sd.size() || fresh.element_type() != store.element_type())
+    return ffi::Error::InvalidArgument("store and new tokens disagree");
+  for (size_t i = 0; i < sd.size(); ++i)
+    if (i != 4 && sd[i] != nd[i]) return ffi::Error::InvalidArgument("store and new tokens disagree");
+  const int64_t outer = sd[0] * sd[1], B = sd[2], K = sd[3], S = sd[4], T = nd[4];
+  int64_t row = int64_t(ffi::ByteWidth(store.element_type()));
+  for (size_t i = 5; i < sd.size(); ++i) row *= sd[i];
+  auto* dst = static_cast<uint8_t*>(out->untyped_data());
+  const auto* src = static_cast<const uint8_t*>(fresh.untyped_data());
+  if (dst != store.untyped_data()) std::memcpy(dst, store.untyped_data(), store.size_bytes());
+  const auto* len = static_cast<const int32_t*>(lengths.untyped_data());
+  const auto* cnt = static_cast<const int32_t*>(num_new.untyped_data());
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t start = std::clamp<int64_t>(len[b], 0, S);
+      const int64_t n = std::clamp<int64_t>(std::min<int64_t>(cnt[b], T), 0, S - start);
+      if (n == 0) continue;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t cell = (o * B + b) * K + k;
+        std::memcpy(dst + (cell * S + start) * row, src + cell * T * row, n * row);
+      }
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace rq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RqDenseAttention, rq::dense_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RqQuantAttention, rq::quant_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("k_bits")
+                                  .Attr<ffi::Span<const int64_t>>("k_groups")
+                                  .Attr<ffi::Span<const int64_t>>("v_bits")
+                                  .Attr<ffi::Span<const int64_t>>("v_groups")
+                                  .Attr<ffi::Span<const int64_t>>("k_alpha")
+                                  .Attr<ffi::Span<const int64_t>>("v_alpha")
+                                  .Attr<int64_t>("has_means"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RqWriteTokens, rq::write_tokens,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+extern "C" const char* RqCpuIsa() { return rq::kernels().isa; }

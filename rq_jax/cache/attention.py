@@ -1,0 +1,92 @@
+"""The decode-attention op: one entry point for every format's attention to its stored past, with ordered
+implementations and a logged reason on every fallback.
+
+A format registers, per implementation name, a function computing its softmax `Partial` (`DecodeOp`);
+`attend_impl` (a policy field of the formats) names the one to try first:
+
+    "auto"     the platform's kernel, then XLA: "pallas" (the Triton kernels) on a GPU, "native" (the C++
+               kernels of `cpu_kernels`, through the XLA FFI) on a CPU, XLA alone elsewhere
+    "xla"      the jnp implementation (always there; every other one falls back to it)
+    NAME       that implementation, then XLA
+
+A kernel (any implementation but XLA) is differentiated as the XLA implementation
+(`base.with_gradient_of`). An implementation raises NotImplementedError (at trace time) for what it does not cover — a head dim,
+bit width or dtype outside the kernel, a `visible` mask, the native library not built here — and the op
+logs the reason once per (op, implementation, reason) and tries the next.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import jax
+
+from rq_jax.cache import base
+
+log = logging.getLogger(__name__)
+
+#: Implementation names in the order "auto" considers them, with the platform each needs (None: any).
+IMPLEMENTATIONS = {"pallas": "gpu", "native": "cpu", "xla": None}
+_WARNED: set[tuple[str, str, str]] = set()
+
+
+def check_impl(name: str, impl: str) -> None:
+    """Raise ValueError naming the choices when `impl` is not "auto" or an implementation name."""
+    if impl != "auto" and impl not in IMPLEMENTATIONS:
+        raise ValueError(f"{name}: unknown attend_impl {impl!r}: available {['auto', *IMPLEMENTATIONS]}")
+
+
+def order(impl: str, platform: str | None = None) -> tuple[str, ...]:
+    """The implementations to try for `impl`, first to last ("xla" always last); `platform` defaults to
+    JAX's default backend."""
+    platform = platform or jax.default_backend()
+    if impl == "auto":
+        first = [name for name, needs in IMPLEMENTATIONS.items() if needs == platform]
+    else:
+        first = [impl]
+    return tuple(dict.fromkeys([*first, "xla"]))
+
+
+class DecodeOp:
+    """One decode-attention op (e.g. over dense K/V, or over packed chains): implementations by name, each
+    a function of the same arguments returning a `base.Partial`, registered with `register`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.impls: dict[str, Callable[..., base.Partial]] = {}
+
+    def register(self, impl: str):
+        """Decorator registering `fn` as implementation `impl` of this op."""
+        def wrap(fn):
+            self.impls[impl] = fn
+            return fn
+
+        return wrap
+
+    def __call__(self, impl: str, *args, who: str = "") -> base.Partial:
+        """The first implementation of `order(impl)` this op has that covers `args`; every one that raises
+        NotImplementedError is logged (with its reason) and passed over. `who` names the caller in the log."""
+        tried = order(impl)
+        for name in tried:
+            fn = self.impls.get(name)
+            if fn is None:
+                continue
+            try:
+                if name == "xla":
+                    return fn(*args)
+                return base.with_gradient_of(self.impls["xla"], fn, *args)  # kernels differentiate as XLA
+            except NotImplementedError as why:
+                if name == tried[-1]:
+                    raise
+                key = (self.name, name, str(why))
+                if impl != "auto" or key not in _WARNED:
+                    _WARNED.add(key)
+                    log.warning("%s attend_impl=%r does not cover this slot (%s); using %s", who or self.name,
+                                name, why, tried[tried.index(name) + 1])
+        raise NotImplementedError(f"{self.name}: no implementation of {tried} is registered")
+
+
+#: Attention over dense K/V (`Dense`) and over packed loop-group chains (`LoopQuant`).
+DENSE = DecodeOp("dense")
+PACKED = DecodeOp("packed chains")

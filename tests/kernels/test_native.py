@@ -1,0 +1,196 @@
+"""The native CPU kernels (`cpu_kernels`, XLA FFI) against the Pallas kernels' jnp references, the
+write against XLA's, and the formats' attention and generation through them.
+
+Tolerance: the native kernels compute in float32 (codes exact, metadata decoded exactly, products and
+sums in float32 in another order than the HIGHEST-precision reference, exp over 64-token chunks with an
+online max); measured at most 1.5e-6 of the largest |output| on these cases. The bound, 2e-5, leaves
+a >= 10x margin and still catches a wrong scale, offset, α, plane or mask (>= 1e-3, `_base`'s notes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from pallas_kernels import dense_attention as da, residual_attention as ra
+from rq_jax.cache import base, get_format
+from rq_jax.cache.dense import Dense
+
+from . import test_dense_attention as dense_cases, test_residual_attention as quant_cases
+from ._base import assert_partial_close, seeded
+
+TOL = 2e-5
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f"native kernels: {cpu_kernels.unavailable_reason()}")
+Q = quant_cases.Case
+
+#: Beyond the Pallas cases: every code width (1/2/4/8) and group size (16/32/64, and 8 on the channel-by-
+#: channel path) at head dims 64/96/128 and the fixtures' 16/24, every metadata dtype, lengths at the
+#: 64-token chunk and 512-token context split ± 1, 0, 1 and the full capacity.
+NATIVE_CASES = (
+    Q("d128-int1-g64-f16meta", 128, 1, ((1, 64), (4, 64)), lengths=(63, 64, 65), s=70, meta="float16"),
+    Q("d64-int1-g16", 64, 2, ((1, 16),), lengths=(1, 0, 30), s=30, q_dtype="bfloat16"),
+    Q("d96-int4-g32-splits", 96, 1, ((2, 32), (4, 32)), lengths=(511, 512, 513, 1030), s=1030, heads=1),
+    Q("d128-chain4-g64", 128, 4, ((2, 64),) * 3 + ((4, 64),), lengths=(600, 1), s=600, means=(True, False, True, True)),
+    Q("d24-fixture-g8", 24, 2, ((2, 8), (4, 8)), lengths=(9, 16), s=16, meta="bfloat16", means=(True, True)),
+    Q("d16-int8-g16", 16, 3, ((8, 16), (2, 8)), v_links=((4, 16),) * 2, lengths=(5, 2), s=7, meta="float32"),
+    Q("d256-rows70", 256, 70, ((2, 32), (4, 32)), lengths=(40, 3), s=40),
+)
+
+
+@pytest.mark.parametrize("cfg", quant_cases.CASES + quant_cases.ALLOCATED_CASES + NATIVE_CASES, ids=lambda c: c.name)
+def test_packed_chains_match_the_reference(cfg):
+    args, kw = quant_cases.make_inputs(cfg, seeded(cfg.name))
+    out = jax.jit(lambda *a: cpu_kernels.residual_decode_attention(*a, **kw))(*args)
+    assert_partial_close(out, ra.residual_decode_attention_reference(*args, **kw), cfg.lengths, TOL)
+
+
+DENSE_CASES = dense_cases.CASES + (
+    dense_cases.Case("d16-f32kv", 16, 2, lengths=(0, 1, 9), s=9, kv_dtype="float32"),
+    dense_cases.Case("d128-bf16-splits", 128, 1, lengths=(513, 64, 1100), s=1100, heads=1, q_dtype="bfloat16"),
+    dense_cases.Case("d24-gqa", 24, 4, lengths=(30, 65), s=65),
+)
+
+
+@pytest.mark.parametrize("cfg", DENSE_CASES, ids=lambda c: c.name)
+def test_dense_matches_the_reference(cfg):
+    args, _ = dense_cases.make_inputs(cfg, seeded(cfg.name))
+    out = jax.jit(cpu_kernels.dense_decode_attention)(*args)
+    assert_partial_close(out, da.dense_decode_attention_reference(*args), cfg.lengths, TOL)
+
+
+def test_same_bits_at_any_thread_count(monkeypatch):
+    """Work items merge in a fixed order: one thread and two give the same bits."""
+    case = NATIVE_CASES[2]
+    args, kw = quant_cases.make_inputs(case, seeded(case.name))
+    run = jax.jit(lambda *a: cpu_kernels.residual_decode_attention(*a, **kw))
+    two = [np.asarray(x) for x in run(*args)]
+    monkeypatch.setenv("RQ_CPU_THREADS", "1")
+    one = [np.asarray(x) for x in run(*args)]
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_portable_build_matches_the_reference():
+    """The baseline x86-64 kernels (RQ_CPU_ISA=generic, chosen at load time) give the reference's partials."""
+    code = ("import jax, numpy as np, cpu_kernels;"
+            "from tests.kernels import test_native as t, test_residual_attention as qc;"
+            "from tests.kernels._base import seeded, assert_partial_close;"
+            "from pallas_kernels import residual_attention as ra;"
+            "assert cpu_kernels.isa() == 'generic', cpu_kernels.isa();"
+            "[assert_partial_close(cpu_kernels.residual_decode_attention(*a, **k),"
+            " ra.residual_decode_attention_reference(*a, **k), c.lengths, t.TOL)"
+            " for c in t.NATIVE_CASES[:3] for a, k in [qc.make_inputs(c, seeded(c.name))]]; print('ok')")
+    env = dict(os.environ, RQ_CPU_ISA="generic")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_vmap_over_a_leading_axis():
+    case = NATIVE_CASES[0]
+    args, kw = quant_cases.make_inputs(case, seeded(case.name))
+    qs = jnp.stack([args[0], 2 * args[0]])
+    batched = jax.vmap(lambda q: cpu_kernels.residual_decode_attention(q, *args[1:], **kw))(qs)
+    for i in range(2):
+        single = cpu_kernels.residual_decode_attention(qs[i], *args[1:], **kw)
+        for a, b in zip(batched, single):
+            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "uint8", "float32"])
+def test_write_equals_xla_and_touches_nothing_else(dtype):
+    """Tokens t < num_new[b] land at lengths[b] + t, those past S are dropped, every other byte is kept."""
+    rng = seeded(f"write-{dtype}")
+    store = jnp.asarray(rng.integers(0, 200, (2, 3, 4, 2, 9, 6)).astype(np.float32)).astype(dtype)
+    new = jnp.asarray(rng.integers(0, 200, (2, 3, 4, 2, 3, 6)).astype(np.float32)).astype(dtype)
+    lengths, num_new = jnp.array([0, 7, 9, 4]), jnp.array([3, 3, 2, 0])
+    got = jax.jit(cpu_kernels.write_tokens)(store, new, lengths, num_new)
+    want = base._scatter(store, new, lengths, num_new)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    assert (np.asarray(got)[:, :, 3] == np.asarray(store)[:, :, 3]).all()  # num_new 0: row untouched
+
+
+def test_write_is_in_place_under_donation():
+    """A donated 64 MiB leaf written with one token: no temporary of its size (the output aliases it)."""
+    store = jax.ShapeDtypeStruct((1, 2, 8, 16, 1024, 128), jnp.bfloat16)
+    new = jax.ShapeDtypeStruct((1, 2, 8, 16, 1, 128), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((8,), jnp.int32)
+    step = jax.jit(cpu_kernels.write_tokens, donate_argnums=0).lower(store, new, rows, rows).compile()
+    assert step.memory_analysis().temp_size_in_bytes < 2**20
+
+
+def test_write_is_differentiated_as_xla():
+    store, new = jnp.zeros((1, 1, 2, 1, 4, 3)), jnp.ones((1, 1, 2, 1, 2, 3))
+    lengths, num_new = jnp.array([1, 3]), jnp.array([2, 2])
+
+    def loss(write, store, new):
+        return jnp.sum(write(store, new, lengths, num_new) * jnp.arange(4.0)[:, None])
+
+    got = jax.grad(lambda s, n: loss(base._write_native, s, n), argnums=(0, 1))(store, new)
+    want = jax.grad(lambda s, n: loss(base._write_rows, s, n), argnums=(0, 1))(store, new)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+FORMATS = {
+    "dense bf16": Dense("bfloat16"), "dense f32": Dense("float32"),
+    "uniform INT4 g16": get_format("uniform", bits=4, group_size=16),
+    "rotated INT2 g8": get_format("rotated", bits=2, group_size=8),
+    "residual [2,2,2,4] g8 means": get_format("residual", group_size=8, key_means=True),
+    "residual [2,4,2,4] super-scale bf16 meta": get_format("residual", bits=(2, 4, 2, 4), group_size=(8, 16, 8, 16),
+                                                           meta_dtype="bfloat16", super_scale=True),
+    "residual previous-loop reference": get_format("residual", group_size=8, reference="previous"),
+}
+
+
+@pytest.mark.parametrize("label", FORMATS)
+def test_formats_attend_natively_as_the_reference(label, caplog):
+    """Each format's `attend` through the native op equals `reference_attend` (decode, then dense), for
+    every group position, with no fallback logged."""
+    fmt = dataclasses.replace(FORMATS[label], attend_impl="native")
+    seg = base.Segment(0, 1, fmt.group_len)
+    rng = seeded(label)
+    b, heads, kv_heads, d, s = 3, 4, 2, 16, 40
+    kv = [jnp.asarray(rng.normal(size=(1, seg.size, 1, b, kv_heads, s, d)), jnp.float32) for _ in range(2)]
+    lengths = jnp.array([40, 0, 17])
+    calib = fmt.calibrate(seg, *kv, lengths)
+    state = fmt.write(fmt.init(seg, 1, b, s, kv_heads, d), *kv, jnp.zeros(b, jnp.int32), lengths, calib).state
+    q = jnp.asarray(rng.normal(size=(b, 1, heads, d)), jnp.float32)
+    with caplog.at_level("WARNING"):
+        for loop in range(seg.size):
+            got = jax.jit(lambda st, q: fmt.attend(st, (0, 0), loop, q, lengths, calib))(state, q)
+            want = base.reference_attend(fmt, state, (0, 0), loop, q, lengths, calib)
+            for a, w in zip(got, want):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-4)
+    assert "does not cover" not in caplog.text
+
+
+def test_generation_equals_xla():
+    """Greedy tokens through the native residual attention equal XLA's (the shipped Huginn)."""
+    from rq_jax import TextGenerator
+
+    out = {impl: TextGenerator("checkpoints/huginn-small", cache="residual", max_new_tokens=7, attend_impl=impl)(
+        ["62217+89000=", "21000+43000="]) for impl in ("native", "xla")}
+    assert out["native"] == out["xla"] == ["423170", "640000"]
+
+
+def test_without_the_library_everything_runs_on_xla():
+    """RQ_JAX_NATIVE=0 (as where no compiler exists): the kernels say why, the formats fall back to XLA
+    with one logged line, and generation gives the same answer."""
+    code = ("import logging, cpu_kernels; logging.basicConfig(level=logging.WARNING);"
+            "from rq_jax import generate; assert not cpu_kernels.available();"
+            "print(cpu_kernels.unavailable_reason()); print(generate('62217+89000='))")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, RQ_JAX_NATIVE="0"), capture_output=True,
+                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["turned off (RQ_JAX_NATIVE=0)", "423170"]
+    assert "attend_impl='native' does not cover this slot (native CPU kernels turned off" in done.stderr
