@@ -94,7 +94,7 @@ def _kernel_partial(kernel, slot: DenseSlot, index: base.Index, q: Float[Array, 
     kv_heads = slot.k.shape[3]
     per_kv = h // kv_heads
     rows = base.group_queries(q, kv_heads).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * per_kv, d)
-    flat = [x.reshape(-1, *x.shape[2:]) for x in slot]
+    flat = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in slot]
     acc, m, l = kernel(rows, *flat, lengths, index[0] * slot.k.shape[1] + index[1], **kw)
 
     def back(x):

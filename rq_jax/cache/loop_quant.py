@@ -146,7 +146,7 @@ def _kernel_partial(kernel, q_rot: Float[Array, "b t k g d"], ops: LoopOperands,
     num_layers = ops.k[0].codes.shape[1]
     slot = ops.index[0] * num_layers + ops.index[1]
     def flat(x):  # [G, N, ...] → [G·N, ...]
-        return None if x is None else x.reshape(-1, *x.shape[2:])
+        return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     def streams(codes):
         codes = map(PackedCodes.effective, codes)
         return tuple(QuantStream(flat(c.codes), flat(c.scale), flat(c.offset)) for c in codes)
