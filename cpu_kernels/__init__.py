@@ -1,4 +1,4 @@
-"""Native CPU decode-attention and cache-write kernels over rq_jax's cache layouts (XLA FFI, C++).
+"""Native CPU decode-attention kernels over rq_jax's cache layouts (XLA FFI, C++).
 
 The CPU counterpart of `pallas_kernels`: the same array layouts and the same signatures as its
 `*_reference` functions, so a caller swaps one for the other. This package imports nothing from rq_jax.
@@ -7,7 +7,10 @@ The CPU counterpart of `pallas_kernels`: the same array layouts and the same sig
     residual_decode_attention(q, keys, values, k_alpha, v_alpha, mean_scores, lengths, slot, ...)
                                                                     packed chains: uniform, rotated,
                                                                     ResidualQuant of any length
-    write_tokens(store, new, lengths, num_new)                      in place (the buffer is aliased)
+
+Stored leaves may stack their slots over several leading axes ([G, N, B, K, S, ...], as rq_jax's state
+holds them): the axes before B are the slots, row-major, and `slot` indexes their flattening (so a caller
+passes the state's own buffers, with no reshape between them and the kernel).
 
 Each attention returns the unnormalised partial (acc [B, K, R, D], m, l [B, K, R], float32; a row with
 no stored token: m = -1e30, l = 0, acc = 0). The C++ (`src/`) reads the codes where they lie — per
@@ -26,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import math
 import os
 from typing import Sequence
 
@@ -39,9 +41,12 @@ log = logging.getLogger(__name__)
 NEG = -1e30
 SUPPORTED_BITS = (1, 2, 4, 8)
 SUPPORTED_META = (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16, jnp.float32)
+#: The kernels' code of each metadata dtype (src/kernels.h, `Meta`).
+_META_CODE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2,
+              jnp.dtype(jnp.float8_e4m3fn): 3}
 MAX_HEAD_DIM = 512
 MAX_LINKS = 8
-_TARGETS = {"dense": "RqDenseAttention", "quant": "RqQuantAttention", "write": "RqWriteTokens"}
+_TARGETS = {"dense": "RqDenseAttention", "quant": "RqQuantAttention"}
 
 
 @functools.cache
@@ -108,6 +113,15 @@ def _empty(q):
             jnp.zeros((b, k, r), jnp.float32))
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """A narrow float array's bits as unsigned integers of its width (float32 as it is): the kernels read
+    stored values by their bits, so a cache held as bits passes its own buffers (on XLA:CPU a bitcast-
+    convert to a narrow float is a copy, and the round trip bits -> values -> bits folds away)."""
+    if x.dtype == jnp.float32 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
 def _scalars(lengths, slot):
     return lengths.astype(jnp.int32), jnp.asarray(slot, jnp.int32).reshape(())
 
@@ -120,15 +134,15 @@ def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
     kernel (`block_s`, ...) are accepted and ignored."""
     del launch
     _check_query(q, lengths)
-    if k.ndim != 5 or v.shape != k.shape or k.shape[1:3] != q.shape[:2] or k.shape[4] != q.shape[3]:
+    if k.ndim < 5 or v.shape != k.shape or k.shape[-4:-2] != q.shape[:2] or k.shape[-1] != q.shape[3]:
         raise ValueError(f"want k = v [M, B, K, S, D] for q {q.shape}; got {k.shape}, {v.shape}")
     if k.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != k.dtype:
         raise NotImplementedError(f"cache dtypes {k.dtype}/{v.dtype} (native kernel covers bfloat16 and float32)")
     _require()
-    if k.shape[3] == 0:
+    if k.shape[-2] == 0:
         return _empty(q)
     call = jax.ffi.ffi_call("rq_cpu_dense", _partial_shapes(q), vmap_method="sequential")
-    return tuple(call(q, k, v, *_scalars(lengths, slot)))
+    return tuple(call(q, _bits(k), _bits(v), *_scalars(lengths, slot)))
 
 
 def _links(streams, bits, groups, dim: int, what: str) -> tuple[tuple[int, int], ...]:
@@ -188,21 +202,21 @@ def residual_decode_attention(
         if len(alphas) != len(chain) - 1:
             raise ValueError(f"{name}: {len(alphas)} entries for a chain of {len(chain)} links")
         for a in alphas:
-            if a is not None and (a.dtype != jnp.bfloat16 or a.shape != chain[0].codes.shape[:4]):
+            if a is not None and (a.dtype != jnp.bfloat16 or a.shape != chain[0].codes.shape[:-1]):
                 raise NotImplementedError(f"{name}: {a.dtype}{list(a.shape)} (native kernel reads bf16 [M, B, K, S])")
-    lead = keys[0].codes.shape[:4]
-    if lead[1:3] != q.shape[:2] or any(st.codes.shape[:4] != lead for st in (*keys, *values)):
+    lead = keys[0].codes.shape[:-1]
+    if len(lead) < 4 or lead[-3:-1] != q.shape[:2] or any(st.codes.shape[:-1] != lead for st in (*keys, *values)):
         raise ValueError(f"every link must share [M, B, K, S] with B, K = {q.shape[:2]}; got {lead}")
     if mean_scores is not None and len(mean_scores) != len(keys):
         raise ValueError(f"mean_scores: {len(mean_scores)} entries for a chain of {len(keys)} links")
     _require()
-    if lead[3] == 0:
+    if lead[-1] == 0:
         return _empty(q)
     args = [q, *_scalars(lengths, slot)]
     for streams, alphas in ((keys, k_alpha), (values, v_alpha)):
         for st in streams:
-            args += [st.codes, st.scale, st.offset]
-        args += [a for a in alphas if a is not None]
+            args += [st.codes, _bits(st.scale), _bits(st.offset)]
+        args += [_bits(a) for a in alphas if a is not None]
     means = mean_scores is not None and any(mu is not None for mu in mean_scores)
     if means:
         args.append(jnp.stack([jnp.zeros(q.shape[:3], jnp.float32) if mu is None else mu.astype(jnp.float32)
@@ -213,25 +227,10 @@ def residual_decode_attention(
                       k_groups=np.array([g for _, g in k_links], np.int64),
                       v_bits=np.array([b for b, _ in v_links], np.int64),
                       v_groups=np.array([g for _, g in v_links], np.int64),
-                      k_alpha=flags(k_alpha), v_alpha=flags(v_alpha), has_means=np.int64(means)))
+                      k_alpha=flags(k_alpha), v_alpha=flags(v_alpha),
+                      k_meta=np.array([_META_CODE[st.scale.dtype] for st in keys], np.int64),
+                      v_meta=np.array([_META_CODE[st.scale.dtype] for st in values], np.int64),
+                      has_means=np.int64(means)))
 
 
-def write_tokens(store: jax.Array, new: jax.Array, lengths: jax.Array, num_new: jax.Array) -> jax.Array:
-    """`store` [G, N, B, K, S, ...] with token t < num_new[b] of `new` [G, N, B, K, T, ...] (store's dtype)
-    at position lengths[b] + t; tokens landing at or past S are dropped, never wrapped. The output aliases
-    `store`'s buffer: under jit with `store` donated (or dead after the call) it is written in place, a
-    copy of the new tokens' bytes and nothing else. Raises NotImplementedError when the kernels are
-    unavailable."""
-    if store.ndim < 5 or new.ndim != store.ndim or new.dtype != store.dtype or \
-            new.shape[:4] != store.shape[:4] or new.shape[5:] != store.shape[5:]:
-        raise ValueError(f"new tokens {new.dtype}{list(new.shape)} do not fit store {store.dtype}{list(store.shape)}")
-    _require()
-    if math.prod(new.shape) == 0:
-        return store
-    call = jax.ffi.ffi_call("rq_cpu_write", jax.ShapeDtypeStruct(store.shape, store.dtype),
-                            input_output_aliases={0: 0}, vmap_method="sequential")
-    return call(store, new, lengths.astype(jnp.int32), num_new.astype(jnp.int32))
-
-
-__all__ = ["available", "dense_decode_attention", "isa", "residual_decode_attention", "unavailable_reason",
-           "write_tokens"]
+__all__ = ["available", "dense_decode_attention", "isa", "residual_decode_attention", "unavailable_reason"]

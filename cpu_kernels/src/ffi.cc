@@ -3,7 +3,6 @@
 //   RqDenseAttention     q, k, v, lengths, slot                      -> acc, m, l
 //   RqQuantAttention     q, lengths, slot, key links (codes, scale, offset)..., key α..., value links...,
 //                        value α..., [mean scores]                   -> acc, m, l
-//   RqWriteTokens        store, new, lengths, num_new                -> store (aliased: written in place)
 //
 // Attention work is split into items of (row, kv head, query-row block, context split of kSplit tokens);
 // only items holding stored tokens run. Items go to XLA's CPU thread pool and the calling thread alike,
@@ -83,17 +82,14 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<void(int
   st->cv.wait(lock, [&] { return st->done.load() == st->n; });
 }
 
-int meta_of(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return kF32;
-    case ffi::DataType::BF16: return kBF16;
-    case ffi::DataType::F16: return kF16;
-    case ffi::DataType::F8E4M3FN: return kFP8;
-    default: return -1;
-  }
+// Stored values arrive as their bits (unsigned integers of their width: XLA:CPU makes a bitcast-convert of
+// a narrow-float leaf a copy, while bits of a cache held as bits are the cache's own buffers); the Meta
+// code of a link comes as an attribute. 16-bit K/V (uint16 or bfloat16) are bfloat16.
+bool is_bf16(const ffi::AnyBuffer& x) {
+  return x.element_type() == ffi::DataType::BF16 || x.element_type() == ffi::DataType::U16;
 }
 
-bool is_bf16(const ffi::AnyBuffer& x) { return x.element_type() == ffi::DataType::BF16; }
+size_t meta_width(int meta) { return meta == kFP8 ? 1 : meta == kF32 ? 4 : 2; }
 
 // Runs every item of problem `p` and merges the splits into acc [B, K, R, D], m, l [B, K, R].
 ffi::Error run_attention(ffi::ThreadPool& pool, Problem p, ItemFn item, float* acc, float* m, float* l) {
@@ -158,8 +154,10 @@ Problem base_problem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& lengths, con
   p.K = qd[1];
   p.R = qd[2];
   p.D = qd[3];
-  p.M = sd[0];
-  p.S = sd[3];
+  const size_t n = sd.size();  // [..., B, K, S, row]: every axis before B stacks slots
+  p.M = 1;
+  for (size_t i = 0; i + 4 < n; ++i) p.M *= sd[i];
+  p.S = sd[n - 2];
   p.q = q.untyped_data();
   p.q_bf16 = is_bf16(q);
   p.lengths = static_cast<const int32_t*>(lengths.untyped_data());
@@ -191,7 +189,8 @@ ffi::Error dense_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
 ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets,
                            ffi::Span<const int64_t> k_bits, ffi::Span<const int64_t> k_groups,
                            ffi::Span<const int64_t> v_bits, ffi::Span<const int64_t> v_groups,
-                           ffi::Span<const int64_t> k_alpha, ffi::Span<const int64_t> v_alpha, int64_t has_means) {
+                           ffi::Span<const int64_t> k_alpha, ffi::Span<const int64_t> v_alpha,
+                           ffi::Span<const int64_t> k_meta, ffi::Span<const int64_t> v_meta, int64_t has_means) {
   size_t next = 0;
   std::optional<ffi::AnyBuffer> missing;
   auto arg = [&]() -> std::optional<ffi::AnyBuffer> {
@@ -205,9 +204,10 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
   Problem p;
   bool first = true;
   auto chain = [&](Chain& c, ffi::Span<const int64_t> bits, ffi::Span<const int64_t> groups,
-                   ffi::Span<const int64_t> alpha) -> ffi::Error {
+                   ffi::Span<const int64_t> alpha, ffi::Span<const int64_t> metas) -> ffi::Error {
     c.n = int(bits.size());
-    if (c.n < 1 || c.n > kMaxLinks || int(groups.size()) != c.n || int(alpha.size()) != c.n - 1)
+    if (c.n < 1 || c.n > kMaxLinks || int(groups.size()) != c.n || int(alpha.size()) != c.n - 1 ||
+        int(metas.size()) != c.n)
       return ffi::Error::InvalidArgument("chain attributes disagree");
     for (int i = 0; i < c.n; ++i) {
       auto codes = arg(), scale = arg(), offset = arg();
@@ -216,8 +216,9 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
         p = base_problem(*q, *lengths, *slot, *codes);
         first = false;
       }
-      const int meta = meta_of(scale->element_type());
-      if (meta < 0 || offset->element_type() != scale->element_type())
+      const int meta = int(metas[i]);
+      if (meta < kF32 || meta > kFP8 || ffi::ByteWidth(scale->element_type()) != meta_width(meta) ||
+          offset->element_type() != scale->element_type())
         return ffi::Error::InvalidArgument("metadata dtype not covered");
       c.link[i] = Link{static_cast<const uint8_t*>(codes->untyped_data()), scale->untyped_data(),
                        offset->untyped_data(), meta, int(bits[i]), int(groups[i])};
@@ -233,8 +234,8 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
     return ffi::Error::Success();
   };
   Chain keys, values;
-  if (auto err = chain(keys, k_bits, k_groups, k_alpha); !err.success()) return err;
-  if (auto err = chain(values, v_bits, v_groups, v_alpha); !err.success()) return err;
+  if (auto err = chain(keys, k_bits, k_groups, k_alpha, k_meta); !err.success()) return err;
+  if (auto err = chain(values, v_bits, v_groups, v_alpha, v_meta); !err.success()) return err;
   p.keys = keys;
   p.values = values;
   if (has_means) {
@@ -247,37 +248,6 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
   if (auto err = check_outputs(*acc, p); !err.success()) return err;
   return run_attention(pool, p, kernels().quant, static_cast<float*>((*acc)->untyped_data()),
                        static_cast<float*>((*m)->untyped_data()), static_cast<float*>((*l)->untyped_data()));
-}
-
-// Token t < num_new[b] of every (g, n, b, k) of `fresh` [G, N, B, K, T, ...] to position lengths[b] + t of
-// `store` [G, N, B, K, S, ...] (dropped at or past S); `out` is `store`'s buffer (aliased), else a copy.
-ffi::Error write_tokens(ffi::AnyBuffer store, ffi::AnyBuffer fresh, ffi::AnyBuffer lengths, ffi::AnyBuffer num_new,
-                        ffi::Result<ffi::AnyBuffer> out) {
-  auto sd = store.dimensions();
-  auto nd = fresh.dimensions();
-  if (sd.size() < 5 || nd.size() != sd.size() || fresh.element_type() != store.element_type())
-    return ffi::Error::InvalidArgument("store and new tokens disagree");
-  for (size_t i = 0; i < sd.size(); ++i)
-    if (i != 4 && sd[i] != nd[i]) return ffi::Error::InvalidArgument("store and new tokens disagree");
-  const int64_t outer = sd[0] * sd[1], B = sd[2], K = sd[3], S = sd[4], T = nd[4];
-  int64_t row = int64_t(ffi::ByteWidth(store.element_type()));
-  for (size_t i = 5; i < sd.size(); ++i) row *= sd[i];
-  auto* dst = static_cast<uint8_t*>(out->untyped_data());
-  const auto* src = static_cast<const uint8_t*>(fresh.untyped_data());
-  if (dst != store.untyped_data()) std::memcpy(dst, store.untyped_data(), store.size_bytes());
-  const auto* len = static_cast<const int32_t*>(lengths.untyped_data());
-  const auto* cnt = static_cast<const int32_t*>(num_new.untyped_data());
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t start = std::clamp<int64_t>(len[b], 0, S);
-      const int64_t n = std::clamp<int64_t>(std::min<int64_t>(cnt[b], T), 0, S - start);
-      if (n == 0) continue;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t cell = (o * B + b) * K + k;
-        std::memcpy(dst + (cell * S + start) * row, src + cell * T * row, n * row);
-      }
-    }
-  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -306,14 +276,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RqQuantAttention, rq::quant_attention,
                                   .Attr<ffi::Span<const int64_t>>("v_groups")
                                   .Attr<ffi::Span<const int64_t>>("k_alpha")
                                   .Attr<ffi::Span<const int64_t>>("v_alpha")
+                                  .Attr<ffi::Span<const int64_t>>("k_meta")
+                                  .Attr<ffi::Span<const int64_t>>("v_meta")
                                   .Attr<int64_t>("has_means"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RqWriteTokens, rq::write_tokens,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
 
 extern "C" const char* RqCpuIsa() { return rq::kernels().isa; }

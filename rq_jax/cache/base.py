@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-import cpu_kernels
 
 _NEG = -1e30  # finite "minus infinity": fully masked rows keep m finite and l = 0, never NaN.
 TOKEN_AXIS = 4  # of every state leaf: [G, N, B, K, S, ...]
@@ -457,29 +456,12 @@ def scatter_tokens(store: Any, new: Any, lengths: Int[Array, "b"], num_new: Int[
 
     Leaves are laid out [G, N, B, K, S, ...] (`new` has T in place of S). Token t of row b goes to
     position lengths[b] + t when t < num_new[b]; the rest, and anything past S, are dropped — never
-    wrapped around. On a CPU the native kernel copies the new tokens' bytes into the aliased leaf
-    (`cpu_kernels.write_tokens`), whatever its dtype and however the cache is held; without it, each row
-    is one read-merge-write of a T-token block (`_write_rows`): XLA:CPU widens a bfloat16 or fp8 scatter
-    to float32, copying the whole leaf twice, while a dynamic-update-slice is done in place. Elsewhere
-    it is one scatter.
+    wrapped around. On a CPU each row is one read-merge-write of a T-token block (`_write_rows`):
+    XLA:CPU widens a bfloat16 or fp8 scatter to float32, copying the whole leaf twice; a
+    dynamic-update-slice is done in place. Elsewhere it is one scatter.
     """
-    write = _scatter
-    if jax.default_backend() == "cpu":
-        write = _write_native if native_kernels() else _write_rows
+    write = _write_rows if jax.default_backend() == "cpu" else _scatter
     return jax.tree_util.tree_map(lambda old, val: write(old, val, lengths, num_new), store, new)
-
-
-def native_kernels() -> bool:
-    """Whether this program can call the native CPU kernels (`cpu_kernels`): they are built here and the
-    program runs on one device (the FFI calls are not partitioned, so a mesh would gather their operands)."""
-    return jax.device_count() == 1 and cpu_kernels.available()
-
-
-def _write_native(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
-    """`scatter_tokens` of one leaf through `cpu_kernels.write_tokens` (in place); differentiated as
-    `_write_rows`."""
-    return with_gradient_of(_write_rows, lambda *a: cpu_kernels.write_tokens(*a),
-                            old, val.astype(old.dtype), lengths, num_new)
 
 
 def with_gradient_of(reference: Callable[..., Any], fn: Callable[..., Any], *args) -> Any:

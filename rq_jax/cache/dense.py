@@ -87,15 +87,16 @@ def _attend_xla(fmt: Dense, slot: DenseSlot, index: base.Index, q: Float[Array, 
 
 
 def _kernel_partial(kernel, slot: DenseSlot, index: base.Index, q: Float[Array, "b t h d"],
-                    lengths: Int[Array, "b"], **kw) -> base.Partial:
+                    lengths: Int[Array, "b"], flat: bool = True, **kw) -> base.Partial:
     """The partial through a kernel of `pallas_kernels.dense_decode_attention`'s signature: queries as
-    [B, K, T·H/K, D] rows, K/V flattened over [G·N] slots."""
+    [B, K, T·H/K, D] rows, K/V over the [G·N] slots (flattened when `flat`, else stacked [G, N, ...] for a
+    kernel that takes leading slot axes)."""
     b, t, h, d = q.shape
     kv_heads = slot.k.shape[3]
     per_kv = h // kv_heads
     rows = base.group_queries(q, kv_heads).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * per_kv, d)
-    flat = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in slot]
-    acc, m, l = kernel(rows, *flat, lengths, index[0] * slot.k.shape[1] + index[1], **kw)
+    kv = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) if flat else x for x in slot]
+    acc, m, l = kernel(rows, *kv, lengths, index[0] * slot.k.shape[1] + index[1], **kw)
 
     def back(x):
         rest = x.shape[3:]
@@ -108,7 +109,7 @@ def _attend_native(fmt, slot, index, q, lengths, calib) -> base.Partial:
     """The native CPU kernel (`cpu_kernels.dense_decode_attention`, XLA FFI)."""
     if jax.device_count() > 1:
         raise NotImplementedError(f"the native kernel is not partitioned over {jax.device_count()} devices")
-    return _kernel_partial(cpu_kernels.dense_decode_attention, slot, index, q, lengths)
+    return _kernel_partial(cpu_kernels.dense_decode_attention, slot, index, q, lengths, flat=False)
 
 
 @attention.DENSE.register("pallas")

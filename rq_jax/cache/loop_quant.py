@@ -135,24 +135,25 @@ def _rotated_partial(q_rot: Float[Array, "b t k g d"], k: tuple[PackedCodes, ...
 
 
 def _kernel_partial(kernel, q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"],
-                    **kw) -> base.Partial:
+                    flat: bool = True, **kw) -> base.Partial:
     """`attend_rotated` through a decode kernel of `pallas_kernels.residual_decode_attention`'s signature
     (the Pallas kernel, or the native CPU kernel): queries as [B, K, T·H/K, D] rows, the chain's streams
-    flattened over [G·N] slots, key means as per-row mean scores."""
+    over the [G·N] slots (flattened when `flat`, else left stacked [G, N, ...] for a kernel that takes
+    leading slot axes), key means as per-row mean scores."""
     from pallas_kernels import QuantStream
 
     b, t, heads, per_kv, d = q_rot.shape
     q = q_rot.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
     num_layers = ops.k[0].codes.shape[1]
     slot = ops.index[0] * num_layers + ops.index[1]
-    def flat(x):  # [G, N, ...] → [G·N, ...]
-        return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    def slots(x):  # [G, N, ...] → [G·N, ...]
+        return x if x is None or not flat else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     def streams(codes):
         codes = map(PackedCodes.effective, codes)
-        return tuple(QuantStream(flat(c.codes), flat(c.scale), flat(c.offset)) for c in codes)
+        return tuple(QuantStream(slots(c.codes), slots(c.scale), slots(c.offset)) for c in codes)
     means = tuple(None if mu is None else jnp.einsum("bkrd,kd->bkr", q, mu) for mu in ops.k_mean)
     acc, m, l = kernel(
-        q, streams(ops.k), streams(ops.v), tuple(map(flat, ops.k_alpha)), tuple(map(flat, ops.v_alpha)),
+        q, streams(ops.k), streams(ops.v), tuple(map(slots, ops.k_alpha)), tuple(map(slots, ops.v_alpha)),
         means, lengths, jnp.asarray(slot, jnp.int32), k_bits=tuple(c.bits for c in ops.k),
         v_bits=tuple(c.bits for c in ops.v), k_group_sizes=tuple(c.group_size for c in ops.k),
         v_group_sizes=tuple(c.group_size for c in ops.v), **kw)
@@ -179,7 +180,7 @@ def attend_native(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: 
     does not cover, or when the kernels cannot be built here."""
     if jax.device_count() > 1:
         raise NotImplementedError(f"the native kernel is not partitioned over {jax.device_count()} devices")
-    return _kernel_partial(cpu_kernels.residual_decode_attention, q_rot, ops, lengths)
+    return _kernel_partial(cpu_kernels.residual_decode_attention, q_rot, ops, lengths, flat=False)
 
 
 attention.PACKED.register("xla")(attend_rotated)

@@ -1,5 +1,5 @@
-"""The native CPU kernels (`cpu_kernels`, XLA FFI) against the Pallas kernels' jnp references, the
-write against XLA's, and the formats' attention and generation through them.
+"""The native CPU kernels (`cpu_kernels`, XLA FFI) against the Pallas kernels' jnp references, and the
+formats' attention and generation through them.
 
 Tolerance: the native kernels compute in float32 (codes exact, metadata decoded exactly, products and
 sums in float32 in another order than the HIGHEST-precision reference, exp over 64-token chunks with an
@@ -104,41 +104,6 @@ def test_vmap_over_a_leading_axis():
         single = cpu_kernels.residual_decode_attention(qs[i], *args[1:], **kw)
         for a, b in zip(batched, single):
             np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "uint8", "float32"])
-def test_write_equals_xla_and_touches_nothing_else(dtype):
-    """Tokens t < num_new[b] land at lengths[b] + t, those past S are dropped, every other byte is kept."""
-    rng = seeded(f"write-{dtype}")
-    store = jnp.asarray(rng.integers(0, 200, (2, 3, 4, 2, 9, 6)).astype(np.float32)).astype(dtype)
-    new = jnp.asarray(rng.integers(0, 200, (2, 3, 4, 2, 3, 6)).astype(np.float32)).astype(dtype)
-    lengths, num_new = jnp.array([0, 7, 9, 4]), jnp.array([3, 3, 2, 0])
-    got = jax.jit(cpu_kernels.write_tokens)(store, new, lengths, num_new)
-    want = base._scatter(store, new, lengths, num_new)
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
-    assert (np.asarray(got)[:, :, 3] == np.asarray(store)[:, :, 3]).all()  # num_new 0: row untouched
-
-
-def test_write_is_in_place_under_donation():
-    """A donated 64 MiB leaf written with one token: no temporary of its size (the output aliases it)."""
-    store = jax.ShapeDtypeStruct((1, 2, 8, 16, 1024, 128), jnp.bfloat16)
-    new = jax.ShapeDtypeStruct((1, 2, 8, 16, 1, 128), jnp.bfloat16)
-    rows = jax.ShapeDtypeStruct((8,), jnp.int32)
-    step = jax.jit(cpu_kernels.write_tokens, donate_argnums=0).lower(store, new, rows, rows).compile()
-    assert step.memory_analysis().temp_size_in_bytes < 2**20
-
-
-def test_write_is_differentiated_as_xla():
-    store, new = jnp.zeros((1, 1, 2, 1, 4, 3)), jnp.ones((1, 1, 2, 1, 2, 3))
-    lengths, num_new = jnp.array([1, 3]), jnp.array([2, 2])
-
-    def loss(write, store, new):
-        return jnp.sum(write(store, new, lengths, num_new) * jnp.arange(4.0)[:, None])
-
-    got = jax.grad(lambda s, n: loss(base._write_native, s, n), argnums=(0, 1))(store, new)
-    want = jax.grad(lambda s, n: loss(base._write_rows, s, n), argnums=(0, 1))(store, new)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 FORMATS = {
