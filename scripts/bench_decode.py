@@ -21,6 +21,29 @@ context. Weights are random (`init_model`) in `--weight-dtype` (bf16); compute r
 Latency is the median of `--repeats` steps after `--warmup` steps, each ended by `block_until_ready`;
 tokens/s = batch / latency.
 
+Implementations (`--impls`, column `impl`): every format runs once per entry with its `attend_impl` set
+to it (`rq_jax.cache.attention`) — on a CPU by default "xla" (the jnp attention, tiled: column `tile`)
+and "native" (the C++ kernels of `cpu_kernels` through the XLA FFI, which read the codes where they lie
+and take no tile); on a GPU the formats' own "auto" (the Pallas kernels). Where the native kernels cannot
+run here one line says why and their rows are dropped. A format without an `attend_impl` (KIVI) has XLA's
+attention only: one row, impl "xla" ("auto" on a GPU), compared with the xla dense row. "native→xla"
+marks a row where the op fell back to XLA for some slot (the reason is printed and kept in `fallback`).
+The impl picks the attention to the stored past only: the new token's K/V are written the same way in
+every row (XLA's in-place dynamic-update-slices on a CPU). Every ratio to dense
+below pairs a row with the dense row of the same impl (and model, context, batch) of the same run, and
+with `--budget-rows` each impl's budget is its own dense step's memory; compare impls with each other
+on ms/step, tok/s and max batch of the same format.
+
+Read bandwidth: the run first times `jit(jnp.sum)` over `--read-mb` MiB of float32 (median of
+`--repeats`; header and JSON `read_bandwidth`, bytes/s: what XLA's own reduction reaches on this
+machine, not a hardware peak). Columns `attn MiB read` and `% read BW`: the cache bytes the step's
+attention reads at the row's context (`rq_jax.perf.attention.bytes_read`: the format's
+`read_bits_per_element`, a residual loop re-reading its anchor, over every looped and plain slot, K and
+V) and those bytes over the step's time as a fraction of the read bandwidth. Attention's bytes only:
+the step also reads the weights (column `step GiB`), the new token's K/V and the activations, so the
+fraction is a lower bound on the step's memory traffic; near 100% the step's time is the cache read
+alone, and a kernel reading faster than XLA's reduction passes 100%.
+
 The cache is not filled by running the model (a 16k-token prefill at full width takes hours on a CPU):
 random K/V (keys correlated across loops) are written through each format's own `write`, in chunks of
 tokens, for one row, and that row is repeated to the batch. A step's time does not depend on the values.
@@ -61,6 +84,7 @@ from rq_jax.cache import base
 from rq_jax.cache.context import SELF_TILE
 from rq_jax.cache.schemes import BENCH_DECODE, catalog
 from rq_jax.config import ModelConfig, changes_from, parse_preset
+from rq_jax.perf import attention as pa
 from rq_jax.perf.decode import DecodeBench, describe_device
 from rq_jax.sampling import PREFILL_CHUNK
 
@@ -97,15 +121,15 @@ def _gib(m) -> str:
 
 
 def add_ratios(rows: list[dict], budget_rows: list[dict]) -> None:
-    """Ratios to the dense row of the same model, context (and batch), from this run's figures."""
-    dense = {(r["model"], r["context"], r["batch"]): r for r in rows if r["format"] == "dense bf16"}
+    """Ratios to the dense row of the same model, context, impl (and batch), from this run's figures."""
+    dense = {(r["model"], r["context"], r["impl"], r["batch"]): r for r in rows if r["format"] == "dense bf16"}
     for r in rows:
-        d = dense.get((r["model"], r["context"], r["batch"]))
+        d = dense.get((r["model"], r["context"], r["impl"], r["batch"]))
         r["bytes_x_dense"] = d["cache_nbytes"] / r["cache_nbytes"] if d else None
         r["tok_s_x_dense"] = r["tok_s"] / d["tok_s"] if d and r["tok_s"] and d["tok_s"] else None
-    dense = {(r["model"], r["context"]): r for r in budget_rows if r["format"] == "dense bf16"}
+    dense = {(r["model"], r["context"], r["impl"]): r for r in budget_rows if r["format"] == "dense bf16"}
     for r in budget_rows:
-        d = dense.get((r["model"], r["context"]))
+        d = dense.get((r["model"], r["context"], r["impl"]))
         r["batch_x_dense"] = r["max_batch"] / d["max_batch"] if d and d["max_batch"] else None
         r["peak_x_dense"] = r["peak_tok_s"] / d["peak_tok_s"] if d and r["peak_tok_s"] and d["peak_tok_s"] else None
 
@@ -114,18 +138,34 @@ def _mib(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / MiB:.1f}"
 
 
+def _impl(r: dict) -> str:
+    """The row's impl, "→xla" added when the decode-attention op fell back to XLA for some slot."""
+    return r["impl"] + ("→xla" if r.get("fallback") else "")
+
+
+def add_reads(rows: list[dict], configs: dict[str, ModelConfig], read_bw: float) -> None:
+    """Each step row's attention bytes (`rq_jax.perf.attention.bytes_read`: the cache bytes its attention
+    reads at the row's context, by the format's `read_bits_per_element`) and, when timed, those bytes per
+    second as a fraction of the measured read bandwidth."""
+    for r in rows:
+        r["attn_bytes"] = pa.bytes_read(DecodeBench.fmt(r["format"], r["impl"]), configs[r["model"]], r["batch"],
+                                        r["context"])
+        r["read_fraction"] = r["attn_bytes"] / (r["ms"] / 1e3) / read_bw if r["ms"] else None
+
+
 def step_table(rows: list[dict]) -> list[str]:
-    cols = ("model", "context", "batch", "format", "tile", "ms/step", "tok/s", "tok/s × dense (read limit)",
-            "cache MiB", "dense bytes ÷ format bytes (storage limit)", "temp MiB (per row)",
-            "step GiB (weights + cache + temp + other)", "ms holding `filled` tokens (× full)")
+    cols = ("model", "context", "batch", "format", "impl", "tile", "ms/step", "tok/s", "tok/s × dense (read limit)",
+            "attn MiB read", "% read BW", "cache MiB", "dense bytes ÷ format bytes (storage limit)",
+            "temp MiB (per row)", "step GiB (weights + cache + temp + other)", "ms holding `filled` tokens (× full)")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         timed = r["ms"] is not None
         filled = "-" if r.get("ms_filled") is None else \
             f"{r['ms_filled']:.1f} at {r['filled']} ({r['ms_filled'] / r['ms']:.2f})"
-        cells = (r["model"], r["context"], r["batch"], r["format"], r["tile"],
+        cells = (r["model"], r["context"], r["batch"], r["format"], _impl(r), r["tile"],
                  f"{r['ms']:.1f}" if timed else r["run"], f"{r['tok_s']:.2f}" if timed else "-",
-                 _ratio(r["tok_s_x_dense"], r["read_limit"]),
+                 _ratio(r["tok_s_x_dense"], r["read_limit"]), _mib(r["attn_bytes"]),
+                 "-" if r["read_fraction"] is None else f"{100 * r['read_fraction']:.0f}%",
                  _mib(r["cache_nbytes"]),
                  _ratio(r["bytes_x_dense"], r["storage_limit"]),
                  f"{_mib(r['memory']['temp'])} ({_mib(r['memory']['temp'] / r['batch'])})",
@@ -135,8 +175,8 @@ def step_table(rows: list[dict]) -> list[str]:
 
 
 def budget_table(rows: list[dict]) -> list[str]:
-    cols = ("model", "context", "format", "budget GiB", "max batch", "GiB at max (w + c + t + o)", "GiB at max + 1",
-            "MiB per added row (cache, temp per row)", "batch × dense (storage limit)", "peak tok/s",
+    cols = ("model", "context", "format", "impl", "budget GiB", "max batch", "GiB at max (w + c + t + o)",
+            "GiB at max + 1", "MiB per added row (cache, temp per row)", "batch × dense (storage limit)", "peak tok/s",
             "peak × dense (storage limit)")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -145,7 +185,8 @@ def budget_table(rows: list[dict]) -> list[str]:
             best = f"≥ {r['max_batch']} (cap)"
         per_row = "-" if r["per_row"] is None else \
             f"{_mib(r['per_row'])} ({_mib(r['cache_per_row'])}, {_mib(r['temp_per_row'])})"
-        cells = (r["model"], r["context"], r["format"], f"{r['budget'] / GiB:.2f}", best, _gib(r["memory"]),
+        cells = (r["model"], r["context"], r["format"], _impl(r), f"{r['budget'] / GiB:.2f}", best,
+                 _gib(r["memory"]),
                  "-" if r["next_memory"] is None else f"{r['next_memory']['total'] / GiB:.2f}", per_row,
                  _ratio(r["batch_x_dense"], r["storage_limit"]),
                  f"{r['peak_tok_s']:.2f}" if r["peak_tok_s"] else r["peak_run"],
@@ -155,11 +196,12 @@ def budget_table(rows: list[dict]) -> list[str]:
 
 
 def prefill_table(rows: list[dict]) -> list[str]:
-    cols = ("model", "prompt tokens", "format", "cache MiB", "temp GiB", "step GiB (weights + cache + temp + other)")
+    cols = ("model", "prompt tokens", "format", "impl", "cache MiB", "temp GiB",
+            "step GiB (weights + cache + temp + other)")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         m = r["memory"]
-        cells = (r["model"], r["tokens"], r["format"], _mib(m["cache"]), f"{m['temp'] / GiB:.2f}", _gib(m))
+        cells = (r["model"], r["tokens"], r["format"], r["impl"], _mib(m["cache"]), f"{m['temp'] / GiB:.2f}", _gib(m))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
@@ -178,6 +220,9 @@ def main(argv=None):
     labels = [s.label for s in catalog()]
     p.add_argument("--formats", nargs="+", choices=labels, default=list(BENCH_DECODE), metavar="LABEL",
                    help=f"scheme labels of the catalog (rq_jax/cache/schemes.py), among {labels}")
+    p.add_argument("--impls", nargs="+", choices=("xla", "native"), default=["auto"] if on_gpu else ["xla", "native"],
+                   metavar="IMPL", help="attend_impl of every format, one row per impl (xla, native; on a GPU the "
+                                        "default is the formats' own 'auto')")
     p.add_argument("--context", type=cli.positive_int, nargs="+",
                    default=[1024, 2048, 4096, 8192, 16384] if on_gpu else [4096], help="tokens already cached")
     p.add_argument("--batch", type=cli.positive_int, nargs="+", default=[1, 4, 16] if on_gpu else [1],
@@ -206,6 +251,8 @@ def main(argv=None):
                    help="also compile (batch 1, not run) the prefill of a prompt of this many tokens per format")
     p.add_argument("--prefill-chunk", type=cli.nonnegative_int, default=PREFILL_CHUNK,
                    help="tokens per model call of those prefills (rq_jax.sampling.prefill; 0: one call)")
+    p.add_argument("--read-mb", type=cli.positive_int, default=1024,
+                   help="MiB summed (jit(jnp.sum), float32) to measure the read bandwidth")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = p.parse_args(argv)
     if args.memory_gb is None and "dense bf16" not in args.formats:
@@ -219,8 +266,20 @@ def main(argv=None):
     budget_words = (f"{args.memory_gb:g} GiB" if fixed_budget is not None else
                     f"the 'dense bf16' step's memory at batch {args.budget_rows} (per model and context)")
     command = "python scripts/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    impls, dropped = pa.usable_impls(list(dict.fromkeys(args.impls)))
+    if dropped:
+        print(dropped)
+    if not impls:
+        sys.exit(f"{dropped}; no --impls left to run")
+    # A format without attend_impl (KIVI) has XLA's attention only: one row, "xla" ("auto" on a GPU).
+    runs = {fmt: list(dict.fromkeys(i if pa.takes_impl(DecodeBench.fmt(fmt)) or i == "auto" else "xla"
+                                    for i in impls)) for fmt in args.formats}
+    read_bw = pa.read_bandwidth(args.read_mb << 20, args.repeats)
     header = [
-        f"device: {describe_device()}; jax {jax.__version__}",
+        f"device: {describe_device()}; jax {jax.__version__}; read bandwidth {read_bw / 1e9:.1f} GB/s "
+        f"(jit(jnp.sum) of {args.read_mb} MiB float32, median of {args.repeats})",
+        "attention impl: " + pa.describe_impls(impls) + " (each format's attend_impl, one row per format and impl; a "
+        "format without attend_impl: xla only; '→xla': the op fell back to XLA for some slot)",
         f"dtypes: weights {args.weight_dtype}, compute {args.dtype}, cache as each format's label says",
         *(f"model {label}: {c.num_layers} looped layers x {c.num_loops} loops"
           + (f" + {c.num_plain_layers} plain layers" if c.num_plain_layers else "")
@@ -229,7 +288,7 @@ def main(argv=None):
         f"step: median of {args.repeats} after {args.warmup} warm-up, block_until_ready; cache filled by each "
         "format's write (random K/V, one row repeated); timed contexts: "
         + (", ".join(map(str, sorted(run_contexts))) or "none (compile only)"),
-        f"attention: tiled, tile = rq_jax.cache.base.context_tile (a float32 operand of at most "
+        f"XLA's attention: tiled, tile = rq_jax.cache.base.context_tile (a float32 operand of at most "
         f"{base.TILE_ELEMENTS} elements, at least {base.MIN_TILE} tokens; column 'tile'); prompts over "
         f"{SELF_TILE} tokens attend to themselves in {SELF_TILE} x {SELF_TILE} tiles",
         f"memory: XLA memory_analysis of the compiled step; budget {budget_words}",
@@ -237,58 +296,72 @@ def main(argv=None):
     ]
     for line in header:
         print(line)
-    per_model = len(args.formats) * (len(args.context) * (len(args.batch) + (2 if search else 0)) + len(args.prefill))
+    per_model = sum(map(len, runs.values())) * (len(args.context) * (len(args.batch) + (2 if search else 0))
+                                                + len(args.prefill))
     bar = tqdm(total=per_model * len(models), desc="bench_decode", unit="step", file=sys.stderr)
     rows, budget_rows, prefill_rows, compile_s, began = [], [], [], {}, time.perf_counter()
+    said = set()  # the decode-attention op's fallback warnings printed so far
     for label, config, _ in models:
         bench = DecodeBench(label, config, args, run=bool(run_contexts))
         for context in args.context:
             timed = context in run_contexts
-            budget = fixed_budget
-            if budget is None:
-                budget = bench.memory("dense bf16", context, args.budget_rows)["total"]
+            budgets = {}
             for fmt in args.formats:
-                for batch in args.batch:
-                    bar.set_postfix_str(f"{label.split()[0]} {context} {fmt} b{batch}")
-                    row = bench.measure(fmt, context, batch, timed, args.filled)
-                    rows.append(row)
+                for impl in runs[fmt]:
+                    name = f"{label.split()[0]} {context} {fmt} {impl}"
+                    for batch in args.batch:
+                        bar.set_postfix_str(f"{name} b{batch}")
+                        row = bench.measure(fmt, context, batch, timed, args.filled, impl)
+                        rows.append(row)
+                        bar.update()
+                        tqdm.write(f"  {label} ctx {context} b{batch} {fmt} {_impl(row)}: "
+                                   + (f"{row['ms']:.1f} ms, {row['tok_s']:.2f} tok/s" if row["ms"] else row["run"])
+                                   + f", cache {row['cache_nbytes'] / MiB:.1f} MiB, temp "
+                                   f"{row['memory']['temp'] / MiB:.1f} MiB, step "
+                                   f"{row['memory']['total'] / GiB:.2f} GiB")
+                    for message in bench.fallbacks.get((fmt, impl), []):
+                        if (label, message) not in said:
+                            said.add((label, message))
+                            tqdm.write(f"  {label} {fmt} {impl}: {message}")
+                    if not search:
+                        continue
+                    if impl not in budgets:  # --budget-rows: dense's step memory on the same impl
+                        budgets[impl] = fixed_budget or bench.memory("dense bf16", context, args.budget_rows,
+                                                                     impl)["total"]
+                    budget = budgets[impl]
+                    bar.set_postfix_str(f"{name} budget search")
+                    found = bench.largest_batch(fmt, context, budget, args.max_batch, impl)
                     bar.update()
-                    tqdm.write(f"  {label} ctx {context} b{batch} {fmt}: "
-                               + (f"{row['ms']:.1f} ms, {row['tok_s']:.2f} tok/s" if row["ms"] else row["run"])
-                               + f", cache {row['cache_nbytes'] / MiB:.1f} MiB, temp {row['memory']['temp'] / MiB:.1f}"
-                               f" MiB, step {row['memory']['total'] / GiB:.2f} GiB")
-                if not search:
-                    continue
-                bar.set_postfix_str(f"{label.split()[0]} {context} {fmt} budget search")
-                found = bench.largest_batch(fmt, context, budget, args.max_batch)
-                bar.update()
-                found["peak_tok_s"], found["peak_run"] = None, "none fits" if not found["max_batch"] else "-"
-                if found["max_batch"] and timed:
-                    bar.set_postfix_str(f"{label.split()[0]} {context} {fmt} b{found['max_batch']} (peak)")
-                    done = next((r for r in rows if (r["model"], r["context"], r["format"], r["batch"])
-                                 == (label, context, fmt, found["max_batch"])), None)
-                    peak = done or bench.measure(fmt, context, found["max_batch"])
-                    found["peak_tok_s"], found["peak_run"] = peak["tok_s"], peak["run"]
-                    found["peak_ms"] = peak["ms"]
-                elif found["max_batch"]:
-                    found["peak_run"] = "not run (compile only)"
-                bar.update()
-                budget_rows.append(found)
-                tqdm.write(f"  {label} ctx {context} {fmt}: largest batch {found['max_batch']} in "
-                           f"{budget / GiB:.2f} GiB ({len(found['totals'])} programs compiled), peak "
-                           + (f"{found['peak_tok_s']:.2f} tok/s" if found["peak_tok_s"] else found["peak_run"]))
+                    found["peak_tok_s"], found["peak_run"] = None, "none fits" if not found["max_batch"] else "-"
+                    if found["max_batch"] and timed:
+                        bar.set_postfix_str(f"{name} b{found['max_batch']} (peak)")
+                        done = next((r for r in rows if (r["model"], r["context"], r["format"], r["impl"], r["batch"])
+                                     == (label, context, fmt, impl, found["max_batch"])), None)
+                        peak = done or bench.measure(fmt, context, found["max_batch"], impl=impl)
+                        found["peak_tok_s"], found["peak_run"] = peak["tok_s"], peak["run"]
+                        found["peak_ms"] = peak["ms"]
+                    elif found["max_batch"]:
+                        found["peak_run"] = "not run (compile only)"
+                    bar.update()
+                    found["fallback"] = list(bench.fallbacks.get((fmt, impl), ())) or None
+                    budget_rows.append(found)
+                    tqdm.write(f"  {label} ctx {context} {fmt} {impl}: largest batch {found['max_batch']} in "
+                               f"{budget / GiB:.2f} GiB ({len(found['totals'])} programs compiled), peak "
+                               + (f"{found['peak_tok_s']:.2f} tok/s" if found["peak_tok_s"] else found["peak_run"]))
         for tokens in args.prefill:
             for fmt in args.formats:
-                bar.set_postfix_str(f"{label.split()[0]} prefill {tokens} {fmt}")
-                mem = bench.prefill_memory(fmt, tokens)
-                prefill_rows.append(dict(model=label, tokens=tokens, format=fmt, memory=mem))
-                bar.update()
+                for impl in runs[fmt]:
+                    bar.set_postfix_str(f"{label.split()[0]} prefill {tokens} {fmt} {impl}")
+                    mem = bench.prefill_memory(fmt, tokens, impl)
+                    prefill_rows.append(dict(model=label, tokens=tokens, format=fmt, impl=impl, memory=mem))
+                    bar.update()
         compile_s[label] = bench.compile_seconds
         del bench
     bar.close()
     wall = time.perf_counter() - began
     header.append(f"wall time {wall:.0f} s, of which compiling steps "
                   + ", ".join(f"{label} {secs:.0f} s" for label, secs in compile_s.items()))
+    add_reads(rows, {label: c for label, c, _ in models}, read_bw)
     add_ratios(rows, budget_rows)
     lines = ["## Decode step", "", *step_table(rows)]
     if search:
@@ -301,7 +374,7 @@ def main(argv=None):
         Path(args.out + ".md").write_text(text)
         Path(args.out + ".json").write_text(json.dumps(dict(
             header=header, device=describe_device(), platform=jax.default_backend(), jax=jax.__version__,
-            args=vars(args), budget=fixed_budget, wall_s=wall, compile_s=compile_s,
+            read_bandwidth=read_bw, impls=impls, args=vars(args), budget=fixed_budget, wall_s=wall, compile_s=compile_s,
             models={label: dict(config=vars(c), changed=d) for label, c, d in models},
             rows=rows, budget_rows=budget_rows, prefill_rows=prefill_rows), indent=2))
 

@@ -7,11 +7,19 @@ family, XLA elsewhere). The cache is a one-layer model cache of the preset's hea
 through the format's `write` (`rq_jax.perf.decode.filled_row`). Bytes read per step follow the
 format's `read_bits_per_element` (a residual loop re-reads its anchor). On a GPU the dense slot is
 also timed through the dense Pallas kernel and JAX's own `decode_attention`, the outside peer.
+
+`with_impl` gives a format on one implementation of the decode-attention op (`rq_jax.cache.attention`),
+`fallbacks` collects the op's fallback warnings (a kernel that does not cover a slot), and
+`read_bandwidth` / `copy_bandwidth` measure the device's memory bandwidth in the same run;
+`scripts/bench_decode.py` shares `bytes_read` and `read_bandwidth`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import logging
 import statistics
 import time
 
@@ -42,9 +50,53 @@ def filled_cache(config: ModelConfig, fmt: base.CacheFormat, batch: int, context
 
 
 def bytes_read(fmt: base.CacheFormat, config: ModelConfig, batch: int, context: int) -> int:
-    """Cache bytes one step (every loop, K and V) reads: `read_bits_per_element` × the stored elements."""
-    elements = 2 * LOOPS * batch * config.num_kv_heads * context * config.head_dim
-    return int(fmt.read_bits_per_element(LOOPS, config.head_dim, context) * elements / 8)
+    """Cache bytes one decode step's attention reads from `context` stored tokens per row (K and V of every
+    slot): `read_bits_per_element` × the stored elements, over the looped slots (`fmt` over the config's
+    loops) and Huginn's plain slots (`fmt` as a one-loop group), as `rq_jax.memory.byte_limits` counts
+    them. For `attention_config` (one layer of `LOOPS` loops): that layer's bytes."""
+    d = config.head_dim
+    slot = 2 * batch * config.num_kv_heads * context * d  # K and V elements of one (loop, layer) slot
+    bits = (config.num_layers * config.num_loops * fmt.read_bits_per_element(config.num_loops, d, context)
+            + config.num_plain_layers * fmt.read_bits_per_element(1, d, context))
+    return int(bits * slot / 8)
+
+
+def takes_impl(fmt: base.CacheFormat) -> bool:
+    """Whether the format has an `attend_impl` policy field (the others' attention is XLA's only)."""
+    return any(f.name == "attend_impl" for f in dataclasses.fields(fmt))
+
+
+def with_impl(fmt: base.CacheFormat, impl: str) -> base.CacheFormat:
+    """`fmt` with attend_impl = `impl` ("auto", "xla", "native", "pallas"); a format without the field as it is."""
+    return dataclasses.replace(fmt, attend_impl=impl) if takes_impl(fmt) else fmt
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message not in self.messages:
+            self.messages.append(message)
+
+
+@contextlib.contextmanager
+def fallbacks():
+    """Collect (a list, filled inside the block) the decode-attention op's fallback warnings logged while
+    tracing inside it: "... attend_impl='native' does not cover this slot (why); using xla". An explicit
+    implementation logs at every trace, so a program traced inside says whether its kernel ran. The
+    records still propagate to the loggers above (Python's last-resort stderr handler, though, only
+    prints when no handler at all takes them: print the list)."""
+    from rq_jax.cache import attention
+
+    handler = _Collect()
+    attention.log.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        attention.log.removeHandler(handler)
 
 
 def step_fn(fmt: base.CacheFormat):
@@ -91,6 +143,32 @@ def dense_kernel_fn(impl: str):
     return jax.jit(step, static_argnames="inner")
 
 
+def usable_impls(impls: list[str]) -> tuple[list[str], str]:
+    """(`impls` less "native" where the native CPU kernels cannot run, a line saying why; "" when none is
+    dropped): the `--impls` of the benchmark scripts."""
+    if "native" not in impls:
+        return list(impls), ""
+    import cpu_kernels
+
+    why = ""
+    if jax.default_backend() != "cpu":
+        why = f"the native kernels run on a CPU, this backend is {jax.default_backend()}"
+    elif not cpu_kernels.available():
+        why = cpu_kernels.unavailable_reason()
+    if not why:
+        return list(impls), ""
+    return [i for i in impls if i != "native"], f"native is unavailable ({why}): its rows are dropped"
+
+
+def describe_impls(impls: list[str]) -> str:
+    """The impls in words for a table's header, naming the native kernels' instruction set where run."""
+    if "native" not in impls:
+        return ", ".join(impls)
+    import cpu_kernels
+
+    return ", ".join(f"native ({cpu_kernels.isa()} kernels)" if i == "native" else i for i in impls)
+
+
 def timed(fn, args, repeats: int) -> float:
     """Median seconds of `repeats` calls of fn(*args) after one warm-up, each ended by block_until_ready."""
     jax.block_until_ready(fn(*args))
@@ -106,3 +184,11 @@ def copy_bandwidth(nbytes: int, repeats: int) -> float:
     """Device copy bandwidth in bytes/s: read + write of an `nbytes` float32 buffer."""
     x = jnp.zeros(nbytes // 4, jnp.float32)
     return 2 * nbytes / timed(jax.jit(lambda x: x + 1.0), (x,), repeats)
+
+
+def read_bandwidth(nbytes: int, repeats: int) -> float:
+    """Device read bandwidth in bytes/s: `nbytes` of float32 (a buffer written beforehand) summed by
+    `jax.jit(jnp.sum)`, the median of `repeats` calls after a warm-up. What XLA's own reduction reaches
+    on this machine, not a hardware peak: a kernel reading faster than XLA's reduction exceeds it."""
+    x = jax.block_until_ready(jnp.full(nbytes // 4, 1.0, jnp.float32))
+    return (nbytes // 4) * 4 / timed(jax.jit(jnp.sum), (x,), repeats)

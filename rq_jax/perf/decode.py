@@ -110,9 +110,11 @@ def filled_row(config: ModelConfig, fmt, calib, context: int, seed: int = 0):
 
 
 @functools.lru_cache(maxsize=None)
-def _scheme_format(label: str) -> base.CacheFormat:
+def _scheme_format(label: str, impl: str = "auto") -> base.CacheFormat:
+    from rq_jax.perf.attention import with_impl  # rq_jax.perf.attention imports this module
+
     (scheme,) = schemes.pick([label])
-    return scheme.fmt
+    return with_impl(scheme.fmt, impl)
 
 
 # ---- one model --------------------------------------------------------------------------------------
@@ -122,7 +124,10 @@ class DecodeBench:
     """One model's random weights, its decode step, and the measurements at (scheme, context, batch).
 
     `args` carries the run's settings: dtype, weight_dtype, warmup, repeats, machine_gb, prefill_chunk (see
-    `scripts/bench_decode.py`). Schemes are the catalog's (`rq_jax.cache.schemes`), by label."""
+    `scripts/bench_decode.py`). Schemes are the catalog's (`rq_jax.cache.schemes`), by label, each on an
+    implementation `impl` of the decode-attention op (its `attend_impl`, `rq_jax.perf.attention.with_impl`;
+    default "auto"); `fallbacks[(label, impl)]` holds the op's fallback warnings logged while compiling
+    its steps (the kernel did not cover a slot and XLA ran instead)."""
 
     def __init__(self, label: str, config: ModelConfig, args, run: bool):
         self.label, self.config, self.args = label, config, args
@@ -135,51 +140,64 @@ class DecodeBench:
         self.prefill = prefill_step(graphdef, args.prefill_chunk or None)
         self.rng = jax.random.key(0)
         self.calibs, self.compiled, self.compile_seconds, self.filled = {}, {}, 0.0, (None, None)
+        self.fallbacks: dict[tuple[str, str], list[str]] = {}
 
     def calib(self, label: str):
-        """The format's data-free calibration (independent of batch and length), built once."""
+        """The format's data-free calibration (independent of batch, length and impl), built once."""
         if label not in self.calibs:
             shapes = jax.eval_shape(lambda: init_cache(self.config, 1, 1, self.fmt(label)))
             self.calibs[label] = default_calib(shapes)
         return self.calibs[label]
 
     @staticmethod
-    def fmt(label: str) -> base.CacheFormat:
-        return _scheme_format(label)
+    def fmt(label: str, impl: str = "auto") -> base.CacheFormat:
+        return _scheme_format(label, impl)
 
-    def compile(self, label: str, context: int, batch: int, search: bool = False):
+    def _lower(self, fn, label: str, impl: str, *args):
+        """fn.lower(*args), the decode-attention op's fallback warnings kept in `fallbacks[(label, impl)]`."""
+        from rq_jax.perf.attention import fallbacks
+
+        with fallbacks() as fell:
+            lowered = fn.lower(*args)
+        seen = self.fallbacks.setdefault((label, impl), [])
+        seen += [m for m in fell if m not in seen]
+        return lowered
+
+    def compile(self, label: str, context: int, batch: int, search: bool = False, impl: str = "auto"):
         """(compiled step for abstract inputs, its memory dict, the cache's bytes), kept for reuse. A
         search compiles with LLVM optimisation off on a CPU (same buffers, faster to compile)."""
         options = SEARCH_OPTIONS if search and jax.default_backend() == "cpu" else None
-        key = (label, context, batch, tuple(sorted((options or {}).items())))
+        key = (label, impl, context, batch, tuple(sorted((options or {}).items())))
         if key not in self.compiled:
-            cache = jax.eval_shape(lambda: init_cache(self.config, batch, context + 1, self.fmt(label)).as_bits())
+            fmt = self.fmt(label, impl)
+            cache = jax.eval_shape(lambda: init_cache(self.config, batch, context + 1, fmt).as_bits())
             nbytes = base.tree_nbytes((cache.looped, cache.plain))
-            lowered = self.step.lower(self.param_shapes, jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache,
-                                      self.calib(label), self.rng)
+            lowered = self._lower(self.step, label, impl, self.param_shapes,
+                                  jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache, self.calib(label), self.rng)
             start = time.perf_counter()
             compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
             self.compile_seconds += time.perf_counter() - start
             self.compiled[key] = compiled, memory.step_memory(compiled, self.weights, nbytes), nbytes
         return self.compiled[key]
 
-    def prefill_memory(self, label: str, tokens: int) -> dict:
+    def prefill_memory(self, label: str, tokens: int, impl: str = "auto") -> dict:
         """The memory of the prefill (`prefill_step`: chunks of `args.prefill_chunk` tokens) of a `tokens`-token
         prompt (batch 1) into an empty cache of `tokens + 1` positions, compiled for abstract inputs (with
         LLVM optimisation off on a CPU, as a search)."""
-        cache = jax.eval_shape(lambda: init_cache(self.config, 1, tokens + 1, self.fmt(label)).as_bits())
-        lowered = self.prefill.lower(self.param_shapes, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache,
-                                     self.calib(label), self.rng)
+        fmt = self.fmt(label, impl)
+        cache = jax.eval_shape(lambda: init_cache(self.config, 1, tokens + 1, fmt).as_bits())
+        lowered = self._lower(self.prefill, label, impl, self.param_shapes,
+                              jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache, self.calib(label), self.rng)
         start = time.perf_counter()
         options = SEARCH_OPTIONS if jax.default_backend() == "cpu" else None
         compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
         self.compile_seconds += time.perf_counter() - start
         return memory.step_memory(compiled, self.weights, base.tree_nbytes((cache.looped, cache.plain)))
 
-    def memory(self, label: str, context: int, batch: int) -> dict:
+    def memory(self, label: str, context: int, batch: int, impl: str = "auto") -> dict:
         """The step's memory at a batch: from a program already compiled for a run, else a search compile."""
-        done = [v for k, v in self.compiled.items() if k[:3] == (label, context, batch)]
-        return done[0][1] if done else self.compile(label, context, batch, search=True)[1]
+        done = [v for k, v in self.compiled.items() if k[:4] == (label, impl, context, batch)]
+        return done[0][1] if done else self.compile(label, context, batch, search=True, impl=impl)[1]
 
     def room(self) -> int | None:
         """Bytes a step may still take beyond the resident weights on this machine."""
@@ -198,28 +216,33 @@ class DecodeBench:
         c = self.config
         return base.context_tile(batch, 1, c.num_heads, c.num_kv_heads, c.head_dim, context + 1)
 
-    def measure(self, label: str, context: int, batch: int, run: bool = True, filled: int | None = None) -> dict:
-        """Latency, tokens/s, cache bytes and step memory at (format, context, batch), and with `filled`
-        the latency of the same cache holding only `filled` tokens; times None with the reason in `run`
-        when the step is not run (`run` False: compile only)."""
-        row = dict(model=self.label, context=context, batch=batch, format=label, stored=self.fmt(label).describe(),
+    def measure(self, label: str, context: int, batch: int, run: bool = True, filled: int | None = None,
+                impl: str = "auto") -> dict:
+        """Latency, tokens/s, cache bytes and step memory at (format, impl, context, batch), and with
+        `filled` the latency of the same cache holding only `filled` tokens; times None with the reason in
+        `run` when the step is not run (`run` False: compile only). `fallback`: the decode-attention op's
+        fallback warnings of this format and impl so far (None: none)."""
+        fmt = self.fmt(label, impl)
+        row = dict(model=self.label, context=context, batch=batch, format=label, impl=impl, stored=fmt.describe(),
                    ms=None, tok_s=None, run="ok", tile=self.tile(context, batch), filled=None, ms_filled=None,
-                   **memory.byte_limits(self.fmt(label), self.config, context))
+                   **memory.byte_limits(fmt, self.config, context))
         if self.params is None or not run:  # compile only: a search's program has the same buffers
-            mem = self.memory(label, context, batch)
-            return {**row, "cache_nbytes": mem["cache"], "memory": mem, "run": "not run (compile only)"}
-        compiled, mem, nbytes = self.compile(label, context, batch)
-        row.update(cache_nbytes=nbytes, memory=mem)
+            mem = self.memory(label, context, batch, impl)
+            return {**row, "cache_nbytes": mem["cache"], "memory": mem, "run": "not run (compile only)",
+                    "fallback": list(self.fallbacks.get((label, impl), ())) or None}
+        compiled, mem, nbytes = self.compile(label, context, batch, impl=impl)
+        row.update(cache_nbytes=nbytes, memory=mem, fallback=list(self.fallbacks.get((label, impl), ())) or None)
         room = self.room()
         if room is not None and mem["total"] - self.weights > room:
             row["run"] = f"not run: needs {(mem['total'] - self.weights) / GiB:.1f} GiB beyond the weights, " \
                          f"this machine has {room / GiB:.1f}"
             return row
         start = time.perf_counter()
-        if self.filled[0] != (label, context):  # one filled row kept: the batches of a format and context share it
+        if self.filled[0] != (label, context):  # one filled row kept: a format's batches and impls share it
             self.filled = (label, context), None
             self.filled = (label, context), filled_row(self.config, self.fmt(label), self.calib(label), context)
         cache = jax.block_until_ready(repeat_rows(self.filled[1], batch, context).as_bits())
+        cache = cache.replace(fmt=fmt, plain_fmt=fmt)  # the same state on this impl (init_cache: plain_fmt = fmt)
         kept = {x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(self.filled[1])}
         if any(x.unsafe_buffer_pointer() in kept for x in jax.tree_util.tree_leaves(cache)):
             cache = jax.tree_util.tree_map(jnp.copy, cache)  # the step donates its cache: never the kept row
@@ -243,23 +266,23 @@ class DecodeBench:
         row["run_s"] = time.perf_counter() - begin
         return row
 
-    def largest_batch(self, label: str, context: int, budget: int, cap: int) -> dict:
+    def largest_batch(self, label: str, context: int, budget: int, cap: int, impl: str = "auto") -> dict:
         """The largest batch whose compiled step fits `budget` bytes, with its memory and b + 1's."""
         memories = {}
 
         def total(b):
-            memories[b] = self.memory(label, context, b)
+            memories[b] = self.memory(label, context, b, impl)
             return memories[b]["total"]
 
         best, seen = memory.largest_fitting(total, budget, cap)
         at, after = memories.get(best), memories.get(best + 1)
-        return dict(model=self.label, context=context, format=label, budget=budget, max_batch=best,
+        return dict(model=self.label, context=context, format=label, impl=impl, budget=budget, max_batch=best,
                     memory=at, next_batch=best + 1 if best + 1 in seen else None, next_memory=after,
                     totals={b: seen[b] for b in sorted(seen)},
                     per_row=None if at is None or after is None else after["total"] - at["total"],
                     cache_per_row=None if at is None else at["cache"] / best,
                     temp_per_row=None if at is None else at["temp"] / best,
-                    **memory.byte_limits(self.fmt(label), self.config, context))
+                    **memory.byte_limits(self.fmt(label, impl), self.config, context))
 
 
 def describe_device() -> str:

@@ -17,43 +17,56 @@ def run_ok(name, *argv):
 
 
 def test_bench_decode_rows_bytes_ratios_and_budget(tmp_path):
-    """Every requested row; cache bytes equal `cache_nbytes` of a cache built the same way; ratios follow
-    the bytes and times of the same run; the largest batch's compiled step fits the budget and the next
-    batch's does not. Also the byte limits at Ouro-1.4B's shape (no compile)."""
+    """Every requested row, once per impl (native where the kernels load); cache bytes equal `cache_nbytes`
+    of a cache built the same way; ratios follow the bytes and times of the same run and pair rows of the
+    same impl; the attention's bytes follow `rq_jax.perf.attention.bytes_read` and "% read BW" the measured
+    read bandwidth; the largest batch's compiled step fits the budget and the next batch's does not. Also
+    the byte limits at Ouro-1.4B's shape (no compile)."""
+    import cpu_kernels
     from rq_jax.cache import cache_nbytes, init_cache
     from rq_jax.config import ModelConfig, preset
     from rq_jax.memory import byte_limits
+    from rq_jax.perf.attention import bytes_read
 
     tiny = ("ouro-1.4b:num_layers=1,hidden_size=64,num_heads=2,num_kv_heads=2,head_dim=32,intermediate_size=128,"
             "vocab_size=256")
     out = tmp_path / "bench"
     run = run_ok("bench_decode", "--models", tiny, "--formats", "dense bf16", "direct INT2 g32", "--context", "40",
-                 "--batch", "1", "--memory-gb", "0.004", "--repeats", "1", "--out", out)
-    assert "dense bytes ÷ format bytes (storage limit)" in run.out
+                 "--batch", "1", "--memory-gb", "0.004", "--repeats", "1", "--read-mb", "1", "--out", out)
+    assert "dense bytes ÷ format bytes (storage limit)" in run.out and "| impl |" in run.out
+    assert "| attn MiB read | % read BW |" in run.out
     data = json.loads(out.with_suffix(".json").read_text())
+    assert data["read_bandwidth"] > 0 and "read bandwidth" in data["header"][0]
+    impls = ["xla", "native"] if cpu_kernels.available() else ["xla"]
+    assert data["impls"] == impls
     assert "## Largest batch in 0.004 GiB" in out.with_suffix(".md").read_text()
     config = ModelConfig(**data["models"]["ouro-1.4b"]["config"])
     names = {"dense bf16": "dense", "direct INT2 g32": "uniform"}
-    rows = {(r["format"], r["batch"]): r for r in data["rows"]}
-    assert sorted(rows) == sorted((f, 1) for f in names)
-    for (label, batch), r in rows.items():
-        fmt = get_format(names[label])
-        dense = rows["dense bf16", batch]
+    rows = {(r["format"], r["impl"], r["batch"]): r for r in data["rows"]}
+    assert sorted(rows) == sorted((f, i, 1) for f in names for i in impls)
+    for (label, impl, batch), r in rows.items():
+        fmt = get_format(names[label], attend_impl=impl)
+        dense = rows["dense bf16", impl, batch]
+        assert r["fallback"] is None
         assert r["cache_nbytes"] == cache_nbytes(init_cache(config, batch, 41, fmt)) == r["memory"]["cache"]
         assert r["ms"] > 0 and r["tok_s"] == pytest.approx(batch / (r["ms"] / 1e3))
         assert r["bytes_x_dense"] == dense["cache_nbytes"] / r["cache_nbytes"]
         assert r["tok_s_x_dense"] == r["tok_s"] / dense["tok_s"]
         assert r["storage_limit"] == pytest.approx(16 / float(fmt.bits_per_element(4, 32)))
-    assert rows["direct INT2 g32", 1]["bytes_x_dense"] == pytest.approx(rows["direct INT2 g32", 1]["storage_limit"])
-    budget = {r["format"]: r for r in data["budget_rows"]}
-    assert sorted(budget) == sorted(names) and data["budget"] == int(0.004 * 2**30)
-    for label, r in budget.items():
+        assert r["attn_bytes"] == bytes_read(fmt, config, batch, 40) == \
+            int(fmt.read_bits_per_element(4, 32, 40) * 2 * 4 * batch * 2 * 40 * 32 / 8)
+        assert r["read_fraction"] == pytest.approx(r["attn_bytes"] / (r["ms"] / 1e3) / data["read_bandwidth"])
+    assert rows["direct INT2 g32", "xla", 1]["bytes_x_dense"] == \
+        pytest.approx(rows["direct INT2 g32", "xla", 1]["storage_limit"])
+    budget = {(r["format"], r["impl"]): r for r in data["budget_rows"]}
+    assert sorted(budget) == sorted((f, i) for f in names for i in impls) and data["budget"] == int(0.004 * 2**30)
+    for (label, impl), r in budget.items():
         assert r["max_batch"] >= 1 and r["next_batch"] == r["max_batch"] + 1
         assert r["memory"]["total"] <= data["budget"] < r["next_memory"]["total"]
         assert r["memory"]["cache"] == cache_nbytes(init_cache(config, r["max_batch"], 41, get_format(names[label])))
         assert r["peak_tok_s"] > 0
-        assert r["batch_x_dense"] == r["max_batch"] / budget["dense bf16"]["max_batch"]
-        assert r["peak_x_dense"] == r["peak_tok_s"] / budget["dense bf16"]["peak_tok_s"]
+        assert r["batch_x_dense"] == r["max_batch"] / budget["dense bf16", impl]["max_batch"]
+        assert r["peak_x_dense"] == r["peak_tok_s"] / budget["dense bf16", impl]["peak_tok_s"]
     # The limits at Ouro-1.4B: [2,2,2,4] stores 3.09 bits and reads 6.47 (each residual loop reads the anchor).
     limits = byte_limits(get_format("residual"), preset("ouro-1.4b"), 4096)
     assert limits["storage_bits"] == 3.09375 and limits["read_limit"] == pytest.approx(64 / 25.875)
@@ -143,6 +156,19 @@ def test_scripts_reject_bad_options_in_one_line(script, argv, message):
     run = run_script(script, *argv)
     assert run.code == 2 and run.err.startswith(f"{script}.py: error: ") and run.err.count("\n") == 1, run.err
     assert message in run.err
+
+
+def test_bench_decode_says_native_is_unavailable(monkeypatch):
+    """Without the native kernels one line says why their rows are dropped; with only native asked for the
+    run stops there (before any compile)."""
+    import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "not built in this test")
+    run = run_script("bench_decode", "--impls", "native", "--no-run", "--memory-gb", "0")
+    assert run.code == 1, run.err
+    assert "native is unavailable (not built in this test): its rows are dropped" in run.out
+    assert "no --impls left to run" in run.err
 
 
 def test_bench_decode_help_shows_defaults():
