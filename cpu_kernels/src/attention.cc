@@ -380,40 +380,61 @@ inline void scaled_blocks(const Link& ln, int64_t tok, vf* blk, float* offset) {
   for (int b = 0; b < D / 16; ++b) blk[b] = codes.block(b) * splat(scale[b / per_group]);
 }
 
-// part[r] += coef · (q_r · D(c) + q·μ) of one key link at one token (qsum: [rows, ng], means: [rows]).
+// scores[r][j] += coef[j] · (q_r · D(c_j) + q·μ) of one key link over the n tokens tok0 .. tok0 + n − 1 of a
+// chunk (qsum: [rows, ng], means: [rows], scores: [rows, kChunk]).
 template <int D, int BITS>
-void key_link(const Link& ln, int64_t tok, int rows, const float* q, const float* qsum, const float* means, float coef,
-              float* part) {
+void key_link(const Link& ln, int64_t tok0, int n, int rows, const float* q, const float* qsum, const float* means,
+              const float* coef, float* scores) {
+  const int ng = D / ln.group;
   vf blk[D / 16];
   float offset[D / 16];
-  scaled_blocks<D, BITS>(ln, tok, blk, offset);
-  const int ng = D / ln.group;
-  for (int r = 0; r < rows; ++r) {
-    vf s = vf{};
-    for (int b = 0; b < D / 16; ++b) s += loadf(q + r * D + 16 * b) * blk[b];
-    float t = hsum(s) + means[r];
-    for (int gi = 0; gi < ng; ++gi) t += offset[gi] * qsum[r * ng + gi];
-    part[r] += coef * t;
+  for (int j = 0; j < n; ++j) {
+    scaled_blocks<D, BITS>(ln, tok0 + j, blk, offset);
+    for (int r = 0; r < rows; ++r) {
+      vf s = vf{};
+      for (int b = 0; b < D / 16; ++b) s += loadf(q + r * D + 16 * b) * blk[b];
+      float t = hsum(s) + means[r];
+      for (int gi = 0; gi < ng; ++gi) t += offset[gi] * qsum[r * ng + gi];
+      scores[r * kChunk + j] += coef[j] * t;
+    }
   }
 }
 
-// acc[r] += w[r] · scale ⊙ c and offacc[r][g] += w[r] · offset_g of one value link at one token.
+// acc[r] += Σ_j w[r][j] · scale ⊙ c_j and offacc[r][g] += Σ_j w[r][j] · offset_g of one value link over the n
+// tokens of a chunk (w: [rows, kChunk], p times the α chain). One row keeps its accumulator in registers.
 template <int D, int BITS>
-void value_link(const Link& ln, int64_t tok, int rows, const float* w, float* acc, float* offacc, int offacc_stride) {
-  vf blk[D / 16];
-  float offset[D / 16];
-  scaled_blocks<D, BITS>(ln, tok, blk, offset);
+void value_link(const Link& ln, int64_t tok0, int n, int rows, const float* w, float* acc, float* offacc,
+                int offacc_stride) {
+  constexpr int NB = D / 16;
   const int ng = D / ln.group;
-  for (int r = 0; r < rows; ++r) {
-    const vf wr = splat(w[r]);
-    float* a = acc + r * D;
-    for (int b = 0; b < D / 16; ++b) storef(a + 16 * b, loadf(a + 16 * b) + wr * blk[b]);
-    for (int gi = 0; gi < ng; ++gi) offacc[r * offacc_stride + gi] += w[r] * offset[gi];
+  vf blk[NB];
+  float offset[NB];
+  if (rows == 1) {
+    vf a[NB];
+    for (int b = 0; b < NB; ++b) a[b] = loadf(acc + 16 * b);
+    for (int j = 0; j < n; ++j) {
+      scaled_blocks<D, BITS>(ln, tok0 + j, blk, offset);
+      const vf wj = splat(w[j]);
+      for (int b = 0; b < NB; ++b) a[b] += wj * blk[b];
+      for (int gi = 0; gi < ng; ++gi) offacc[gi] += w[j] * offset[gi];
+    }
+    for (int b = 0; b < NB; ++b) storef(acc + 16 * b, a[b]);
+    return;
+  }
+  for (int j = 0; j < n; ++j) {
+    scaled_blocks<D, BITS>(ln, tok0 + j, blk, offset);
+    for (int r = 0; r < rows; ++r) {
+      const float wr = w[r * kChunk + j];
+      const vf ws = splat(wr);
+      float* ar = acc + r * D;
+      for (int b = 0; b < NB; ++b) storef(ar + 16 * b, loadf(ar + 16 * b) + ws * blk[b]);
+      for (int gi = 0; gi < ng; ++gi) offacc[r * offacc_stride + gi] += wr * offset[gi];
+    }
   }
 }
 
-using KeyFn = void (*)(const Link&, int64_t, int, const float*, const float*, const float*, float, float*);
-using ValueFn = void (*)(const Link&, int64_t, int, const float*, float*, float*, int);
+using KeyFn = void (*)(const Link&, int64_t, int, int, const float*, const float*, const float*, const float*, float*);
+using ValueFn = void (*)(const Link&, int64_t, int, int, const float*, float*, float*, int);
 
 template <int D>
 bool link_fns(int bits, KeyFn* kf, ValueFn* vf_) {
@@ -447,7 +468,7 @@ void quant_item_blocked(const Problem& p, const KeyFn* kfn, const ValueFn* vfn, 
   for (int i = 0; i < vc.n; ++i) v_off[i + 1] = v_off[i] + d / vc.link[i].group;
   for (int i = 0; i < kc.n; ++i) k_off[i + 1] = k_off[i] + rows * (d / kc.link[i].group);
   const int v_groups = v_off[vc.n];
-  std::vector<float> q(rows * d), scores(rows * kChunk), part(rows), w(rows), offacc(rows * v_groups, 0.0f);
+  std::vector<float> q(rows * d), scores(rows * kChunk), w(rows * kChunk), offacc(rows * v_groups, 0.0f);
   std::vector<float> qsum(k_off[kc.n]), means(kc.n * rows, 0.0f);
   for (int r = 0; r < rows; ++r) {
     const int64_t qrow = (b * p.K + k) * p.R + p.row0 + r;
@@ -463,27 +484,30 @@ void quant_item_blocked(const Problem& p, const KeyFn* kfn, const ValueFn* vfn, 
     }
   }
   const float inv = 1.0f / std::sqrt(float(d));
+  // Per link, the α chain of each token of a chunk: coef[i][j] = Π_{i' < i} α_{i'}(token j).
+  auto chain_coefs = [&](const Chain& c, int64_t tok0, int n, float* coef) {
+    for (int j = 0; j < n; ++j) coef[j] = 1.0f;
+    for (int i = 1; i < c.n; ++i)
+      for (int j = 0; j < n; ++j)
+        coef[i * kChunk + j] = c.alpha[i - 1] ? coef[(i - 1) * kChunk + j] * from_bf16(c.alpha[i - 1][tok0 + j])
+                                              : coef[(i - 1) * kChunk + j];
+  };
+  std::vector<float> coef(kMaxLinks * kChunk);
   for (int64_t t0 = s0; t0 < s1; t0 += kChunk) {
     const int n = int(std::min<int64_t>(kChunk, s1 - t0));
-    for (int j = 0; j < n; ++j) {
-      const int64_t tok = p.token(b, k, t0 + j);
-      float coef = 1.0f;
-      std::fill(part.begin(), part.end(), 0.0f);
-      for (int i = 0; i < kc.n; ++i) {
-        kfn[i](kc.link[i], tok, rows, q.data(), &qsum[k_off[i]], &means[i * rows], coef, part.data());
-        if (i + 1 < kc.n && kc.alpha[i]) coef *= from_bf16(kc.alpha[i][tok]);
-      }
-      for (int r = 0; r < rows; ++r) scores[r * kChunk + j] = part[r] * inv;
-    }
+    const int64_t tok0 = p.token(b, k, t0);  // a chunk's tokens are consecutive rows of every leaf
+    std::fill(scores.begin(), scores.end(), 0.0f);
+    chain_coefs(kc, tok0, n, coef.data());
+    for (int i = 0; i < kc.n; ++i)
+      kfn[i](kc.link[i], tok0, n, rows, q.data(), &qsum[k_off[i]], &means[i * rows], &coef[i * kChunk], scores.data());
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < n; ++j) scores[r * kChunk + j] *= inv;
     softmax_step(rows, n, scores.data(), m, l, acc, d, offacc.data(), v_groups);
-    for (int j = 0; j < n; ++j) {
-      const int64_t tok = p.token(b, k, t0 + j);
-      float coef = 1.0f;
-      for (int i = 0; i < vc.n; ++i) {
-        for (int r = 0; r < rows; ++r) w[r] = scores[r * kChunk + j] * coef;
-        vfn[i](vc.link[i], tok, rows, w.data(), acc, &offacc[v_off[i]], v_groups);
-        if (i + 1 < vc.n && vc.alpha[i]) coef *= from_bf16(vc.alpha[i][tok]);
-      }
+    chain_coefs(vc, tok0, n, coef.data());
+    for (int i = 0; i < vc.n; ++i) {
+      for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < n; ++j) w[r * kChunk + j] = scores[r * kChunk + j] * coef[i * kChunk + j];
+      vfn[i](vc.link[i], tok0, n, rows, w.data(), acc, &offacc[v_off[i]], v_groups);
     }
   }
   for (int i = 0; i < vc.n; ++i) {
