@@ -107,7 +107,7 @@ def main(argv=None):
                                              for i in impls))
                     entries = [(i, pa.step_fn(pa.with_impl(scheme.fmt, i)), (q, cache, calib)) for i in own]
                     if on_gpu and not args.no_peer and scheme.label == "dense bf16":
-                        ((slot,),) = cache.looped
+                        ((slot,),) = cache.values("looped")
                         kq = q.reshape(pa.LOOPS, batch, config.num_kv_heads, -1, config.head_dim)
                         k, v = (x.reshape(-1, *x.shape[2:]) for x in (slot.k, slot.v))
                         entries += [(impl, pa.dense_kernel_fn(impl), (kq, k, v, cache.lengths))

@@ -44,9 +44,10 @@ def attention_config(name: str, context: int) -> ModelConfig:
 
 
 def filled_cache(config: ModelConfig, fmt: base.CacheFormat, batch: int, context: int, seed: int = 0):
-    """(a cache of `batch` rows holding `context` random tokens written by `fmt`, its calibration)."""
+    """(a cache of `batch` rows holding `context` random tokens written by `fmt`, its calibration). The cache
+    is held as bits (`KVCache.as_bits`), as the Sampler, the eval loops and the engine hold theirs."""
     calib = default_calib(jax.eval_shape(lambda: init_cache(config, 1, 1, fmt)))
-    return repeat_rows(filled_row(config, fmt, calib, context, seed), batch, context), calib
+    return repeat_rows(filled_row(config, fmt, calib, context, seed), batch, context).as_bits(), calib
 
 
 def bytes_read(fmt: base.CacheFormat, config: ModelConfig, batch: int, context: int) -> int:
@@ -106,7 +107,7 @@ def step_fn(fmt: base.CacheFormat):
     def one(q, cache, calib, loop):
         seg, index, r = cache.locate("looped", loop, 0)
         part = None if calib.looped is None else calib.looped[seg]
-        return fmt.attend(cache.looped[seg], index, r, q, cache.lengths, part)
+        return fmt.attend(cache.values("looped")[seg], index, r, q, cache.lengths, part)
 
     def step(q, cache, calib, inner):
         def body(i, carry):
