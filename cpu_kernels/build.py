@@ -76,21 +76,25 @@ def library() -> Path:
     return lib
 
 
-def _run(cmd: list[str]) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise BuildError(f"{Path(cmd[0]).name} failed ({' '.join(cmd[1:4])} ...): {done.stderr.strip()[-2000:]}")
+def _run(*cmds: list[str]) -> None:
+    """Run the commands at once (the compiles are independent); raise BuildError naming the first that failed."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds]
+    for cmd, proc in zip(cmds, procs):
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise BuildError(f"{Path(cmd[0]).name} failed ({' '.join(cmd[1:4])} ...): {err.strip()[-2000:]}")
 
 
 def _compile(cxx: str, lib: Path) -> None:
     include = ("-I", jax.ffi.include_dir(), "-I", str(SRC))
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        objects = []
+        compiles, objects = [], []
         for isa, flags in ISAS.items():
-            obj = f"{tmp}/attention_{isa}.o"
-            _run([cxx, *FLAGS, *flags, f"-DRQ_ISA={isa}", *include, "-c", str(SRC / "attention.cc"), "-o", obj])
-            objects.append(obj)
+            objects.append(f"{tmp}/attention_{isa}.o")
+            compiles.append([cxx, *FLAGS, *flags, f"-DRQ_ISA={isa}", *include, "-c", str(SRC / "attention.cc"),
+                             "-o", objects[-1]])
         objects.append(f"{tmp}/ffi.o")
-        _run([cxx, *FLAGS, *include, "-c", str(SRC / "ffi.cc"), "-o", objects[-1]])
+        compiles.append([cxx, *FLAGS, *include, "-c", str(SRC / "ffi.cc"), "-o", objects[-1]])
+        _run(*compiles)
         _run([cxx, "-shared", "-o", f"{tmp}/librq_cpu.so", *objects, "-lpthread"])
         os.replace(f"{tmp}/librq_cpu.so", lib)
