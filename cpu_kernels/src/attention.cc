@@ -193,95 +193,6 @@ void dense_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   }
 }
 
-void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
-  const int d = int(p.D), rows = int(p.rows);
-  const Chain& kc = p.keys;
-  const Chain& vc = p.values;
-  init_partial(rows, d, acc, m, l);
-  // Offsets of each value link's groups: per (row, link, group), summed over tokens, spread at the end.
-  int v_off[kMaxLinks + 1] = {0};
-  for (int i = 0; i < vc.n; ++i) v_off[i + 1] = v_off[i] + d / vc.link[i].group;
-  const int v_groups = v_off[vc.n];
-  std::vector<float> q(rows * d), cf(d), scale(d), offset(d), scores(rows * kChunk), part(rows);
-  std::vector<float> offacc(rows * v_groups, 0.0f);
-  // Per key link, row and group: the query's channel sums (the offsets' factor) and the mean scores.
-  int k_off[kMaxLinks + 1] = {0};
-  for (int i = 0; i < kc.n; ++i) k_off[i + 1] = k_off[i] + rows * (d / kc.link[i].group);
-  std::vector<float> qsum(k_off[kc.n]), means(kc.n * rows, 0.0f);
-  for (int r = 0; r < rows; ++r) {
-    const int64_t qrow = (b * p.K + k) * p.R + p.row0 + r;
-    load_row(p.q, p.q_bf16, qrow, d, &q[r * d]);
-    for (int i = 0; i < kc.n; ++i) {
-      const int g = kc.link[i].group, ng = d / g;
-      for (int gi = 0; gi < ng; ++gi) {
-        float s = 0.0f;
-        for (int c = 0; c < g; ++c) s += q[r * d + gi * g + c];
-        qsum[k_off[i] + r * ng + gi] = s;
-      }
-      if (p.mean_scores) means[i * rows + r] = p.mean_scores[qrow * kc.n + i];
-    }
-  }
-  const float inv = 1.0f / std::sqrt(float(d));
-  for (int64_t t0 = s0; t0 < s1; t0 += kChunk) {
-    const int n = int(std::min<int64_t>(kChunk, s1 - t0));
-    for (int j = 0; j < n; ++j) {
-      const int64_t tok = p.token(b, k, t0 + j);
-      float coef = 1.0f;
-      std::fill(part.begin(), part.end(), 0.0f);
-      for (int i = 0; i < kc.n; ++i) {
-        const Link& ln = kc.link[i];
-        const int g = ln.group, ng = d / g;
-        meta_row(ln.scale, ln.meta, tok, ng, scale.data());
-        meta_row(ln.offset, ln.meta, tok, ng, offset.data());
-        unpack(ln.codes + tok * (d * ln.bits / 8), ln.bits, d, cf.data());
-        for (int r = 0; r < rows; ++r) {
-          const float* qr = &q[r * d];
-          const float* qs = &qsum[k_off[i] + r * ng];
-          float s = means[i * rows + r];
-          for (int gi = 0; gi < ng; ++gi) s += scale[gi] * dot(qr + gi * g, &cf[gi * g], g) + offset[gi] * qs[gi];
-          part[r] += coef * s;
-        }
-        if (i + 1 < kc.n && kc.alpha[i]) coef *= from_bf16(kc.alpha[i][tok]);
-      }
-      for (int r = 0; r < rows; ++r) scores[r * kChunk + j] = part[r] * inv;
-    }
-    softmax_step(rows, n, scores.data(), m, l, acc, d, offacc.data(), v_groups);
-    for (int j = 0; j < n; ++j) {
-      const int64_t tok = p.token(b, k, t0 + j);
-      float coef = 1.0f;
-      for (int i = 0; i < vc.n; ++i) {
-        const Link& ln = vc.link[i];
-        const int g = ln.group, ng = d / g;
-        meta_row(ln.scale, ln.meta, tok, ng, scale.data());
-        meta_row(ln.offset, ln.meta, tok, ng, offset.data());
-        unpack(ln.codes + tok * (d * ln.bits / 8), ln.bits, d, cf.data());
-        for (int r = 0; r < rows; ++r) {
-          const float w = scores[r * kChunk + j] * coef;
-          float* __restrict a = acc + r * d;
-          float* __restrict oa = &offacc[r * v_groups + v_off[i]];
-          for (int gi = 0; gi < ng; ++gi) {
-            const float ws = w * scale[gi];
-            const float* __restrict cg = &cf[gi * g];
-            float* __restrict ag = a + gi * g;
-            for (int c = 0; c < g; ++c) ag[c] += ws * cg[c];
-            oa[gi] += w * offset[gi];
-          }
-        }
-        if (i + 1 < vc.n && vc.alpha[i]) coef *= from_bf16(vc.alpha[i][tok]);
-      }
-    }
-  }
-  for (int i = 0; i < vc.n; ++i) {
-    const int g = vc.link[i].group, ng = d / g;
-    for (int r = 0; r < rows; ++r)
-      for (int gi = 0; gi < ng; ++gi) {
-        const float o = offacc[r * v_groups + v_off[i] + gi];
-        for (int c = 0; c < g; ++c) acc[r * d + gi * g + c] += o;
-      }
-  }
-}
-
-
 // ---- the blocked path: head dims 64, 96, 128, 256, groups of 16k channels -----------------------------
 //
 // A token's channels as 16-float vectors (GCC vector extensions: one zmm on AVX-512, two ymm on AVX2,
@@ -433,6 +344,48 @@ void value_link(const Link& ln, int64_t tok0, int n, int rows, const float* w, f
   }
 }
 
+// The channel-by-channel link functions, for head dims and groups the blocked ones do not cover: the same
+// contract as key_link / value_link below, over a float row of the token's unpacked codes.
+void key_link_any(const Link& ln, int64_t tok0, int n, int rows, const float* q, const float* qsum, const float* means,
+                  const float* coef, float* scores) {
+  const int d = ln.dim, g = ln.group, ng = d / g;
+  std::vector<float> cf(d), scale(ng), offset(ng);
+  for (int j = 0; j < n; ++j) {
+    const int64_t tok = tok0 + j;
+    meta_row(ln.scale, ln.meta, tok, ng, scale.data());
+    meta_row(ln.offset, ln.meta, tok, ng, offset.data());
+    unpack(ln.codes + tok * (d * ln.bits / 8), ln.bits, d, cf.data());
+    for (int r = 0; r < rows; ++r) {
+      float s = means[r];
+      for (int gi = 0; gi < ng; ++gi)
+        s += scale[gi] * dot(q + r * d + gi * g, &cf[gi * g], g) + offset[gi] * qsum[r * ng + gi];
+      scores[r * kChunk + j] += coef[j] * s;
+    }
+  }
+}
+
+void value_link_any(const Link& ln, int64_t tok0, int n, int rows, const float* w, float* acc, float* offacc,
+                    int offacc_stride) {
+  const int d = ln.dim, g = ln.group, ng = d / g;
+  std::vector<float> cf(d), scale(ng), offset(ng);
+  for (int j = 0; j < n; ++j) {
+    const int64_t tok = tok0 + j;
+    meta_row(ln.scale, ln.meta, tok, ng, scale.data());
+    meta_row(ln.offset, ln.meta, tok, ng, offset.data());
+    unpack(ln.codes + tok * (d * ln.bits / 8), ln.bits, d, cf.data());
+    for (int r = 0; r < rows; ++r) {
+      const float wr = w[r * kChunk + j];
+      for (int gi = 0; gi < ng; ++gi) {
+        const float ws = wr * scale[gi];
+        const float* __restrict cg = &cf[gi * g];
+        float* __restrict ag = acc + r * d + gi * g;
+        for (int c = 0; c < g; ++c) ag[c] += ws * cg[c];
+        offacc[r * offacc_stride + gi] += wr * offset[gi];
+      }
+    }
+  }
+}
+
 using KeyFn = void (*)(const Link&, int64_t, int, int, const float*, const float*, const float*, const float*, float*);
 using ValueFn = void (*)(const Link&, int64_t, int, int, const float*, float*, float*, int);
 
@@ -457,8 +410,9 @@ bool blocked_fns(int d, int bits, KeyFn* kf, ValueFn* vf_) {
   return false;
 }
 
-// quant_item on the blocked path (fns: per key link, per value link), the same arithmetic.
-void quant_item_blocked(const Problem& p, const KeyFn* kfn, const ValueFn* vfn, int64_t b, int64_t k, int64_t s0,
+// A quantized item through its links' functions (kfn per key link, vfn per value link): the α chains per
+// chunk of tokens, then every key link into the scores, the softmax step, every value link into acc.
+void quant_item(const Problem& p, const KeyFn* kfn, const ValueFn* vfn, int64_t b, int64_t k, int64_t s0,
                         int64_t s1, float* acc, float* m, float* l) {
   const int d = int(p.D), rows = int(p.rows);
   const Chain& kc = p.keys;
@@ -520,22 +474,20 @@ void quant_item_blocked(const Problem& p, const KeyFn* kfn, const ValueFn* vfn, 
   }
 }
 
-// Every quantized item: the blocked path when every link allows it, else the channel-by-channel one.
+// Every quantized item: each link on the blocked path when its head dim and group allow, else channel by channel.
 void quant_any(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
   KeyFn kfn[kMaxLinks];
   ValueFn vfn[kMaxLinks];
-  bool blocked = true;
-  for (int side = 0; side < 2 && blocked; ++side) {
+  for (int side = 0; side < 2; ++side) {
     const Chain& c = side ? p.values : p.keys;
-    for (int i = 0; i < c.n && blocked; ++i) {
-      KeyFn kf;
-      ValueFn vf_;
-      blocked = c.link[i].group % 16 == 0 && blocked_fns(int(p.D), c.link[i].bits, &kf, &vf_);
+    for (int i = 0; i < c.n; ++i) {
+      KeyFn kf = key_link_any;
+      ValueFn vf_ = value_link_any;
+      if (c.link[i].group % 16 == 0) blocked_fns(int(p.D), c.link[i].bits, &kf, &vf_);
       if (side) vfn[i] = vf_; else kfn[i] = kf;
     }
   }
-  if (blocked) quant_item_blocked(p, kfn, vfn, b, k, s0, s1, acc, m, l);
-  else quant_item(p, b, k, s0, s1, acc, m, l);
+  quant_item(p, kfn, vfn, b, k, s0, s1, acc, m, l);
 }
 
 template <int D>

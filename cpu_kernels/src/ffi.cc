@@ -221,7 +221,8 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
           offset->element_type() != scale->element_type())
         return ffi::Error::InvalidArgument("metadata dtype not covered");
       c.link[i] = Link{static_cast<const uint8_t*>(codes->untyped_data()), scale->untyped_data(),
-                       offset->untyped_data(), meta, int(bits[i]), int(groups[i])};
+                       offset->untyped_data(), meta, int(bits[i]), int(groups[i]),
+                       int(q->dimensions()[3])};
     }
     for (int i = 0; i + 1 < c.n; ++i) {
       c.alpha[i] = nullptr;

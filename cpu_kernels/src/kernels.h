@@ -31,6 +31,7 @@ struct Link {
   int meta;   // Meta of scale and offset
   int bits;   // 1, 2, 4 or 8
   int group;  // channels per scale/offset
+  int dim;    // channels D
 };
 
 struct Chain {
