@@ -159,3 +159,19 @@ def test_without_the_library_everything_runs_on_xla():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:2] == ["turned off (RQ_JAX_NATIVE=0)", "423170"]
     assert "attend_impl='native' does not cover this slot (native CPU kernels turned off" in done.stderr
+
+
+def test_bad_input_is_named():
+    """Shapes that disagree raise ValueError naming them; what the kernels do not cover raises
+    NotImplementedError (the op then falls back to XLA)."""
+    cfg = NATIVE_CASES[0]
+    args, kw = quant_cases.make_inputs(cfg, seeded(cfg.name))
+    with pytest.raises(ValueError, match="lengths must be"):
+        cpu_kernels.residual_decode_attention(*args[:6], args[6][:1], args[7], **kw)
+    with pytest.raises(NotImplementedError, match="query dtype float16"):
+        cpu_kernels.residual_decode_attention(args[0].astype(jnp.float16), *args[1:], **kw)
+    with pytest.raises(NotImplementedError, match="3-bit codes"):
+        cpu_kernels.residual_decode_attention(*args, **{**kw, "k_bits": (3, 4)})
+    q, k, v, lengths, slot = dense_cases.make_inputs(DENSE_CASES[0], seeded("bad"))[0]
+    with pytest.raises(ValueError, match="want k = v"):
+        cpu_kernels.dense_decode_attention(q, k, v[..., :8], lengths, slot)
