@@ -32,7 +32,7 @@ from tqdm import tqdm
 from rq_jax import checkpoint, cli, memory, sharding
 from rq_jax.cache import get_format
 from rq_jax.cache.kv_error import dense_kv, reconstruction_error
-from rq_jax.cache.schemes import calibrated_schemes, table_schemes
+from rq_jax.cache.schemes import calibrated_schemes, rival_schemes, table_schemes
 from rq_jax.data import collate
 from rq_jax.eval import loops
 from rq_jax.eval.table import Tasks, evaluate
@@ -66,6 +66,8 @@ def parse_args(argv=None):
                    "'allocated NAME' (its file's name)")
     p.add_argument("--rotations", default="", help=f"comma-separated calibration methods ({', '.join(METHODS)}) to "
                    "add as rows beside Hadamard, fitted on the calib split's fit/holdout rows")
+    p.add_argument("--rivals", action="store_true", help="add the rivals' rows: loop KV sharing and Huginn's "
+                   f"compress strategies ({', '.join(s.label for s in rival_schemes())}; at the first group size)")
     p.add_argument("--calibration-rows", type=cli.positive_int, default=32, help="fit and holdout rows for --rotations")
     p.add_argument("--calibration", help="folder of saved calibration artifacts (scripts/calibrate.py): rows whose "
                    "schedule has one use it (label suffixed with its method)")
@@ -178,7 +180,7 @@ def markdown(rows: list[dict], header: str, compare: tuple[str, ...] = ()) -> st
 #: Marker of each scheme family in the accuracy figure (by label prefix; the ladder's rows are the rest:
 #: circles at the first group size, pentagons at the others).
 MARKERS = {"dense": "s", "uniform": "v", "direct": "v", "rotated": "^", "kivi": "D", "residual_vq": "X",
-           "allocated": "*"}
+           "allocated": "*", "share": "P", "compress": "h"}
 
 
 def bit_ticks(bits: list[float]) -> list[float]:
@@ -256,6 +258,8 @@ def main(argv=None):
     cli.check_group_sizes(p, "--group-sizes", args.group_sizes, config.head_dim)
     tasks = Tasks(n=args.n, retrieval_pairs=args.retrieval_pairs, text_windows=args.text_windows)
     rows_to_run = table_schemes(args.group_sizes) + calibrated_schemes(args.group_sizes, args.rotations)
+    if args.rivals:
+        rows_to_run += rival_schemes(args.group_sizes[0])
     for path, scheme in zip(args.schedule, cli.schedule_schemes(p, args.schedule)):
         cli.check_format(p, f"--schedule {path}", scheme.fmt, config, args.loops or config.num_loops)
         rows_to_run.append(scheme)

@@ -10,7 +10,9 @@ same format, so a label means one format everywhere.
     catalog((32, 16))     baselines at the first group size (dense bf16, uniform INT4, rotated INT2,
                           kivi INT2, residual_vq), then per group size g the paper's ladder — direct
                           INT2 g → +residual α=1 → +LS → +rotation → [2,2,2,4] — and the direct and
-                          rotated [2,2,2,4] ablations
+                          rotated [2,2,2,4] ablations, then the rivals (`rival_schemes`)
+    rival_schemes(32)     loop KV sharing (Ouro's last / mean / first loop, bf16 or INT4/INT8 anchors, and
+                          across all of Huginn's steps) and the Huginn reference's compress strategies
     table2_rows()         the paper's Table 2: BF16, then per setting (INT2 g32, INT2 g16, INT2/4 g32,
                           INT2/4 g16) the methods Direct, OptR-H, RQ and RQ+OptR-H
 """
@@ -69,9 +71,31 @@ def table_schemes(group_sizes: Sequence[int] = (32, 16)) -> list[Scheme]:
     return rows
 
 
+def rival_schemes(g: int = 32) -> list[Scheme]:
+    """The rivals that store fewer loops instead of compressing each: loop KV sharing (`share`), the last
+    loop's, the mean's and the first loop's K/V read by every loop of a group of 4 (Ouro's decode-time
+    sharing; Huginn's groups of 4 steps), with a bf16 anchor or an INT4 / INT8 one at group size g, one
+    K/V shared by up to 32 loops (all of Huginn's steps); then the Huginn reference's memory-bounding
+    strategies (`compress`): slots reused modulo 2 and 4 recurrences ("compress-s{N}" at N = 2, 4 times
+    the core layers) and the first 2 recurrences kept ("compress-anchor", which keeps 8 of 32)."""
+    rows = [Scheme(f"share {source} bf16", get_format("share", source=source)) for source in ("last", "mean", "first")]
+    for bits in (4, 8):
+        rows += [Scheme(f"share last INT{bits} g{g}", get_format("share", bits=bits, group_size=g)),
+                 Scheme(f"share last rotated INT{bits} g{g}",
+                        get_format("share", bits=bits, group_size=g, rotation="hadamard"))]
+    rows += [Scheme(f"share mean rotated INT4 g{g}", get_format("share", source="mean", bits=4, group_size=g,
+                                                                 rotation="hadamard")),
+             Scheme("share last bf16 ×32", get_format("share", loops=32))]
+    rows += [Scheme(f"compress modulo {n} bf16", get_format("compress", slots=n)) for n in (2, 4)]
+    rows += [Scheme("compress anchor 2 bf16", get_format("compress", strategy="anchor", slots=2))]
+    return rows
+
+
 def catalog(group_sizes: Sequence[int] = (32, 16)) -> list[Scheme]:
-    """Every scheme: the table's rows, then the direct and rotated [2,2,2,4] ablations at each group size."""
-    return table_schemes(group_sizes) + [s for g in group_sizes for s in _mixed_direct(g)]
+    """Every scheme: the table's rows, the direct and rotated [2,2,2,4] ablations at each group size, then
+    the rivals at the first (`rival_schemes`)."""
+    return (table_schemes(group_sizes) + [s for g in group_sizes for s in _mixed_direct(g)]
+            + rival_schemes(group_sizes[0]))
 
 
 def calibrated_schemes(group_sizes: Sequence[int], methods: Sequence[str]) -> list[Scheme]:

@@ -28,6 +28,8 @@ FORMATS = {
     "kivi R=12": ("kivi", dict(bits=4, key_group=4, value_group=16, residual_length=12, meta_dtype="bfloat16")),
     "residual_vq lut": ("residual_vq", dict(attend_path="lut", n_codes=4, iters=2, restarts=1)),
     "residual_vq decode": ("residual_vq", dict(attend_path="decode", n_codes=4, iters=2, restarts=1)),
+    "share last": ("share", {}),
+    "share mean rotated INT4": ("share", dict(source="mean", bits=4, group_size=8, rotation="hadamard")),
 }
 
 
