@@ -66,8 +66,9 @@ def parse_args(argv=None):
                    "'allocated NAME' (its file's name)")
     p.add_argument("--rotations", default="", help=f"comma-separated calibration methods ({', '.join(METHODS)}) to "
                    "add as rows beside Hadamard, fitted on the calib split's fit/holdout rows")
-    p.add_argument("--rivals", action="store_true", help="add the rivals' rows: loop KV sharing and Huginn's "
-                   f"compress strategies ({', '.join(s.label for s in rival_schemes())}; at the first group size)")
+    p.add_argument("--rivals", action="store_true", help="add the rivals' rows: loop KV sharing, Huginn's "
+                   "compress strategies and vLLM's turboquant presets "
+                   f"({', '.join(s.label for s in rival_schemes())}; at the first group size)")
     p.add_argument("--calibration-rows", type=cli.positive_int, default=32, help="fit and holdout rows for --rotations")
     p.add_argument("--calibration", help="folder of saved calibration artifacts (scripts/calibrate.py): rows whose "
                    "schedule has one use it (label suffixed with its method)")
@@ -180,7 +181,8 @@ def markdown(rows: list[dict], header: str, compare: tuple[str, ...] = ()) -> st
 #: Marker of each scheme family in the accuracy figure (by label prefix; the ladder's rows are the rest:
 #: circles at the first group size, pentagons at the others).
 MARKERS = {"dense": "s", "uniform": "v", "direct": "v", "rotated": "^", "kivi": "D", "residual_vq": "X",
-           "allocated": "*", "share": "P", "compress": "h"}
+           "allocated": "*", "share": "P", "compress": "h",
+           "vLLM": "d"}
 
 
 def bit_ticks(bits: list[float]) -> list[float]:

@@ -1,7 +1,8 @@
 """KV cache formats behind one protocol (`base.CacheFormat`), the model-level cache pytree, its
 calibration and the per-call context that reads it.
 
-Importing this package registers every format: dense, uniform, rotated, residual, kivi, residual_vq, share.
+Importing this package registers every format: dense, uniform, rotated, residual, kivi, residual_vq, share,
+compress, turboquant.
 """
 
 from rq_jax.cache.base import (CacheFormat, Partial, Segment, Written, available_formats, finalize, get_format, merge,
@@ -12,9 +13,11 @@ from rq_jax.cache.kivi import Kivi
 from rq_jax.cache.kv import KVCache, cache_nbytes, check_overflow, dense_equivalent_nbytes, init_cache
 from rq_jax.cache.loop_quant import LoopQuant, RotationCalib
 from rq_jax.cache.residual_vq import ResidualVQ, RVQCalib
-from rq_jax.cache.share import LoopShare
+from rq_jax.cache.share import HuginnCompress, LoopShare
+from rq_jax.cache.turboquant import TurboQuant
 
-__all__ = ["CacheCalib", "CacheFormat", "Dense", "KVCache", "Kivi", "LoopQuant", "LoopShare", "Partial", "RVQCalib",
-           "ResidualVQ", "RotationCalib", "Segment", "Written", "available_formats", "cache_nbytes", "check_calib",
-           "check_overflow", "default_calib", "dense_equivalent_nbytes", "finalize", "fit_calib", "get_format",
-           "init_cache", "merge", "segments"]
+__all__ = ["CacheCalib", "CacheFormat", "Dense", "HuginnCompress", "KVCache", "Kivi", "LoopQuant", "LoopShare",
+           "Partial", "RVQCalib", "ResidualVQ", "RotationCalib", "Segment", "TurboQuant", "Written",
+           "available_formats",
+           "cache_nbytes", "check_calib", "check_overflow", "default_calib", "dense_equivalent_nbytes", "finalize",
+           "fit_calib", "get_format", "init_cache", "merge", "segments"]

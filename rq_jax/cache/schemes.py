@@ -12,7 +12,8 @@ same format, so a label means one format everywhere.
                           INT2 g → +residual α=1 → +LS → +rotation → [2,2,2,4] — and the direct and
                           rotated [2,2,2,4] ablations, then the rivals (`rival_schemes`)
     rival_schemes(32)     loop KV sharing (Ouro's last / mean / first loop, bf16 or INT4/INT8 anchors, and
-                          across all of Huginn's steps) and the Huginn reference's compress strategies
+                          across all of Huginn's steps), the Huginn reference's compress strategies and
+                          vLLM's turboquant presets
     table2_rows()         the paper's Table 2: BF16, then per setting (INT2 g32, INT2 g16, INT2/4 g32,
                           INT2/4 g16) the methods Direct, OptR-H, RQ and RQ+OptR-H
 """
@@ -77,7 +78,8 @@ def rival_schemes(g: int = 32) -> list[Scheme]:
     sharing; Huginn's groups of 4 steps), with a bf16 anchor or an INT4 / INT8 one at group size g, one
     K/V shared by up to 32 loops (all of Huginn's steps); then the Huginn reference's memory-bounding
     strategies (`compress`): slots reused modulo 2 and 4 recurrences ("compress-s{N}" at N = 2, 4 times
-    the core layers) and the first 2 recurrences kept ("compress-anchor", which keeps 8 of 32)."""
+    the core layers) and the first 2 recurrences kept ("compress-anchor", which keeps 8 of 32); then vLLM's
+    shipped low-bit caches (`turboquant`), every loop stored on its own."""
     rows = [Scheme(f"share {source} bf16", get_format("share", source=source)) for source in ("last", "mean", "first")]
     for bits in (4, 8):
         rows += [Scheme(f"share last INT{bits} g{g}", get_format("share", bits=bits, group_size=g)),
@@ -88,6 +90,8 @@ def rival_schemes(g: int = 32) -> list[Scheme]:
              Scheme("share last bf16 ×32", get_format("share", loops=32))]
     rows += [Scheme(f"compress modulo {n} bf16", get_format("compress", slots=n)) for n in (2, 4)]
     rows += [Scheme("compress anchor 2 bf16", get_format("compress", strategy="anchor", slots=2))]
+    rows += [Scheme(f"vLLM turboquant_{name}", get_format("turboquant", preset=name))
+             for name in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")]
     return rows
 
 

@@ -29,6 +29,8 @@ FORMATS = {
     "residual_vq lut": ("residual_vq", dict(attend_path="lut", n_codes=4, iters=2, restarts=1)),
     "residual_vq decode": ("residual_vq", dict(attend_path="decode", n_codes=4, iters=2, restarts=1)),
     "share last": ("share", {}),
+    "turboquant 3bit_nc": ("turboquant", dict(preset="3bit_nc")),
+    "turboquant k8v4": ("turboquant", dict(preset="k8v4")),
     "share mean rotated INT4": ("share", dict(source="mean", bits=4, group_size=8, rotation="hadamard")),
 }
 

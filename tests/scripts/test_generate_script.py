@@ -105,6 +105,7 @@ def test_generate_prints_the_library_tokens_and_exact_bytes(model, extra):
     (["--cache", "residual_vq"], get_format("residual_vq"),
      ["residual_vq fits its codebooks on this prompt's K/V before decoding"]),
     (["--cache", "share"], get_format("share"), []),
+    (["--cache", "turboquant"], get_format("turboquant"), []),
     (["--cache", "share", "--bits", "4", "--rotation", "hadamard"], get_format("share", bits=4, rotation="hadamard"),
      []),
 ])
