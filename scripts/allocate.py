@@ -42,7 +42,8 @@ def main(argv=None):
                    help="the positions whose KL the allocator minimises: every scored token, or only the answer tokens "
                         "of the addition and retrieval rows (the tokens the tasks' accuracy scores)")
     p.add_argument("--options", default=",".join(f"{b}g{g}" for b, g in OPTIONS),
-                   help="the (bits, group size) a slot may take, e.g. 2g32,4g32 (the last: the reference)")
+                   help="the (bits, group size) a slot may take, e.g. 0g32,2g32,4g32 (the last: the reference; 0 bits: "
+                   "the slot keeps only its α and reads its reference scaled, never at the anchor)")
     p.add_argument("--quiet", action="store_true", help="no line per measured schedule")
     args = p.parse_args(argv)
     try:

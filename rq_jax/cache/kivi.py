@@ -127,7 +127,7 @@ class Kivi(base.CacheFormat):
             positive_int("group_size", self.group_size)
             for field in ("key_group", "value_group", "group_size"):
                 object.__setattr__(self, field, None if field == "group_size" else self.group_size)
-        quantized_bits = tuple(b for b in affine.VALID_BITS if b != affine.PASSTHROUGH_BITS)
+        quantized_bits = tuple(b for b in affine.VALID_BITS if b not in (affine.PASSTHROUGH_BITS, affine.DROP_BITS))
         if self.bits not in quantized_bits:
             raise ValueError(f"kivi bits must be one of {quantized_bits}, got {self.bits!r}")
         positive_int("key_group", self.key_group)

@@ -11,6 +11,9 @@ kv head; keys and values separately):
                      `rq_jax.quant.residual`); key means μ only for keys.
     residual=False:  every loop quantized on its own with bits[position] (the paper's "Direct").
 
+A residual loop may store 0 bits: no codes and no metadata, only its α, so it reads its reference
+scaled — the "0-bit residual" that loop sharing (`rq_jax.cache.share`) is for a whole group.
+
 `uniform` = residual off, identity rotation; `rotated` = residual off, Hadamard (or random, or
 calibrated) rotation; `residual` = ResidualQuant: [2,2,2,4] g32, FP8 metadata, LS, Hadamard, last-loop
 reference. Each ablation step of the paper's Figure 1 is one policy.
@@ -235,6 +238,8 @@ class LoopQuant(base.CacheFormat):
         if self.rotation not in rotation.ROTATION_KINDS:
             raise ValueError(f"unknown rotation {self.rotation!r}: expected one of {rotation.ROTATION_KINDS}")
         attention.check_impl(self.name, self.attend_impl)
+        if not self.residual and 0 in self.schedule("k")[0] + self.schedule("v")[0]:
+            raise ValueError(f"{self.name}: a 0-bit loop stores nothing; only a residual loop can (residual=True)")
         for kind in "kv":  # validates bits, group sizes, metadata dtype and reference
             self.group_config(len(self.bits), kind)
 
@@ -510,7 +515,7 @@ class LoopQuant(base.CacheFormat):
         spelled apart when they differ)."""
         def codes(kind):
             bits, sizes = self.schedule(kind)
-            return (f"{'/'.join(f'INT{b}' for b in sorted(set(bits)))} "
+            return (f"{'/'.join(f'INT{b}' if b else '0-bit' for b in sorted(set(bits)))} "
                     f"{'/'.join(f'g{g}' for g in sorted(set(sizes)))}")
 
         keys, values = codes("k"), codes("v")

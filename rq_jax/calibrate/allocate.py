@@ -15,6 +15,10 @@ a mask's (the tasks' answer tokens: the positions their accuracy scores):
    exactly, so this is exact for the first-order model in a few seconds);
 4. validation: the chosen schedule measured end to end, beside the paper's rule at the same budget.
 
+An option may be 0 bits (`0g32`; any group size): the slot stores only its α and reads its reference
+scaled — loop sharing for that slot, the "0-bit residual" end of the ladder, so one schedule can mix
+sharing and residuals under one budget. The anchor (the group's last position) is never given 0 bits.
+
 Why a separable first-order model rather than greedy joint search: a slot's damage is measured with
 the residual chain real (a degraded anchor degrades the residuals coded against it), each compile of
 a format costs tens of seconds on a CPU, and the first-order sum needs 1 + Σ(|OPTIONS| − 1)·2p
@@ -117,22 +121,31 @@ def measure_kl(model, fmt, tokens: np.ndarray, prefix: int, batch: int, calib=No
     return float(np.mean(scores.kl[scores.scored & keep]))
 
 
+def allowed(position: int, positions: int, option: tuple[int, int]) -> bool:
+    """Whether a slot at group `position` may take `option`: anything but 0 bits at the anchor (the
+    group's last position, the residual format's "last" reference)."""
+    return option[0] > 0 or position != positions - 1
+
+
 def best_schedule(costs: dict[tuple[str, int, tuple[int, int]], float], positions: int,
                   bits: Callable[[Schedule], Fraction], budget: float,
                   options: Sequence[tuple[int, int]] = OPTIONS) -> tuple[Schedule | None, float]:
     """The schedule with the least Σ costs[(kind, position, option)] whose `bits` ≤ `budget`, by
-    exhaustive search (a slot at an option without a cost costs 0), and that sum; (None, inf) when
-    nothing fits. `bits` is a sum over slots (the format's accounting is), so every combination's bits
-    come from one measured delta per (slot, option); the winner's are checked against `bits` itself."""
+    exhaustive search over the `allowed` options (a slot at an option without a cost costs 0), and
+    that sum; (None, inf) when nothing fits. `bits` is a sum over slots (the format's accounting is), so
+    every combination's bits come from one measured delta per (slot, option); the winner's are checked
+    against `bits` itself."""
     slots = [(kind, p) for kind in SLOT_KINDS for p in range(positions)]
-    base = Schedule.uniform(positions, options[0])
+    base = Schedule.uniform(positions, next(o for o in options if o[0] > 0))
     base_bits = bits(base)
-    delta = np.array([[float(bits(base.replace(kind, p, o)) - base_bits) for o in options] for kind, p in slots])
-    cost = np.array([[costs.get((kind, p, o), 0.0) for o in options] for kind, p in slots])
+    delta = np.array([[float(bits(base.replace(kind, p, o)) - base_bits) if allowed(p, positions, o) else 0.0
+                       for o in options] for kind, p in slots])
+    cost = np.array([[costs.get((kind, p, o), 0.0) if allowed(p, positions, o) else np.inf for o in options]
+                     for kind, p in slots])
     grid = np.array(list(itertools.product(range(len(options)), repeat=len(slots))))  # [C, slots]
     rows = np.arange(len(slots))
     total_bits = float(base_bits) + delta[rows, grid].sum(axis=1)
-    total_cost = np.where(total_bits <= budget + 1e-9, cost[rows, grid].sum(axis=1), np.inf)
+    total_cost = np.where(total_bits <= budget + 1e-9, cost[rows, grid].sum(axis=1), np.inf)  # inf: not allowed
     best = int(np.argmin(total_cost))
     if not np.isfinite(total_cost[best]):
         return None, float("inf")
@@ -171,18 +184,24 @@ def allocate(model, tokens: np.ndarray, budgets: Sequence[float], *, num_loops: 
             progress(label, measured[label])
         return measured[label]
 
-    cheapest = min(bits(Schedule.uniform(positions, o)) for o in options)  # bits are per slot: one option for all
-    if cheapest > min(budgets):
-        raise ValueError(f"a budget of {min(budgets)} bits per element is below the cheapest schedule's "
-                         f"{float(cheapest):.4f}")
-    start = time.perf_counter()
+    if reference[0] == 0:
+        raise ValueError(f"the reference option {reference[0]}g{reference[1]} must store bits (it is every slot's)")
     ref = Schedule.uniform(positions, reference)
+
+    def cheapest(kind: str, p: int) -> tuple[int, int]:  # bits are a sum over slots: each slot's fewest
+        return min((o for o in options if allowed(p, positions, o)), key=lambda o: bits(ref.replace(kind, p, o)))
+
+    fewest = bits(Schedule(*(tuple(cheapest(kind, p) for p in range(positions)) for kind in SLOT_KINDS)))
+    if fewest > min(budgets):
+        raise ValueError(f"a budget of {min(budgets)} bits per element is below the cheapest schedule's "
+                         f"{float(fewest):.4f}")
+    start = time.perf_counter()
     ref_kl = kl(ref)
     costs = {}
     for kind in SLOT_KINDS:
         for p in range(positions):
             for option in options:
-                if option != reference:
+                if option != reference and allowed(p, positions, option):
                     costs[kind, p, option] = max(kl(ref.replace(kind, p, option)) - ref_kl, 0.0)
     shared = time.perf_counter() - start
     named = {f"{kind}{p}:{b}g{g}": c for (kind, p, (b, g)), c in costs.items()}

@@ -29,6 +29,10 @@ uses three levels; needs ``b >= 2``)::
 For symmetric configs ``Quantized.offset`` is ``None``: the offset ``-2**(b-1) * scale`` is implied
 and not stored (it would overflow fp8 at 8 bits).
 
+``bits=0`` stores nothing: no codes, no metadata, and every value reconstructs to 0 — a residual loop
+that keeps only its least-squares scale, reading its reference scaled (the "0-bit residual" of loop
+sharing).
+
 ``bits=16`` is the identity setting: ``codes`` hold the values in bfloat16 and there is no metadata
 (``scale``/``offset`` have ``G = 0`` columns), so schemes built on this module (residual groups,
 cache formats) can run losslessly up to bfloat16 rounding.
@@ -76,8 +80,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-VALID_BITS = (1, 2, 3, 4, 8, 16)
+VALID_BITS = (0, 1, 2, 3, 4, 8, 16)
 PASSTHROUGH_BITS = 16  # "16 bits": no quantization, values kept in bfloat16 with no metadata
+DROP_BITS = 0  # "0 bits": nothing stored, every value reconstructs to 0
 META_DTYPES = (
     np.dtype(jnp.float8_e4m3fn),
     np.dtype(jnp.bfloat16),
@@ -246,13 +251,15 @@ def quantize(x: jax.Array, cfg: QuantConfig) -> Quantized:
     """Quantize ``x [..., D]`` group-wise along the last axis.
 
     Returns ``Quantized(codes uint8 [..., D], scale [..., D//g], offset [..., D//g] | None,
-    super_scale [..., 1] | None)`` (16 bits: bfloat16 codes and empty ``[..., 0]`` metadata). Raises
+    super_scale [..., 1] | None)`` (16 bits: bfloat16 codes and empty ``[..., 0]`` metadata; 0 bits: zero
+    codes and empty metadata). Raises
     ValueError when ``D % cfg.group_size != 0``.
     """
     xg = _groups(jnp.asarray(x, jnp.float32), cfg.group_size)  # [..., G, g]
-    if cfg.bits == PASSTHROUGH_BITS:
+    if cfg.bits in (PASSTHROUGH_BITS, DROP_BITS):
         empty = jnp.zeros(x.shape[:-1] + (0,), cfg.meta_dtype)
-        return Quantized(xg.reshape(x.shape).astype(jnp.bfloat16), empty, None if cfg.symmetric else empty)
+        codes = xg.reshape(x.shape).astype(jnp.bfloat16) if cfg.bits else jnp.zeros(x.shape, jnp.uint8)
+        return Quantized(codes, empty, None if cfg.symmetric else empty)
     meta = _metadata(xg, cfg)
     sup = None if meta.super_scale is None else meta.super_scale.astype(jnp.bfloat16)
     s, o = _effective(meta.stored, meta.super_scale)
@@ -280,10 +287,10 @@ def _effective(stored, sup) -> tuple[jax.Array, jax.Array | None]:
 def out_of_range(x: jax.Array, cfg: QuantConfig) -> jax.Array:
     """Per vector ``[...]`` (int32): metadata values of ``x [..., D]``'s groups that ``quantize`` could
     not store — saturated beyond the dtype's finite range or flushed to zero from a non-zero value —
-    plus non-finite entries of ``x``. Zero at 16 bits."""
+    plus non-finite entries of ``x``. Only those at 16 and 0 bits (no metadata)."""
     xg = _groups(jnp.asarray(x, jnp.float32), cfg.group_size)
     bad = jnp.sum(~jnp.isfinite(xg), axis=(-2, -1))
-    if cfg.bits == PASSTHROUGH_BITS:
+    if cfg.bits in (PASSTHROUGH_BITS, DROP_BITS):
         return bad.astype(jnp.int32)
     meta = _metadata(xg, cfg)
     for raw, stored in zip(meta.raw, meta.stored):
@@ -293,9 +300,12 @@ def out_of_range(x: jax.Array, cfg: QuantConfig) -> jax.Array:
 
 
 def dequantize(q: Quantized, cfg: QuantConfig, dtype=jnp.float32) -> jax.Array:
-    """Reconstruct ``[..., D]`` from ``Quantized``: ``offset + scale * code`` in float32, then cast."""
+    """Reconstruct ``[..., D]`` from ``Quantized``: ``offset + scale * code`` in float32, then cast (0 bits:
+    zeros)."""
     if cfg.bits == PASSTHROUGH_BITS:
         return q.codes.astype(jnp.float32).astype(dtype)
+    if cfg.bits == DROP_BITS:
+        return jnp.zeros(q.codes.shape, dtype)
     c = _groups(q.codes, cfg.group_size).astype(jnp.float32)  # [..., G, g]
     s, o = _effective((q.scale,) if cfg.symmetric else (q.scale, q.offset), q.super_scale)
     if cfg.symmetric:

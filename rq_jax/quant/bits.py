@@ -18,9 +18,9 @@ from rq_jax.quant import affine, packing, residual, rvq
 
 
 def affine_bits(cfg: affine.QuantConfig, head_dim: int | None = None) -> Fraction:
-    """Bits per element of one affine quantizer: ``b + n_meta * meta_bits / g`` (16 bits: no metadata),
-    plus ``16 / head_dim`` for a per-vector bfloat16 super-scale (then ``head_dim`` is required)."""
-    if cfg.bits == affine.PASSTHROUGH_BITS:
+    """Bits per element of one affine quantizer: ``b + n_meta * meta_bits / g`` (16 and 0 bits: no
+    metadata), plus ``16 / head_dim`` for a per-vector bfloat16 super-scale (then ``head_dim`` is required)."""
+    if cfg.bits in (affine.PASSTHROUGH_BITS, affine.DROP_BITS):
         return Fraction(cfg.bits)
     n_meta = 1 if cfg.symmetric else 2
     out = cfg.bits + Fraction(n_meta * cfg.meta_bits, cfg.group_size)

@@ -17,7 +17,8 @@ split the query into the same ``P`` contiguous slices and never reassemble the k
     packed = concat(pack(codes & 3, 2), pack(codes >> 2, 1))        # [..., 3D/8]
     codes  = unpack(packed[..., :D/4], 2) | (unpack(packed[..., D/4:], 1) << 2)
 
-16-bit "codes" (bfloat16 values, the identity setting of ``affine``) are stored as they are.
+16-bit "codes" (bfloat16 values, the identity setting of ``affine``) are stored as they are; 0-bit codes
+(``affine``'s nothing-stored setting) take no bytes: ``[..., 0]``.
 
 No padding anywhere: ``D`` must be divisible by ``P`` (by 8 for 3 bits), else ValueError.
 """
@@ -38,12 +39,14 @@ def packed_dim(dim: int, bits: int) -> int:
     values at 16 bits); validates ``dim``."""
     if bits == 16:
         return dim
+    if bits == 0:
+        return 0
     if bits == 3:
         if dim % 8:
             raise ValueError(f"3-bit packing needs dim divisible by 8, got dim={dim}")
         return dim * 3 // 8
     if bits not in _PER_BYTE:
-        raise ValueError(f"invalid bit width {bits!r}: expected one of (1, 2, 3, 4, 8, 16)")
+        raise ValueError(f"invalid bit width {bits!r}: expected one of (0, 1, 2, 3, 4, 8, 16)")
     p = _PER_BYTE[bits]
     if dim % p:
         raise ValueError(f"{bits}-bit packing needs dim divisible by {p}, got dim={dim}")
@@ -52,6 +55,8 @@ def packed_dim(dim: int, bits: int) -> int:
 
 def unpacked_dim(packed: int, bits: int) -> int:
     """Inverse of ``packed_dim``: channels in a packed row of ``packed`` elements."""
+    if bits == 0:
+        raise ValueError("0-bit codes take no bytes: their channel count is not in the packed row")
     return packed if bits == 16 else packed * 8 // bits
 
 
@@ -61,6 +66,8 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
     packed_dim(d, bits)
     if bits == 16:
         return codes
+    if bits == 0:
+        return jnp.zeros(codes.shape[:-1] + (0,), jnp.uint8)
     codes = codes.astype(jnp.uint8)
     if bits == 3:
         return jnp.concatenate([pack(codes & 3, 2), pack(codes >> 2, 1)], axis=-1)
@@ -82,6 +89,8 @@ def unpack(packed: jax.Array, bits: int, dim: int) -> jax.Array:
         raise ValueError(f"packed last dim {packed.shape[-1]} != packed_dim({dim}, {bits}) = {n}")
     if bits == 16:
         return packed
+    if bits == 0:
+        return jnp.zeros(packed.shape[:-1] + (dim,), jnp.uint8)
     packed = packed.astype(jnp.uint8)
     if bits == 3:
         lo = unpack(packed[..., : dim // 4], 2, dim)

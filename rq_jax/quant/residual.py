@@ -71,6 +71,9 @@ class ResidualConfig:
             for b, g in zip(bits, gs)
         )
         object.__setattr__(self, "meta_dtype", qcs[0].meta_dtype)
+        if bits[self.anchor] == affine.DROP_BITS:
+            raise ValueError(f"bits {bits}: the anchor (loop {self.anchor}) cannot store 0 bits; only a residual "
+                             "loop can (it then reads its reference, scaled)")
 
     @property
     def num_loops(self) -> int:

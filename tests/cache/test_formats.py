@@ -27,6 +27,7 @@ LOOP_POLICIES = {
     "residual-first": dict(group_size=(8, 8, 8, 8), bits=(4, 2, 2, 2), reference="first"),
     "residual-kv": dict(group_size=8, bits=(2, 2, 2, 4), bits_v=(4, 2, 2, 2), group_size_v=(4, 8, 8, 8)),
     "direct-kv": dict(group_size=8, bits=(2, 2, 2, 4), bits_v=(2, 2, 2, 2), rotation="identity", residual=False),
+    "residual-0bit": dict(group_size=8, bits=(2, 0, 0, 4), bits_v=(0, 2, 0, 4)),
 }
 
 
@@ -134,7 +135,7 @@ def test_decode_compiles_once_per_shape(family, name, policy, request):
 
 
 @pytest.mark.parametrize("key", ["uniform", "rotated", "direct-2224", "residual", "residual-previous", "residual-kv",
-                                 "direct-kv"])
+                                 "direct-kv", "residual-0bit"])
 @pytest.mark.parametrize("num_loops", [4, 8, 6])
 def test_bytes_equal_the_toolbox_accounting(key, num_loops):
     fmt = loop_format(key)
@@ -150,6 +151,26 @@ def test_paper_accounting_for_ouro_and_huginn():
     assert get_format("residual", bits=(2, 2, 2, 2)).bits_per_element(4, 128) == 2.59375
     assert residual.bits_per_element(32, 96) == 3.125  # Huginn 8×[2,2,2,4] g32
     assert get_format("uniform", group_size=32).bits_per_element(4, 128) == 2.5
+
+
+def test_a_0_bit_residual_reads_its_reference_scaled():
+    """A 0-bit loop stores only its least-squares α: it reconstructs as α·(the anchor's reconstruction)
+    exactly, is 16/D bits per element (the α), and no anchor or direct loop may be 0 bits."""
+    rng = np.random.default_rng(3)
+    fmt = get_format("residual", bits=(0, 2, 0, 4), group_size=8, rotation="identity")
+    k, v = random_kv(rng, loops=4, layers=1, batch=1, heads=2, seq=5, dim=16)
+    lengths = jnp.asarray([5])
+    _, (state,), (calib,) = write_stack(fmt, 4, k, v, jnp.zeros(1, jnp.int32), lengths)
+    anchor_k, _ = fmt.reconstruct(state, (0, 0), 3, lengths, calib)
+    for r in (0, 2):
+        got, _ = fmt.reconstruct(state, (0, 0), r, lengths, calib)
+        alpha = state[r].k_alpha[0, 0].astype(jnp.float32)[..., None]  # [B, K, S, 1]
+        np.testing.assert_array_equal(got, alpha * anchor_k)
+    # Per loop: 0, INT2 + 16 metadata bits per 8 channels, 0, INT4 + the same; three α of 16 bits per 16.
+    assert fmt.bits_per_element(4, 16) == (0 + (2 + 2) + 0 + (4 + 2)) / 4 + 3 * 16 / (4 * 16)
+    for policy in (dict(bits=(2, 2, 2, 0)), dict(bits=(0, 2, 2, 4), residual=False)):
+        with pytest.raises(ValueError, match="0 bits|0-bit loop"):
+            get_format("residual", group_size=8, **policy)
 
 
 def test_huginn_partial_last_group_keeps_its_int4_anchor():

@@ -10,28 +10,30 @@ from rq_jax.calibrate.allocate import (Schedule, allocate, best_schedule, load_s
                                        schedule_bits)
 from tests.conftest import SHIPPED, run_script
 
-OPTS = ((2, 8), (4, 8), (2, 4))
+OPTS = ((2, 8), (4, 8), (2, 4), (0, 8))
 
 
 def test_search_equals_brute_force_under_the_formats_own_accounting():
+    """Against every schedule the format accepts (a 0-bit anchor it refuses), with 0-bit options costing
+    nothing: the search never puts one at the anchor, the one position they would be cheapest at."""
     rng = np.random.default_rng(0)
     costs = {(kind, p, o): float(rng.uniform(0, 1)) for kind in "kv" for p in range(2) for o in OPTS[::2]}
 
     def bits(s):
         return schedule_bits(s, 4, 16)
 
-    for budget in (4.8, 5.3, 5.9, 7.0):  # at D 16: INT2 g8 stores 4 bits, α adds 0.75
+    for budget in (2.6, 4.8, 5.3, 5.9, 7.0):  # at D 16 in pairs: INT2 g8 stores 4 bits, α adds 0.5, 0 bits just α
         best, cost = best_schedule(costs, 2, bits, budget, OPTS)
         brute = []
         for k in itertools.product(OPTS, repeat=2):
             for v in itertools.product(OPTS, repeat=2):
                 s = Schedule(k, v)
-                if bits(s) <= budget:
+                if k[-1][0] and v[-1][0] and bits(s) <= budget:
                     brute.append((sum(costs.get((kind, p, o), 0.0) for kind, side in (("k", k), ("v", v))
                                       for p, o in enumerate(side)), s))
         assert cost == pytest.approx(min(c for c, _ in brute))
-        assert bits(best) <= budget
-    assert best_schedule(costs, 2, bits, 4.0, OPTS) == (None, float("inf"))
+        assert bits(best) <= budget and best.k[-1][0] and best.v[-1][0]
+    assert best_schedule(costs, 2, bits, 2.4, OPTS) == (None, float("inf"))  # the fewest: 2.5
 
 
 def test_schedule_format_and_bits():
@@ -49,9 +51,10 @@ def test_allocation_on_the_fixture_model(ouro, tmp_path):
     model, ref = ouro
     rows = np.asarray(ref["input_ids"])[:, :8]
     tight, loose = allocate(model, rows, (5.0, 6.0), num_loops=4, prefix=4, batch=2, positions=2,
-                            options=((2, 8), (4, 8)))
-    for alloc in (tight, loose):
-        assert len(alloc.costs) == 4 and alloc.bits <= alloc.budget and alloc.kl >= 0 and alloc.reference_kl >= 0
+                            options=((0, 8), (2, 8), (4, 8)))
+    for alloc in (tight, loose):  # 0 bits measured at the first position only, not at the anchor
+        assert sorted(alloc.costs) == ["k0:0g8", "k0:2g8", "k1:2g8", "v0:0g8", "v0:2g8", "v1:2g8"]
+        assert alloc.bits <= alloc.budget and alloc.kl >= 0 and alloc.reference_kl >= 0
     assert loose.predicted_kl <= tight.predicted_kl and tight.costs == loose.costs  # measured once
     alloc = loose
     path = tmp_path / "schedule.json"
