@@ -35,7 +35,7 @@ from rq_jax.cache.kv_error import dense_kv, reconstruction_error
 from rq_jax.cache.schemes import calibrated_schemes, rival_schemes, table_schemes
 from rq_jax.data import collate
 from rq_jax.eval import loops
-from rq_jax.eval.table import Tasks, evaluate
+from rq_jax.eval.table import Tasks, evaluate, pareto_front
 
 #: The checkpoint each --model scores without --checkpoint: the shipped base models.
 EVAL_CHECKPOINT = {"huginn": "huginn-small", "ouro": "ouro-small"}
@@ -198,7 +198,8 @@ def bit_ticks(bits: list[float]) -> list[float]:
 
 def figures(rows: list[dict], kv_err: dict, loops: int, prefix: str) -> None:
     """PREFIX_accuracy.png (exact match against bits per element, a hollow marker and a colour per
-    scheme, the legend naming them) and PREFIX_kv_error.png (K and V NMSE per loop and layer)."""
+    scheme, the legend naming them, and the Pareto front: the best accuracy at each number of bits or
+    fewer) and PREFIX_kv_error.png (K and V NMSE per loop and layer)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,6 +219,8 @@ def figures(rows: list[dict], kv_err: dict, loops: int, prefix: str) -> None:
                           "o" if first_g is None or first_g in label.split() else "p")
             ax.scatter(r["bits_per_element"], 100 * r[task]["accuracy"], s=60, marker=marker, linewidths=1.5,
                        facecolors="none", edgecolors=colors[i % len(colors)], label=label, clip_on=False, zorder=3)
+        front = pareto_front([(r["bits_per_element"], 100 * r[task]["accuracy"]) for r in rows])
+        ax.step(*zip(*front), where="post", color="0.6", linestyle="--", linewidth=1, label="Pareto front", zorder=1)
         low = min(100 * r[task]["accuracy"] for r in rows)
         ax.set(xscale="log", xlabel="bits per element (log scale)", ylabel="exact match (%)",
                ylim=(max(0, 10 * (low // 10) - 10), 100))

@@ -54,7 +54,11 @@ def main(argv=None):
     rows = []
     print(f"{'scheme':30s} {'bits/elem':>9s} {'K NMSE':>9s} {'V NMSE':>9s}")
     for scheme in pick(kv_error_labels(args.group_size), (args.group_size,)):
-        err = reconstruction_error(scheme.fmt, k, v)
+        try:
+            err = reconstruction_error(scheme.fmt, k, v)
+        except ValueError as why:  # a format this model's shapes do not suit (e.g. a head dim not a power of 2)
+            print(f"{scheme.label:30s} not for this model: {why}")
+            continue
         row = dict(scheme=scheme.label, bits=float(scheme.fmt.bits_per_element(loops, k.shape[-1])),
                    k_nmse=float(err["k"].mean()), v_nmse=float(err["v"].mean()),
                    k_nmse_per_loop=err["k"].tolist(), v_nmse_per_loop=err["v"].tolist())

@@ -185,6 +185,8 @@ BENCH_ATTENTION = ("dense bf16", "direct INT2 g32", "rotated INT2", "[2,2,2,4] g
 
 
 def kv_error_labels(g: int) -> tuple[str, ...]:
-    """The K/V error report's rows at group size g (`scripts/kv_error.py`; the catalog at (g,))."""
+    """The K/V error report's rows at group size g (`scripts/kv_error.py`; the catalog at (g,)): the
+    ladder and its baselines, then the rivals (loop sharing, vLLM's TurboQuant)."""
     return (f"direct INT2 g{g}", "rotated INT2", f"direct [2,2,2,4] g{g}", f"rotated [2,2,2,4] g{g}",
-            f"+residual α=1 g{g}", f"+rotation g{g}", f"[2,2,2,4] g{g}", "residual_vq")
+            f"+residual α=1 g{g}", f"+rotation g{g}", f"[2,2,2,4] g{g}", "residual_vq", "share last bf16",
+            "share mean bf16", "share first bf16", "vLLM turboquant_4bit_nc", "vLLM turboquant_3bit_nc")

@@ -79,3 +79,13 @@ def evaluate(model, scheme: Scheme, tasks: Tasks, *, batch: int = 32, text: Stdl
     row["bytes_per_token"] = cache_nbytes(cache) / tasks.length
     row["bits_per_element"] = float(scheme.fmt.bits_per_element(scorer.num_loops, model.config.head_dim, tasks.length))
     return row
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (bits, accuracy) points that no point with as few bits or fewer matches, in order of bits:
+    the best accuracy reachable at each storage cost (the accuracy figures draw it)."""
+    front = []
+    for bits, acc in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or acc > front[-1][1]:
+            front.append((bits, acc))
+    return front

@@ -99,3 +99,10 @@ def test_paired_rows_resample_whole_examples():
     assert paired_rows(a, a) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="different answers"):
         paired_rows(a, "1101 1111 01")
+
+
+def test_pareto_front_keeps_each_cost_s_best():
+    from rq_jax.eval.table import pareto_front
+
+    points = [(16, 98.2), (4, 0.0), (3.19, 86.1), (4.5, 94.1), (2.69, 84.0), (3.19, 80.0), (6.25, 96.8), (12, 97.8)]
+    assert pareto_front(points) == [(2.69, 84.0), (3.19, 86.1), (4.5, 94.1), (6.25, 96.8), (12, 97.8), (16, 98.2)]
