@@ -34,7 +34,7 @@ def additions(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.encode(tokenizer.decode(list(e.prompt()))).ids for e in Addition().examples("eval", n)]
 
 
-@pytest.mark.parametrize("cache", ["dense", "residual", "kivi"])
+@pytest.mark.parametrize("cache", ["dense", "residual", "kivi", "share", "turboquant"])
 def test_greedy_tokens_equal_the_samplers_whatever_joins_or_leaves(cache):
     """Eight sums on three slots, four of them arriving while others decode (waiting ones enter together
     through batched prefills, two rows per pass): each request's tokens equal the Sampler's for that prompt alone, and
