@@ -179,6 +179,11 @@ def main(argv=None):
     max_len = longest + protocol.max_new_tokens - 1
     if min(len(x) for x in ids.values()) == 0:
         p.error(f"argument --data: a prompt of {args.data} tokenizes to nothing")
+    if max_len > config.max_position_embeddings and protocol.format != "raw":
+        p.error(f"argument --prompt-format: the {protocol.format} prompts ({protocol.shots} shots) are up to {longest} "
+                f"tokens; with {protocol.max_new_tokens} new tokens they need {max_len} positions, more than the "
+                f"model's {config.max_position_embeddings}: use --prompt-format raw (the benchmark's own text, no "
+                "shots) for a small model")
     if max_len > config.max_position_embeddings:
         p.error(f"argument --max-new-tokens: the longest prompt ({longest} tokens) plus {protocol.max_new_tokens} "
                 f"new tokens needs {max_len} positions, more than the model's {config.max_position_embeddings}")

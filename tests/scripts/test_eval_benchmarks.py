@@ -164,6 +164,9 @@ def test_bad_options_are_one_line_before_any_work(tmp_path, additions):
     refused(gsm8k_args("ouro", data, out, "--max-new-tokens", "2044"),
             "argument --max-new-tokens: the longest prompt (12 tokens) plus 2044 new tokens needs 2055 positions, "
             "more than the model's 2048")
+    refused(["--model", "huginn", "--benchmark", "gsm8k", "--data", str(data), "--out", str(out)],  # the default format
+            "argument --prompt-format: the paper prompts (8 shots) are up to 2143 tokens; with 1024 new tokens they "
+            "need 3166 positions, more than the model's 2048: use --prompt-format raw")
     refused(gsm8k_args("ouro", data, out, "--init-state", "zeros"), "argument --init-state: Huginn's option")
     refused(gsm8k_args("huginn", data, out, "--checkpoint", str(REPO / "checkpoints" / "ouro-small")),
             "argument --model: huginn, but --checkpoint")
