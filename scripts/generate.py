@@ -170,10 +170,9 @@ def print_cache(args, fmt, out, config) -> None:
     print(f"  {c.max_len} positions are allocated (prompt + --max-new-tokens); this run stored {used}")
     if args.calibration:
         print(f"  calibration: fitted, from --calibration {args.calibration} (in place of the defaults named above)")
-    if bits >= 16 and args.cache != "dense":
-        window = " (kivi's window of recent tokens, --residual-length)" if args.cache == "kivi" else ""
-        print(f"  at {c.max_len} positions every token sits in the format's full-precision part{window}, so nothing "
-              "is quantized yet")
+    if bits >= 16 and fmt.full_precision_part:
+        print(f"  at {c.max_len} positions every token sits in the format's full-precision part "
+              f"({fmt.full_precision_part}), so nothing is quantized yet")
     if fmt.needs_data:
         print(f"  {args.cache} fits its codebooks on this prompt's K/V before decoding (prefill includes the fit, "
               "and a short prompt gives rough codebooks)")

@@ -309,6 +309,9 @@ class CacheFormat:
     #: Whether `write` counts values it could not store (`Written.out_of_range`); formats that store
     #: every value as given report zeros.
     reports_out_of_range: ClassVar[bool] = False
+    #: What the format keeps in full precision before it quantizes anything, in a few words (kivi's window
+    #: of recent tokens); "" for a format that quantizes every token it stores.
+    full_precision_part: ClassVar[str] = ""
 
     # ---- storage ---------------------------------------------------------------------------------
 

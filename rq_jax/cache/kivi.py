@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +112,7 @@ class Kivi(base.CacheFormat):
     clip: float = 1.0
     group_size: int | None = None
     name: str = dataclasses.field(default="kivi", init=False)
+    full_precision_part: ClassVar[str] = "kivi's window of recent tokens, residual_length"
     group_len: int = dataclasses.field(default=1, init=False)
     needs_calib: bool = dataclasses.field(default=False, init=False)
     needs_data: bool = dataclasses.field(default=False, init=False)

@@ -98,7 +98,7 @@ def test_generate_prints_the_library_tokens_and_exact_bytes(model, extra):
     (["--super-scale"], get_format("residual", super_scale=True),
      ["values the cache could not store (metadata outside its dtype's range, non-finite K/V): 0\n"]),
     (["--cache", "kivi"], get_format("kivi"),
-     ["every token sits in the format's full-precision part (kivi's window of recent tokens, --residual-length), "
+     ["every token sits in the format's full-precision part (kivi's window of recent tokens, residual_length), "
       "so nothing is quantized yet"]),
     (["--cache", "kivi", "--residual-length", "32", "--max-new-tokens", "24"], get_format("kivi", residual_length=32),
      []),
