@@ -50,14 +50,17 @@ ALLOCATION = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / 
 def allocated_configs() -> dict[str, configs.KernelConfig]:
     """The decode-kernel calls of every schedule the bit allocator emitted for the shipped models
     (docs/results/allocation/MODEL-BUDGET.json): their chains at head dim 64, one query row per kv head
-    (both models' shapes), by name; a chain two schedules share appears once."""
+    (both models' shapes), by name; a chain two schedules share appears once. Chains with a 0-bit link
+    (a slot that stores only its α) are left out: the kernels decline them and the format's attention
+    takes them on XLA (tests/cache/test_formats.py)."""
     from rq_jax.calibrate.allocate import load_schedule
 
     out = {}
     for path in sorted(ALLOCATION.glob("*.json")):
         if not path.stem.endswith("-measured"):
             chains = load_schedule(str(path)).kernel_chains(4)
-            out.update((c.name, c) for c in configs.schedule_configs(chains, 64, 1, "allocated"))
+            out.update((c.name, c) for c in configs.schedule_configs(chains, 64, 1, "allocated")
+                       if all(bits for bits, _ in c.links + (c.v_links or ())))
     return out
 
 

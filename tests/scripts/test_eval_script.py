@@ -41,8 +41,8 @@ def test_eval_writes_the_table_json_and_figures(tmp_path):
 
 def test_progress_counts_answers_and_resume_keeps_finished_rows(tmp_path):
     """The bar's total is the answers of every row (2 sums + 2 retrieval queries + 1 text window per
-    row here) and it advances as batches finish; --resume scores only the rows the JSON lacks and
-    refuses a JSON written with other settings."""
+    row here) and it advances as batches finish; --resume scores only the rows the JSON lacks (here a
+    table row and a --rivals row) and refuses a JSON written with other settings."""
     out = tmp_path / "t"
     small = ["--model", "ouro", "--n", "2", "--retrieval-pairs", "2", "--text-windows", "1", "--batch", "2",
              "--out", out]
@@ -52,14 +52,15 @@ def test_progress_counts_answers_and_resume_keeps_finished_rows(tmp_path):
     assert counts[0] == 0 and counts[-1] == 5 and counts == sorted(counts) and set(counts) <= {0, 2, 4, 5}
     assert "answer" in first.err
     kept = json.loads(out.with_suffix(".json").read_text())["rows"]
-    again = run_script("eval", *small, "--only", "dense bf16", "--only", "kivi", "--resume", "--no-progress",
-                       "--compare", "dense bf16")
+    again = run_script("eval", *small, "--only", "dense bf16", "--only", "kivi", "--rivals", "--only",
+                       "turboquant_3bit", "--resume", "--no-progress", "--compare", "dense bf16")
     assert again.code == 0, again.err
     assert "Against `dense bf16`: accuracy difference in points, paired on the same answers" in again.out
     assert re.search(r"\| kivi INT2 \| [\d.]+ \| [+-]\d+\.\d \([+-]\d+\.\d, [+-]\d+\.\d\) \| ", again.out), again.out
-    assert re.findall(r"eval: (.*?): addition", again.err) == ["kivi INT2"]  # one line per row scored
+    scored = ["kivi INT2", "vLLM turboquant_3bit_nc"]  # a rival's row (--rivals) beside the table's
+    assert re.findall(r"eval: (.*?): addition", again.err) == scored  # one line per row scored
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["scheme"] for r in rows] == ["dense bf16", "kivi INT2"] and rows[0] == kept[0]
+    assert [r["scheme"] for r in rows] == ["dense bf16", *scored] and rows[0] == kept[0]
     other_n = small[:3] + ["3"] + small[4:]
     refused = run_script("eval", *other_n, "--only", "dense bf16", "--resume")
     assert refused.code == 2 and "eval.py: error: argument --resume: " in refused.err and "'n': 2" in refused.err
