@@ -6,7 +6,7 @@ Without --checkpoint it scores the shipped base model of --model (checkpoints/ou
 checkpoints/huginn-small: the models as trained, also generate.py's defaults); with --checkpoint,
 --model may be left out.
 
-Each row scores the eval split through that format's cache (`rq_jax.eval.loops`): exact match of
+Each row scores the eval split through that format's cache (`rq_jax.scoring`): exact match of
 greedy answers (addition, 43-pair retrieval) with a paired-bootstrap 95% CI of the difference to a
 float32 dense cache, agreement with the dense greedy tokens, answer NLL, KL to the dense next-token
 distributions and stdlib bits per byte, beside bits per element and cache bytes per token. Writes
@@ -34,7 +34,7 @@ from rq_jax.cache import get_format
 from rq_jax.cache.kv_error import dense_kv, reconstruction_error
 from rq_jax.cache.schemes import calibrated_schemes, rival_schemes, table_schemes
 from rq_jax.data import collate
-from rq_jax.eval import loops
+from rq_jax import scoring
 from rq_jax.eval.table import Tasks, evaluate, pareto_front
 
 #: The checkpoint each --model scores without --checkpoint: the shipped base models.
@@ -139,7 +139,7 @@ def comparison(rows: list[dict], label: str) -> list[str]:
         cells = []
         for task in ("addition", "retrieval"):
             if "correct" in r[task] and "correct" in base[task]:  # rows of older runs lack the outcomes
-                diff, lo, hi = loops.paired_rows(r[task]["correct"], base[task]["correct"])
+                diff, lo, hi = scoring.paired_rows(r[task]["correct"], base[task]["correct"])
                 cells.append(f"{100 * diff:+.1f} ({100 * lo:+.1f}, {100 * hi:+.1f})")
             else:
                 cells.append("—")

@@ -210,7 +210,7 @@ def _run_case(config, fmt, mesh_text: str, prompts, check_hlo: bool) -> dict:
 
 def _eval_case(config, fmt, mesh_text: str) -> dict:
     """The eval loop (`CacheScorer`) through `fmt` on one device and on the mesh: its scores."""
-    from rq_jax.eval.loops import CacheScorer
+    from rq_jax.scoring import CacheScorer
 
     model = init_model(config, seed=0)
     tokens = np.random.default_rng(3).integers(1, config.vocab_size, (4, 12)).astype(np.int32)

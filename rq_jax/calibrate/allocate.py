@@ -4,7 +4,7 @@ bits-per-element budget, by what each choice does to the model's next-token dist
 The paper fixes one rule (INT4 for each group's anchor, INT2 elsewhere, the same for keys and values).
 Here every *slot* — a (group position, K or V) pair — picks an option (bits, channel group size) from
 `OPTIONS`, and the allocator measures, on the data's calib split, the KL from the dense model's
-next-token distribution through the cache (`rq_jax.eval.loops.CacheScorer`: a prefill, then token by
+next-token distribution through the cache (`rq_jax.scoring.CacheScorer`: a prefill, then token by
 token, every token reading its past from the packed cache), averaged over every scored position or over
 a mask's (the tasks' answer tokens: the positions their accuracy scores):
 
@@ -38,7 +38,7 @@ import numpy as np
 
 from rq_jax.cache.base import get_format
 from rq_jax.cache.loop_quant import LoopQuant
-from rq_jax.eval import loops
+from rq_jax import scoring
 
 #: (bits, channel group size) a slot may take, cheapest first.
 OPTIONS: tuple[tuple[int, int], ...] = ((2, 32), (2, 16), (4, 32), (4, 16))
@@ -116,8 +116,8 @@ def measure_kl(model, fmt, tokens: np.ndarray, prefix: int, batch: int, calib=No
     keep = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
     if keep.shape != tokens.shape or not keep[:, prefix:].any():
         raise ValueError(f"a mask {keep.shape} selects no token past the {prefix}-token prefix of rows {tokens.shape}")
-    scorer = loops.CacheScorer(model, fmt, calib=calib, **model_kwargs)
-    scores = loops.score_windows(scorer, tokens, prefix, batch)
+    scorer = scoring.CacheScorer(model, fmt, calib=calib, **model_kwargs)
+    scores = scoring.score_windows(scorer, tokens, prefix, batch)
     return float(np.mean(scores.kl[scores.scored & keep]))
 
 

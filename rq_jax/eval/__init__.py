@@ -1,3 +1,4 @@
-"""Evaluation: scoring through a cache (`loops`), the accuracy-versus-memory table (`table`), and
-readers/scorers of real benchmarks (`benchmarks`). Import the submodule you need: this package face
-imports nothing, so scoring never loads the benchmarks' subprocess sandbox."""
+"""Evaluation: the accuracy-versus-memory table (`table`, scored through a cache by `rq_jax.scoring`), and
+readers/scorers of real benchmarks (`benchmarks`) with their generation runs (`benchmark_run`, `prompts`).
+Import the submodule you need: this package face imports nothing, so a table never loads the
+benchmarks' subprocess sandbox."""

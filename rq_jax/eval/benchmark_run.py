@@ -32,7 +32,7 @@ import numpy as np
 
 from rq_jax.cache.schemes import TABLE2_METHODS, TABLE2_SETTINGS, PaperRow, Scheme, catalog, table2_rows
 from rq_jax.eval import benchmarks as bm
-from rq_jax.eval.loops import paired_bootstrap
+from rq_jax.scoring import paired_bootstrap
 
 
 @dataclasses.dataclass(frozen=True)

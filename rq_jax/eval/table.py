@@ -13,7 +13,7 @@ from typing import Callable
 from rq_jax.cache import CacheCalib, cache_nbytes, init_cache
 from rq_jax.cache.schemes import Scheme
 from rq_jax.data import Addition, Retrieval, StdlibText
-from rq_jax.eval import loops
+from rq_jax import scoring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,25 +55,25 @@ class Tasks:
 def evaluate(model, scheme: Scheme, tasks: Tasks, *, batch: int = 32, text: StdlibText | None = None,
              calib: CacheCalib | None = None, mesh=None,
              progress: Callable[[str, int], None] = lambda status, answers: None, **model_kwargs) -> dict:
-    """One table row: per-task metrics of `loops.task_metrics` / `loops.text_metrics` through the
+    """One table row: per-task metrics of `scoring.task_metrics` / `scoring.text_metrics` through the
     scheme's cache (with `calib` when given, else the format's default), bits per element (the
     format's accounting at the row length) and bytes per token (the arrays of a cache of
-    `tasks.length` positions, batch 1, all layers). `mesh`: see `loops.CacheScorer`.
+    `tasks.length` positions, batch 1, all layers). `mesh`: see `scoring.CacheScorer`.
     `progress(status, k)` reports, after each batch, the k answers (or text windows) it scored —
     `tasks.num_answers()` in all — and with k = 0 the task about to start."""
-    scorer = loops.CacheScorer(model, scheme.fmt, calib=calib, seed=tasks.seed, mesh=mesh, **model_kwargs)
+    scorer = scoring.CacheScorer(model, scheme.fmt, calib=calib, seed=tasks.seed, mesh=mesh, **model_kwargs)
     row = {"scheme": scheme.label, "ladder": scheme.ladder, "method": scheme.method or "default"}
     for name, examples, length in tasks.answer_sets():
         status = f"{scheme.label}: {name}"
         progress(status, 0)
-        scores, _, answer_id = loops.score_examples(scorer, examples, length, batch,
+        scores, _, answer_id = scoring.score_examples(scorer, examples, length, batch,
                                                     lambda k, status=status: progress(status, k))
-        row[name] = loops.task_metrics(scores, answer_id)
+        row[name] = scoring.task_metrics(scores, answer_id)
     status = f"{scheme.label}: text"
     progress(status, 0)
     text = text or StdlibText()
     windows = text.eval_windows(tasks.text_len, tasks.text_windows)
-    row["text"] = loops.text_metrics(loops.score_windows(scorer, windows, tasks.text_prefix, batch,
+    row["text"] = scoring.text_metrics(scoring.score_windows(scorer, windows, tasks.text_prefix, batch,
                                                          lambda k: progress(status, k)))
     cache = init_cache(model.config, 1, tasks.length, scheme.fmt, num_loops=scorer.num_loops)
     row["bytes_per_token"] = cache_nbytes(cache) / tasks.length

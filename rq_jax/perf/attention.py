@@ -4,7 +4,7 @@ One decode step of one layer over a loop group of `LOOPS` loops (Ouro's 4 loops;
 groups of 4 steps): every loop's queries (one token, all heads) attend to that loop's stored past
 through the format's own `attend` (its fast path: the fused Pallas kernel on a GPU for the `LoopQuant`
 family, XLA elsewhere). The cache is a one-layer model cache of the preset's head shape filled
-through the format's `write` (`rq_jax.perf.decode.filled_row`). Bytes read per step follow the
+through the format's `write` (`rq_jax.perf.fill.filled_row`). Bytes read per step follow the
 format's `read_bits_per_element` (a residual loop re-reads its anchor). On a GPU the dense slot is
 also timed through the dense Pallas kernel and JAX's own `decode_attention`, the outside peer.
 
@@ -30,7 +30,7 @@ from rq_jax.cache import base
 from rq_jax.cache.calib import default_calib
 from rq_jax.cache.kv import init_cache
 from rq_jax.config import ModelConfig, preset
-from rq_jax.perf.decode import filled_row, repeat_rows
+from rq_jax.perf.fill import filled_row, repeat_rows
 
 LOOPS = 4
 

@@ -1,7 +1,7 @@
 """The quantization-aware forward: teacher-forced, every read of past K/V through a cache format's
 fake quantization (straight-through gradients), the in-flight tokens exact — as packed-cache inference.
 
-What inference computes. The Sampler and `rq_jax.eval.loops.CacheScorer` prefill a prompt in one
+What inference computes. The Sampler and `rq_jax.scoring.CacheScorer` prefill a prompt in one
 call (its tokens read each other's K/V exactly, in flight), then feed every later token in a call of
 its own: at loop r it reads each earlier token's loop-r K/V as the cache stores them (`write` then
 `reconstruct`; for `residual`, against that token's own anchor loop) and its own K/V exactly. The K/V

@@ -20,7 +20,7 @@ A run's state is the trainable pytree, the optimizer state and the step; the fro
 teacher are re-read from `checkpoint` (their fingerprint is checked on resume). The data position is
 the step (`Mixture.batch(step)`), Huginn's random initial state is seeded by the step, so a resumed
 run follows the uninterrupted one bit for bit. Held-out accuracy goes through the real packed cache
-(`rq_jax.eval.loops.CacheScorer`) on the evaluation split (`rq_jax.eval.table.Tasks`).
+(`rq_jax.scoring.CacheScorer`) on the evaluation split (`rq_jax.eval.table.Tasks`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from rq_jax import checkpoint as model_io
 from rq_jax.cache import base, get_format
 from rq_jax.calibrate.provenance import fingerprint, weights_mismatch
 from rq_jax.data import TASKS, Mixture, StdlibText
-from rq_jax.eval import loops as eval_loops
+from rq_jax import scoring
 from rq_jax.eval.table import Tasks
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm
@@ -285,18 +285,18 @@ class QATTrainer:
         tasks, batch = self.tasks, self.opts.eval_batch
         if self._scorer is None:
             kw = {"num_loops": self.num_loops}
-            self._scorer = eval_loops.CacheScorer(self.model(), self.fmt, calib=self.calib, seed=tasks.seed, **kw)
+            self._scorer = scoring.CacheScorer(self.model(), self.fmt, calib=self.calib, seed=tasks.seed, **kw)
         else:
             self._scorer.params = nnx.state(self.model())
         out = {}
         for name, examples, length in tasks.answer_sets():
-            scores, _, answer_id = eval_loops.score_examples(self._scorer, examples, length, batch)
-            m = eval_loops.task_metrics(scores, answer_id)
+            scores, _, answer_id = scoring.score_examples(self._scorer, examples, length, batch)
+            m = scoring.task_metrics(scores, answer_id)
             out.update({f"{name}_acc": m["accuracy"], f"{name}_dense_acc": m["dense_accuracy"],
                         f"{name}_kl": m["kl"], f"{name}_agreement": m["agreement"]})
         if tasks.text_windows:
             windows = self.text.eval_windows(tasks.text_len, tasks.text_windows)
-            m = eval_loops.text_metrics(eval_loops.score_windows(self._scorer, windows, tasks.text_prefix, batch))
+            m = scoring.text_metrics(scoring.score_windows(self._scorer, windows, tasks.text_prefix, batch))
             out.update(text_bpb=m["bpb"], text_dense_bpb=m["dense_bpb"], text_kl=m["kl"])
         return out
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 from rq_jax.cache import base, cache_nbytes, default_calib, get_format, init_cache
 from rq_jax.config import preset
-from rq_jax.eval.loops import CacheScorer
+from rq_jax.scoring import CacheScorer
 from rq_jax.models import init_model
 from rq_jax.perf.decode import greedy_step
 from rq_jax.sampling import Sampler, SamplingConfig

@@ -12,7 +12,7 @@ from rq_jax import checkpoint
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.schemes import pick
 from rq_jax.data import Addition, decode
-from rq_jax.eval import loops
+from rq_jax import scoring
 from tests.conftest import REPO, run_script
 
 N = 24
@@ -69,12 +69,12 @@ def runs(additions, tmp_path_factory):
 @pytest.mark.parametrize("model", MODELS)
 def test_accuracy_is_eval_exact_match(model, runs, additions):
     """Each problem's score equals its greedy exact match through the same cache in the eval loop
-    (`rq_jax.eval.loops`, which scripts/eval.py's table runs), for dense bf16 and the residual cache."""
+    (`rq_jax.scoring`, which scripts/eval.py's table runs), for dense bf16 and the residual cache."""
     net, _ = checkpoint.load(REPO / "checkpoints" / MODELS[model])
     (residual,) = pick([SCHEMES[1]])
-    scorer = loops.CacheScorer(net, residual.fmt, reference=Dense("bfloat16"))
-    scores, _, answer_id = loops.score_examples(scorer, additions[1], Addition().length, batch=N)
-    exact = loops.answers(scores, answer_id)
+    scorer = scoring.CacheScorer(net, residual.fmt, reference=Dense("bfloat16"))
+    scores, _, answer_id = scoring.score_examples(scorer, additions[1], Addition().length, batch=N)
+    exact = scoring.answers(scores, answer_id)
     data = json.loads(runs[model].with_suffix(".json").read_text())
     rows = {r["scheme"]: r for r in data["rows"]}
     for label, want in (("dense-bf16", exact.ref_correct), ("rotation-g32", exact.correct)):

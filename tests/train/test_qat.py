@@ -16,7 +16,7 @@ from rq_jax import checkpoint as model_io
 from rq_jax.cache import get_format
 from rq_jax.convert.hf import save_hf
 from rq_jax.data import StdlibText
-from rq_jax.eval.loops import CacheScorer
+from rq_jax.scoring import CacheScorer
 from rq_jax.models import init_model
 from rq_jax.train import QATConfig, QATTrainer, RunOptions, fake_quant_forward, format_calib
 from rq_jax.train import commands, lora, tiny_model_config

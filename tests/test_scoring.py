@@ -8,7 +8,7 @@ import pytest
 
 from rq_jax.cache import Dense, get_format
 from rq_jax.data import Example
-from rq_jax.eval.loops import CacheScorer, paired_bootstrap, paired_rows, score_examples, task_metrics
+from rq_jax.scoring import CacheScorer, paired_bootstrap, paired_rows, score_examples, task_metrics
 from rq_jax.sampling import Sampler, SamplingConfig
 
 

@@ -1,4 +1,7 @@
-"""Jit-compiled, batched eval loops that score a model *through* a cache format.
+"""The measurement floor: jit-compiled, batched loops that score a model *through* a cache format, and
+the statistics of their scores (KL, agreement, NLL, exact match, the paired bootstrap). The eval
+runners (`rq_jax.eval`), the bit allocator (`rq_jax.calibrate.allocate`) and QAT's held-out
+evaluation all measure with it, so none of them imports another for it.
 
 `CacheScorer` prefills each row's prefix into two caches — the format under test and a dense
 reference — then feeds the rest of the row one token per call (a decode step, so every token reads
