@@ -52,6 +52,9 @@ def main(argv=None):
         p.error(f"argument --options: {args.options}: expected BITSgGROUP,... e.g. 2g32,4g32")
     if len(options) < 2:
         p.error(f"argument --options: {args.options}: give at least two options")
+    if options[-1][0] == 0:
+        p.error(f"argument --options: {args.options}: the last option is the reference every slot starts from "
+                "and cannot be 0 bits")
     if args.prefix >= args.seq_len:
         p.error(f"--prefix {args.prefix} must be below --seq-len {args.seq_len}")
     tasks = tuple(args.tasks.split(","))

@@ -67,12 +67,14 @@ def test_bytes_equal_the_accounting(policy, loops, bits):
     assert cache_nbytes(cache) == fmt.bits_per_element(loops, 16) * 2 * loops * 3 * 2 * 4 * 32 * 16 / 8
 
 
-@pytest.mark.parametrize("policy,match", [(dict(source="middle"), "unknown source"), (dict(bits=(2, 4)), "one width"),
-                                          (dict(loops=0), "loops must be positive"),
-                                          (dict(bits=4, rotation="learned"), "unknown rotation")])
-def test_bad_policies_are_named(policy, match):
+@pytest.mark.parametrize("name,policy,match", [
+    ("share", dict(source="middle"), "unknown source"), ("share", dict(bits=(2, 4)), "one width"),
+    ("share", dict(loops=0), "loops must be positive"), ("share", dict(bits=4, rotation="learned"), "unknown rotation"),
+    ("compress", dict(strategy="r4"), "unknown strategy"), ("compress", dict(slots=0), "slots must be positive"),
+    ("compress", dict(bits=(4, 4)), "one width")])
+def test_bad_policies_are_named(name, policy, match):
     with pytest.raises(ValueError, match=match):
-        get_format("share", **policy)
+        get_format(name, **policy)
 
 
 def reference_slot(step_idx: int, strategy: str) -> int:

@@ -105,3 +105,11 @@ def test_allocate_script_names_bad_calib_rows(tmp_path, argv, message):
     assert run.code == 2 and run.err.count("\n") == 1, run.err
     assert run.err.startswith("allocate.py: error: calib rows (--rows 16, ") and message in run.err, run.err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_allocate_script_refuses_a_0_bit_reference(tmp_path):
+    run = run_script("allocate", "--checkpoint", SHIPPED / "ouro-small", "--budget", "3", "--out", tmp_path / "s",
+                     "--options", "2g32,0g32")
+    assert run.code == 2 and run.err.count("\n") == 1, run.err
+    assert "argument --options: 2g32,0g32: the last option is the reference every slot starts from and cannot be " \
+           "0 bits" in run.err
