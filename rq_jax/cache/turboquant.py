@@ -43,6 +43,7 @@ import numpy as np
 from jaxtyping import Array, Float, UInt8
 
 from rq_jax.cache import base
+from rq_jax.quant import affine, rotation
 
 _HI = jax.lax.Precision.HIGHEST
 #: vLLM's presets (`TQ_PRESETS`, without the "turboquant_" prefix): key bits (8: FP8 keys), value bits,
@@ -88,17 +89,6 @@ def midpoints(dim: int, bits: int) -> np.ndarray:
     return (c[:-1] + c[1:]) / 2
 
 
-@functools.cache
-def hadamard(dim: int) -> np.ndarray:
-    """The orthonormal Sylvester Hadamard matrix [D, D] (float32): [[H, H], [H, −H]] from [[1]], / √D."""
-    if dim & (dim - 1):
-        raise ValueError(f"turboquant: head_dim {dim} is not a power of 2 (the Hadamard rotation needs one)")
-    h = np.ones((1, 1))
-    while h.shape[0] < dim:
-        h = np.block([[h, h], [h, -h]])
-    return (h / math.sqrt(dim)).astype(np.float32)
-
-
 def pack(codes: UInt8[Array, "... d"], bits: int) -> UInt8[Array, "... p"]:
     """vLLM's packing of codes < 2^bits along the last axis: 4 bits two per byte (element 2i low), 3 bits
     a least-significant-bit-first stream (8 codes per 3 bytes)."""
@@ -123,12 +113,6 @@ def unpack(packed: UInt8[Array, "... p"], bits: int, dim: int) -> UInt8[Array, "
     word = octets[..., 0] | (octets[..., 1] << 8) | (octets[..., 2] << 16)
     codes = (word[..., None] >> (3 * jnp.arange(8, dtype=jnp.uint32))) & 7
     return codes.reshape(*packed.shape[:-1], dim).astype(jnp.uint8)
-
-
-def _exact_div(x: Array, divisor: Array) -> Array:
-    """x / divisor rounded as written: XLA would turn a division by a broadcast value into a multiply by
-    its reciprocal, so the divisor is broadcast behind a barrier (as `rq_jax.quant.affine` does)."""
-    return x / jax.lax.optimization_barrier(jnp.broadcast_to(divisor, x.shape))
 
 
 class TurboSlot(NamedTuple):
@@ -182,7 +166,8 @@ class TurboQuant(base.CacheFormat):
             return jnp.clip(k, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), None
         d = k.shape[-1]
         norm = jnp.sqrt(jnp.sum(k * k, axis=-1, keepdims=True))
-        y = jnp.einsum("...d,de->...e", _exact_div(k, norm + 1e-8), jnp.asarray(hadamard(d)), precision=_HI)
+        unit = k / affine.exact_divisor(norm + 1e-8, k.shape)  # divided as written (see `affine`)
+        y = jnp.einsum("...d,de->...e", unit, rotation.hadamard(d), precision=_HI)
         idx = jnp.sum(y[..., None] >= jnp.asarray(midpoints(d, self.key_bits)), axis=-1)
         idx = jnp.minimum(idx, 2**self.key_bits - 1).astype(jnp.uint8)
         return pack(idx, self.key_bits), norm[..., 0].astype(jnp.float16)
@@ -200,16 +185,16 @@ class TurboQuant(base.CacheFormat):
     def decode_keys(self, codes: Array, norm: Array | None, dim: int) -> Float[Array, "... d"]:
         """Keys [..., D] float32: the rotated ones taken back by H (its own inverse)."""
         k = self.rotated_keys(codes, norm, dim)
-        return k if norm is None else jnp.einsum("...e,ed->...d", k, jnp.asarray(hadamard(dim)), precision=_HI)
+        return k if norm is None else jnp.einsum("...e,ed->...d", k, rotation.hadamard(dim), precision=_HI)
 
     def encode_values(self, v: Float[Array, "... d"]) -> tuple[Array, Array, Array]:
         """Packed value codes, float16 scales and zeros of V [..., D]."""
         v = v.astype(jnp.float32)
         top = 2**self.value_bits - 1
         lo, hi = jnp.min(v, axis=-1, keepdims=True), jnp.max(v, axis=-1, keepdims=True)
-        scale = _exact_div(hi - lo, jnp.float32(top))
+        scale = (hi - lo) / affine.exact_divisor(top, lo.shape)
         scale = jnp.where(scale > 1e-8, scale, 1e-8)
-        q = jnp.clip(jnp.floor(_exact_div(v - lo, scale) + 0.5), 0, top).astype(jnp.uint8)
+        q = jnp.clip(jnp.floor((v - lo) / affine.exact_divisor(scale, v.shape) + 0.5), 0, top).astype(jnp.uint8)
         return pack(q, self.value_bits), scale[..., 0].astype(jnp.float16), lo[..., 0].astype(jnp.float16)
 
     def decode_values(self, codes: Array, scale: Array, zero: Array, dim: int) -> Float[Array, "... d"]:

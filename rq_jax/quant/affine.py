@@ -190,7 +190,7 @@ def _round(u: jax.Array, cfg: QuantConfig) -> jax.Array:
     return round_half_down(u) if cfg.rounding == "half_down" else jnp.round(u)  # jnp.round: half to even
 
 
-def _exact(x: jax.Array, shape: tuple[int, ...] | None = None) -> jax.Array:
+def exact_divisor(x: jax.Array, shape: tuple[int, ...] | None = None) -> jax.Array:
     """``x`` (broadcast to ``shape``) as a divisor XLA cannot see into: behind an optimization barrier
     its algebraic simplifier (which runs before barriers are expanded) cannot rewrite a division by it
     into a multiply by its reciprocal."""
@@ -227,7 +227,7 @@ def _metadata(xg: jax.Array, cfg: QuantConfig) -> _Meta:
     if cfg.symmetric:
         qmax = (1 << (cfg.bits - 1)) - 1
         amax = jnp.max(jnp.where(finite, jnp.abs(xg), 0.0), axis=-1) * clip
-        raw = (amax / _exact(qmax, amax.shape),)
+        raw = (amax / exact_divisor(qmax, amax.shape),)
     else:
         lo = jnp.min(jnp.where(finite, xg, jnp.inf), axis=-1)
         hi = jnp.max(jnp.where(finite, xg, -jnp.inf), axis=-1)
@@ -237,13 +237,13 @@ def _metadata(xg: jax.Array, cfg: QuantConfig) -> _Meta:
         else:
             rad = _unfused((hi / 2 - lo / 2) * clip)  # rounded before the subtraction
             low = (hi / 2 + lo / 2) - rad
-        raw = (2 * rad / _exact(cfg.levels - 1, rad.shape), low)
+        raw = (2 * rad / exact_divisor(cfg.levels - 1, rad.shape), low)
     sup = None
     if cfg.super_scale:
         m = jnp.max(jnp.stack([jnp.abs(r) for r in raw]), axis=(0, -1))[..., None]
         sup = jnp.where(m > 0, m / 256, 1.0).astype(jnp.bfloat16).astype(jnp.float32)
         sup = jnp.where(sup > 0, sup, 1.0)  # a super-scale underflowing bfloat16
-        raw = tuple(r / _exact(sup, r.shape) for r in raw)
+        raw = tuple(r / exact_divisor(sup, r.shape) for r in raw)
     return _Meta(raw, tuple(_to_meta(r, cfg) for r in raw), sup)
 
 
@@ -265,11 +265,11 @@ def quantize(x: jax.Array, cfg: QuantConfig) -> Quantized:
     s, o = _effective(meta.stored, meta.super_scale)
     if cfg.symmetric:
         qmax = (1 << (cfg.bits - 1)) - 1
-        u = xg / _exact(jnp.where(s > 0, s, 1.0)[..., None], xg.shape)
+        u = xg / exact_divisor(jnp.where(s > 0, s, 1.0)[..., None], xg.shape)
         u = jnp.nan_to_num(u, nan=0.0)
         c = jnp.clip(_round(u, cfg), -qmax, qmax) + (1 << (cfg.bits - 1))
         return Quantized(c.astype(jnp.uint8).reshape(x.shape), meta.stored[0], None, sup)
-    u = (xg - o[..., None]) / _exact(jnp.where(s > 0, s, 1.0)[..., None], xg.shape)
+    u = (xg - o[..., None]) / exact_divisor(jnp.where(s > 0, s, 1.0)[..., None], xg.shape)
     u = jnp.nan_to_num(u, nan=0.0)
     c = jnp.clip(_round(u, cfg), 0, cfg.levels - 1)
     return Quantized(c.astype(jnp.uint8).reshape(x.shape), meta.stored[0], meta.stored[1], sup)
