@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 import platform
 
 import pytest
 
 from pallas_kernels import configs, deviceless, launch
+from tests.conftest import run_script
 
 from ._base import allocated_configs
 
@@ -87,52 +87,15 @@ def test_lowering_for_ampere_accepts_fp8_metadata():
     assert kernel.name == "residual_decode_attention" and kernel.ir
 
 
-def kernel_report() -> dict:
-    """scripts/kernel_report.py's globals (its functions), loaded as a module."""
-    import runpy
-
-    return runpy.run_path(str(pathlib.Path(__file__).resolve().parents[2] / "scripts" / "kernel_report.py"))
-
-
-@pytest.mark.parametrize("heavy_fits, chosen", [
-    (lambda c: c.block_s == 16 and c.num_warps == 8, launch.Launch(16, 8, 2, 16)),
-    (lambda c: c.block_s == 16 and c.dequant_keys, launch.Launch(16, 4, 2, 16, dequant_keys=True)),
-])
-def test_refit_keeps_the_first_candidate_clean_on_every_member(monkeypatch, heavy_fits, chosen):
-    """scripts/kernel_report.py --refit's search, its compiles replaced by a rule: candidates in the sweep's
-    order, each tried on every member configuration and target until one fails, then the same candidates
-    with the reconstructed-key path; the first clean on all of them is kept."""
-    refit_key, calls = kernel_report()["refit_key"], []
-
-    def rule_row(cfg, target, cache, cand):
-        calls.append((cfg.name, target.name, cand))
-        ok = cfg.name == "light" or heavy_fits(cand)
-        return dict(config=cfg.name, target=target.name, block_s=cand.block_s, block_r=16, num_warps=cand.num_warps,
-                    num_stages=2, shared=0, registers=255, spill_stores=0 if ok else 8, spill_loads=0 if ok else 4,
-                    tensor_cores="mma", blocks_per_sm=1, seconds=0.0, ok=ok, problems=[] if ok else ["spills"])
-
-    monkeypatch.setitem(refit_key.__globals__, "compile_row", rule_row)
-    members = [configs.KernelConfig("light", 64, 1, ((2, 16),)), configs.KernelConfig("heavy", 64, 1, ((8, 16),))]
-    got, tried = refit_key(launch.LaunchKey("residual", 64, 1, 16, 16), members, list(deviceless.TARGETS.values()),
-                           None, log=lambda line: None)
-    assert got == chosen and len(tried) == len(calls)
-    first = launch.Launch(64, 4, 2, 16)
-    assert calls[:4] == [("light", "sm_90", first), ("light", "sm_80", first), ("heavy", "sm_90", first),
-                         ("light", "sm_90", first._replace(block_s=32))]  # a failure ends the candidate
-    assert calls[-4:] == [(n, t, chosen) for n in ("light", "heavy") for t in ("sm_90", "sm_80")]
-
-
 @pytest.mark.parametrize("content, message", [
     (None, "not a kernel_report.py JSON report (FileNotFoundError"),
     ("{", "not a kernel_report.py JSON report (JSONDecodeError"),
     ('{"rows": [{"config": "d64-r1-int9g32", "ok": false}]}', "configurations not in configs.MATRIX: d64-r1-int9g32"),
 ])
-def test_refit_refuses_a_bad_report_in_one_line(tmp_path, capsys, content, message):
-    report = tmp_path / "report.json"
+def test_refit_refuses_a_bad_report_in_one_line(tmp_path, content, message):
+    path = tmp_path / "report.json"
     if content is not None:
-        report.write_text(content)
-    main = kernel_report()["main"]
-    with pytest.raises(SystemExit) as exit:
-        main(["--refit", str(report)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit.value.code == 2 and message in err[-1] and "Traceback" not in "".join(err)
+        path.write_text(content)
+    run = run_script("kernel_report", "--refit", path)
+    err = run.err.strip().splitlines()
+    assert run.code == 2 and message in err[-1] and f"--refit {path}: " in err[-1] and "Traceback" not in run.err
