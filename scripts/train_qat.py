@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from rq_jax import checkpoint, cli
-from rq_jax.eval.table import Tasks
+from rq_jax.data import Tasks
 from rq_jax.train import QATTrainer, RunOptions, commands
 
 

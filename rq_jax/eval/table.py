@@ -7,49 +7,20 @@ the rotation comparison, fitted by `rq_jax.calibrate.fit_rotations`); `evaluate(
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
+import sys
+import time
+from typing import Callable, Sequence
 
-from rq_jax.cache import CacheCalib, cache_nbytes, init_cache
-from rq_jax.cache.schemes import Scheme
-from rq_jax.data import Addition, Retrieval, StdlibText
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
 from rq_jax import scoring
-
-
-@dataclasses.dataclass(frozen=True)
-class Tasks:
-    """The held-out evaluation sets: `n` answers per generated task (eval split: `n` addition examples,
-    `n` retrieval queries in ⌈n / queries⌉ sequences; each task's rows as long as its longest example),
-    `text_windows` stdlib windows of `text_len` tokens scored after a
-    `text_prefix`-token prefill. Bits per element and bytes per token are counted at `length`."""
-
-    n: int = 1000
-    addition: Addition = Addition()
-    retrieval: Retrieval = Retrieval()
-    retrieval_pairs: int | None = 43  # every example at this many pairs (None: the generator's range)
-    text_windows: int = 64
-    text_len: int = 256
-    text_prefix: int = 64
-    seed: int = 0
-
-    @property
-    def length(self) -> int:
-        """Row length that holds every example."""
-        return max(self.addition.length, self.retrieval.max_length(self.retrieval_pairs), self.text_len)
-
-    def num_answers(self) -> int:
-        """What `evaluate` scores per row: the answers of `answer_sets` (sums, retrieval queries) and
-        the text windows (the unit of its `progress`)."""
-        return sum(ex.num_answers for _, examples, _ in self.answer_sets() for ex in examples) + self.text_windows
-
-    def answer_sets(self) -> list[tuple[str, list, int]]:
-        """(task, held-out examples, row length) of the answer tasks: `n` addition examples, and enough
-        retrieval sequences for `n` queries (each query is one answer)."""
-        queries = min(self.retrieval.num_queries, self.retrieval_pairs or self.retrieval.max_pairs)
-        return [("addition", self.addition.examples("eval", self.n, self.seed), self.addition.length),
-                ("retrieval", self.retrieval.examples("eval", -(-self.n // queries), self.seed,
-                                                      num_pairs=self.retrieval_pairs),
-                 self.retrieval.max_length(self.retrieval_pairs))]
+from rq_jax.cache import CacheCalib, cache_bytes
+from rq_jax.cache.kv_error import dense_kv, reconstruction_error
+from rq_jax.cache.schemes import Scheme
+from rq_jax.calibrate.scheme import scheme_calibration
+from rq_jax.data import StdlibText, Tasks, collate
 
 
 def evaluate(model, scheme: Scheme, tasks: Tasks, *, batch: int = 32, text: StdlibText | None = None,
@@ -75,10 +46,56 @@ def evaluate(model, scheme: Scheme, tasks: Tasks, *, batch: int = 32, text: Stdl
     windows = text.eval_windows(tasks.text_len, tasks.text_windows)
     row["text"] = scoring.text_metrics(scoring.score_windows(scorer, windows, tasks.text_prefix, batch,
                                                          lambda k: progress(status, k)))
-    cache = init_cache(model.config, 1, tasks.length, scheme.fmt, num_loops=scorer.num_loops)
-    row["bytes_per_token"] = cache_nbytes(cache) / tasks.length
-    row["bits_per_element"] = float(scheme.fmt.bits_per_element(scorer.num_loops, model.config.head_dim, tasks.length))
+    stored = cache_bytes(model.config, scheme.fmt, tasks.length, num_loops=scorer.num_loops)
+    row["bytes_per_token"], row["bits_per_element"] = stored.per_token, float(stored.bits_per_element)
     return row
+
+
+def run_table(model, schemes: Sequence[Scheme], tasks: Tasks, *, num_loops: int, batch: int, mesh=None,
+              calibration: str | None = None, fit_rows: int = 32, done: dict[str, dict] | None = None,
+              show_progress: bool = True, on_row: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Every scheme's row (`evaluate`), in order, with its calibration (`scheme_calibration`: the artifact
+    of its method under `calibration`, else fitted on `fit_rows` rows; recorded as the row's
+    "calibration") and its seconds. A row whose label is in `done` (an earlier run's) is kept as it was.
+    `on_row(rows so far)` after each row (e.g. a resumable write). A progress bar counts answers as
+    their batches finish; without it (`show_progress=False`) one line per scored row goes to stderr.
+    Raises `rq_jax.calibrate.scheme.NeedsCalibration` for a row whose artifact is missing."""
+    bar = tqdm(total=tasks.num_answers() * len(schemes), disable=not show_progress, desc="eval", unit="answer")
+
+    def progress(status: str, answers: int) -> None:
+        bar.set_postfix_str(status, refresh=False)
+        bar.update(answers)
+
+    rows = []
+    for scheme in schemes:
+        if done and scheme.label in done:
+            rows.append(done[scheme.label])
+            progress(f"{scheme.label}: resumed", tasks.num_answers())
+            continue
+        start = time.perf_counter()
+        if scheme.method:
+            progress(f"{scheme.label}: calibrating", 0)
+        calib, source = scheme_calibration(scheme, model, num_loops, folder=calibration, rows=fit_rows)
+        r = evaluate(model, scheme, tasks, batch=batch, calib=calib, mesh=mesh, num_loops=num_loops,
+                     progress=progress)
+        rows.append({**r, **({"calibration": source} if source else {}), "seconds": time.perf_counter() - start})
+        if not show_progress:
+            print(f"eval: {scheme.label}: addition {100 * r['addition']['accuracy']:.1f}%, retrieval "
+                  f"{100 * r['retrieval']['accuracy']:.1f}%, {r['text']['bpb']:.3f} bpb, {rows[-1]['seconds']:.0f} s",
+                  file=sys.stderr, flush=True)
+        on_row(rows)
+    bar.close()
+    return rows
+
+
+def loop_kv_error(model, scheme: Scheme, tasks: Tasks, num_loops: int, examples: int = 8) -> dict:
+    """K/V reconstruction error of `scheme`'s format per loop and layer on `examples` held-out retrieval
+    prompts (`rq_jax.cache.kv_error.reconstruction_error`, as lists): the figure's map."""
+    rows = tasks.retrieval.examples("eval", examples, tasks.seed, num_pairs=tasks.retrieval_pairs)
+    prompts = collate(rows, tasks.retrieval.max_length(tasks.retrieval_pairs))[0]
+    k, v = dense_kv(model, jnp.asarray(prompts), num_loops)
+    err = reconstruction_error(scheme.fmt, k, v)
+    return {"scheme": scheme.label, **{name: np.asarray(x).tolist() for name, x in err.items()}}
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -20,7 +20,7 @@ A run's state is the trainable pytree, the optimizer state and the step; the fro
 teacher are re-read from `checkpoint` (their fingerprint is checked on resume). The data position is
 the step (`Mixture.batch(step)`), Huginn's random initial state is seeded by the step, so a resumed
 run follows the uninterrupted one bit for bit. Held-out accuracy goes through the real packed cache
-(`rq_jax.scoring.CacheScorer`) on the evaluation split (`rq_jax.eval.table.Tasks`).
+(`rq_jax.scoring.CacheScorer`) on the evaluation split (`rq_jax.data.Tasks`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ from flax import nnx
 from rq_jax import checkpoint as model_io
 from rq_jax.cache import base, get_format
 from rq_jax.calibrate.provenance import fingerprint, weights_mismatch
-from rq_jax.data import TASKS, Mixture, StdlibText
+from rq_jax.data import TASKS, Mixture, StdlibText, Tasks
 from rq_jax import scoring
-from rq_jax.eval.table import Tasks
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm
 from rq_jax.train import lora

@@ -32,7 +32,7 @@ def test_eval_writes_the_table_json_and_figures(tmp_path):
     assert mixed["retrieval"]["kl"] > 0 and 0 <= mixed["addition"]["agreement"] <= 1
     assert len(result["kv_error"]["k_layer"]) == 4 and len(result["kv_error"]["k_layer"][0]) == model.config.num_layers
     cal = mixed["calibration"]  # OSCAR fitted on the calib split: per-head holdout losses before/after
-    assert set(cal) == {"key_before", "key_after", "value_before", "value_after"} and cal["key_before"] > 0
+    assert set(cal) == {"fitted", "key_before", "key_after", "value_before", "value_after"} and cal["key_before"] > 0
     text = out.with_suffix(".md").read_text()
     assert f"| [2,2,2,4] g32 oscar | {bits:.3f} |" in text and "Calibrated rotations" in text and text in run.out
     for fig in ("_accuracy.png", "_kv_error.png"):
@@ -63,7 +63,7 @@ def test_progress_counts_answers_and_resume_keeps_finished_rows(tmp_path):
     assert [r["scheme"] for r in rows] == ["dense bf16", *scored] and rows[0] == kept[0]
     other_n = small[:3] + ["3"] + small[4:]
     refused = run_script("eval", *other_n, "--only", "dense bf16", "--resume")
-    assert refused.code == 2 and "eval.py: error: argument --resume: " in refused.err and "'n': 2" in refused.err
+    assert refused.code == 2 and "eval.py: error: argument --resume: " in refused.err and "'n': (2, 3)" in refused.err
 
 
 def test_a_schedules_row_with_its_calibration_and_compared_by_its_label(tmp_path):
