@@ -7,10 +7,12 @@
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template; logprobs, top_logprobs
     GET  /v1/models, /health (503 while warming up or draining), /metrics (Prometheus text)
 
+Request bodies are `rq_jax.serve.protocol`'s pydantic models (unknown fields refused, as OpenAI does).
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 naming the bad field,
-404 for an unknown route, 429 when the waiting queue is full, 503 while warming up or draining. A client
-that disconnects cancels its requests, which frees their slots. The server never touches arrays: it
-turns JSON into token ids and `SamplingParams`, and `Delta`s back into JSON.
+404 for an unknown route and (code "model_not_found", as OpenAI and vLLM answer) for a model not served
+here, 429 when the waiting queue is full, 503 while warming up or draining. A client that disconnects
+cancels its requests, which frees their slots. The server never touches arrays: it turns JSON into
+token ids and `SamplingParams`, and `Delta`s back into JSON.
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import math
-import secrets
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,149 +33,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rq_jax.serve.chat import ChatTemplate, ChatTemplateError
 from rq_jax.serve.engine import Delta, ParamError, SamplingParams, TokenLogprob
 from rq_jax.serve.metrics import ServeMetrics
-from rq_jax.serve.programs import TOP_LOGPROBS
+from rq_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, request_error, sampling_params
 from rq_jax.serve.runner import EngineThread, NotReady, QueueFull
 
 #: How often a non-streaming request checks whether its client is still there (seconds).
 DISCONNECT_POLL = 0.1
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.kind)
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
-
-
-# ---- request parsing -------------------------------------------------------------------------------
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(body: dict, name: str, default: float, check: Callable[[float], bool], what: str) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not check(value):
-        raise APIError(400, f"{name} must be {what}, got {json.dumps(value)}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, default: int | None, check: Callable[[int], bool], what: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value) or not check(value):
-        raise APIError(400, f"{name} must be {what}, got {json.dumps(value)}", name)
-    return value
-
-
-def _boolean(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise APIError(400, f"{name} must be true or false, got {json.dumps(value)}", name)
-    return value
-
-
-def _unsupported(body: dict) -> None:
-    """400 for the OpenAI fields this server does not implement, when set to anything but their no-op."""
-    if body.get("n", 1) not in (1, None):
-        raise APIError(400, f"n must be 1 (one choice per prompt), got {json.dumps(body['n'])}", "n")
-    if body.get("best_of", 1) not in (1, None):
-        raise APIError(400, "best_of is not supported (it must be 1)", "best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name, 0) not in (0, None):
-            raise APIError(400, f"{name} is not supported (it must be 0)", name)
-    if body.get("logit_bias"):
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
-    if body.get("suffix"):
-        raise APIError(400, "suffix is not supported", "suffix")
-
-
-def sampling_params(body: dict, max_tokens_field: str = "max_tokens", logprobs: int = 0,
-                    echo: bool = False) -> SamplingParams:
-    """`SamplingParams` from an OpenAI request body; APIError(400) naming the first bad field.
-
-    OpenAI's defaults: max_tokens 16, temperature 1. A request without a seed is greedy-reproducible
-    (seed 0, the Sampler's) at temperature 0 and drawn from a fresh random seed otherwise."""
-    _unsupported(body)
-    max_tokens = _integer(body, max_tokens_field, 16, lambda v: v >= 1, "an integer ≥ 1")
-    temperature = _number(body, "temperature", 1.0, lambda v: v >= 0, "a finite number ≥ 0")
-    top_p = _number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    top_k = _integer(body, "top_k", 0, lambda v: v >= -1, "an integer ≥ 0 (0 or -1: off)")
-    seed = _integer(body, "seed", None, lambda v: True, "an integer")
-    if seed is None:
-        seed = 0 if temperature == 0 else secrets.randbelow(2**31)
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError(400, f"stop must be a string or a list of strings, got {json.dumps(body.get('stop'))}", "stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise APIError(400, "stop_token_ids must be a list of integers", "stop_token_ids")
-    try:
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-                              seed=seed % 2**31, stop=tuple(s for s in stop if s), stop_token_ids=tuple(stop_ids),
-                              ignore_eos=_boolean(body, "ignore_eos"), logprobs=logprobs, prompt_logprobs=echo)
-    except ParamError as err:
-        raise APIError(400, str(err), err.param) from None
-
-
-def prompts_of(body: dict, tokenizer) -> list[list[int]]:
-    """The completion request's prompts as token ids: a string, a list of strings, a list of ids, or a
-    list of lists of ids."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such "
-                       "lists", "prompt")
-    out = []
-    for p in prompt:
-        if isinstance(p, str):
-            out.append(tokenizer.encode(p).ids)
-        elif isinstance(p, list) and all(_is_int(t) for t in p):
-            out.append(list(p))
-        else:
-            raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
-                           "such lists", "prompt")
-    return out
-
-
-def messages_of(body: dict) -> list[dict]:
-    """The chat request's messages: a non-empty list of {role, content} with string content (or text parts)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string role", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # text parts
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(c["text"] for c in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string", "messages")
-        out.append({**m, "content": content})
-    return out
+def error_response(err: APIError) -> JSONResponse:
+    """`err` as OpenAI's error JSON with its status."""
+    return JSONResponse(err.body(), err.status)
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -212,11 +80,11 @@ class Server:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def check_model(self, body: dict) -> None:
-        model = body.get("model")
+    def check_model(self, model: str | None) -> None:
+        """404 model_not_found (OpenAI's answer) for a model other than the one served (None: that one)."""
         if model is not None and model != self.model_name:
-            raise APIError(400, f"model {json.dumps(model)} is not served here; this server serves "
-                           f"{json.dumps(self.model_name)}", "model", "model_not_found")
+            raise APIError(404, f"model {json.dumps(model)} is not served here; this server serves "
+                           f"{json.dumps(self.model_name)}", "model", code="model_not_found")
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[_Choice], asyncio.Queue]:
         """Queue one request per prompt; their deltas arrive on the returned queue."""
@@ -323,21 +191,13 @@ class Server:
             logprobs = self.completion_logprobs(entries, tokens, as_ids)
         return dict(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason)
 
-    async def completions(self, request: Request) -> Response:
-        body = await json_body(request)
-        self.check_model(body)
-        stream = _boolean(body, "stream")
-        echo = _boolean(body, "echo")
-        as_ids = _boolean(body, "return_tokens_as_token_ids")
-        logprobs = _integer(body, "logprobs", None, lambda v: 0 <= v <= TOP_LOGPROBS,
-                            f"an integer in [0, {TOP_LOGPROBS}]")
-        params = sampling_params(body, logprobs=logprobs or 0, echo=echo and logprobs is not None)
-        prompts = prompts_of(body, self.tokenizer)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        choices, events = self.submit(prompts, params)
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        self.check_model(body.model)
+        echo, as_ids, logprobs = bool(body.echo), bool(body.return_tokens_as_token_ids), body.logprobs
+        choices, events = self.submit(body.prompts(self.tokenizer), sampling_params(body))
         head = dict(id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()),
                     model=self.model_name)
-        if stream:
+        if body.stream:
             def chunk(c: _Choice, d: Delta) -> dict:
                 lp = None
                 if logprobs is not None:
@@ -354,7 +214,7 @@ class Server:
             def usage() -> dict:
                 return {**head, "choices": [], "usage": self.usage(choices)}
 
-            return sse(self.stream(choices, events, chunk, first, usage if include_usage else None))
+            return sse(self.stream(choices, events, chunk, first, usage if body.include_usage else None))
         await self.results(request, choices, events)
         return JSONResponse({**head, "choices": [self.completion_choice(c, logprobs is not None, echo, as_ids)
                                                  for c in choices], "usage": self.usage(choices)})
@@ -369,35 +229,27 @@ class Server:
         return dict(content=[{**item(e.token, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top] if top
                               else []} for e in entries])
 
-    async def chat_completions(self, request: Request) -> Response:
-        body = await json_body(request)
-        self.check_model(body)
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> Response:
+        self.check_model(body.model)
         if self.chat_template is None:
             raise APIError(400, "this model has no chat template (tokenizer_config.json's chat_template); "
                            "use /v1/completions", "messages")
-        messages = messages_of(body)
-        stream = _boolean(body, "stream")
-        want = _boolean(body, "logprobs")
-        top = _integer(body, "top_logprobs", 0, lambda v: 0 <= v <= TOP_LOGPROBS, f"an integer in [0, {TOP_LOGPROBS}]")
-        if top and not want:
-            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        params = sampling_params(body, field, logprobs=top)
+        want, top = bool(body.logprobs), bool(body.top_logprobs)
+        params = sampling_params(body)
         try:
-            text = self.chat_template.render(messages, add_generation_prompt=True)
+            text = self.chat_template.render(body.message_dicts(), add_generation_prompt=True)
         except ChatTemplateError as err:
             raise APIError(400, str(err), "messages") from None
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         choices, events = self.submit([self.tokenizer.encode(text).ids], params)
         head = dict(id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion", created=int(time.time()),
                     model=self.model_name)
-        if stream:
+        if body.stream:
             head["object"] = "chat.completion.chunk"
 
             def chunk(c: _Choice, d: Delta) -> dict:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                 return {**head, "choices": [dict(index=c.index, delta=delta, finish_reason=d.finish_reason,
-                                                 logprobs=self.chat_logprobs(d.logprobs, bool(top)) if want else None)]}
+                                                 logprobs=self.chat_logprobs(d.logprobs, top) if want else None)]}
 
             def first(c: _Choice) -> dict:
                 return {**head, "choices": [dict(index=c.index, delta={"role": "assistant", "content": ""},
@@ -406,25 +258,13 @@ class Server:
             def usage() -> dict:
                 return {**head, "choices": [], "usage": self.usage(choices)}
 
-            return sse(self.stream(choices, events, chunk, first, usage if include_usage else None))
+            return sse(self.stream(choices, events, chunk, first, usage if body.include_usage else None))
         await self.results(request, choices, events)
         return JSONResponse({**head, "choices": [
             dict(index=c.index, message={"role": "assistant", "content": "".join(c.text)},
-                 finish_reason=c.finish_reason, logprobs=self.chat_logprobs(c.logprobs, bool(top)) if want else None)
+                 finish_reason=c.finish_reason, logprobs=self.chat_logprobs(c.logprobs, top) if want else None)
             for c in choices],
             "usage": self.usage(choices)})
-
-
-async def json_body(request: Request) -> dict:
-    """The request's JSON object; APIError(400) when it is not one."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
 
 
 def sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -443,26 +283,33 @@ def create_app(server: Server, on_shutdown: Callable[[], Any] | None = None) -> 
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="rq_jax", lifespan=lifespan)
+    # strict_content_type=False: a body sent without a Content-Type is read as JSON, as before FastAPI's
+    # strict default (clients such as httpx's `content=` send none); other types are refused.
+    app = FastAPI(title="rq_jax", lifespan=lifespan, strict_content_type=False)
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
-        return err.response()
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, err: RequestValidationError):
+        return error_response(request_error(bodies[request.scope["route"].path], err.errors(), err.body))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
-        return error_response(err.status_code, str(err.detail), None, "not_found" if err.status_code == 404 else
-                              "invalid_request_error")
+        kind = "not_found" if err.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(err.status_code, str(err.detail), None, kind))
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, err: Exception):
-        return error_response(500, f"internal error: {type(err).__name__}: {err}", None, "server_error")
+        return error_response(APIError(500, f"internal error: {type(err).__name__}: {err}", None, "server_error"))
 
     @app.get("/health")
     async def health():
         if server.runner.ready:
             return {"status": "ok"}
-        return error_response(503, f"the server is {server.runner.state}", None, "service_unavailable")
+        return error_response(APIError(503, f"the server is {server.runner.state}", None, "service_unavailable"))
 
     @app.get("/v1/models")
     async def models():
@@ -475,11 +322,11 @@ def create_app(server: Server, on_shutdown: Callable[[], Any] | None = None) -> 
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await server.completions(request)
+    async def completions(request: Request, body: CompletionRequest):
+        return await server.completions(request, body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await server.chat_completions(request)
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        return await server.chat_completions(request, body)
 
     return app

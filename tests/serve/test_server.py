@@ -217,7 +217,7 @@ def test_a_killed_client_frees_its_slot(server):
 
 @pytest.mark.parametrize("body,field,words", [
     (b"{not json", None, "not valid JSON"),
-    (dict(model="gpt-4", prompt="1+1="), "model", "not served here"),
+    (dict(prompt="1+1=", min_p=0.1), "min_p", "Unrecognized request argument supplied: min_p"),
     (dict(prompt="1+1=", max_tokens=0), "max_tokens", "max_tokens must be an integer"),
     (dict(prompt="1+1=", max_tokens=200), "max_tokens", "a slot holds 48"),
     (b'{"prompt": "1+1=", "temperature": NaN}', "temperature", "finite number"),
@@ -236,6 +236,14 @@ def test_bad_requests_get_400_naming_the_field(server, body, field, words):
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == field and words in error["message"], r.text
     assert error["type"] in ("invalid_request_error", "model_not_found")
+
+
+def test_an_unknown_model_is_404_model_not_found(server):
+    """OpenAI's (and vLLM's) answer for a model not served here: 404, code "model_not_found"."""
+    r = httpx.post(server.url + "/v1/completions", json=dict(model="gpt-4", prompt="1+1="), timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["param"] == "model" and "not served here" in error["message"], r.text
+    assert error["code"] == "model_not_found" and error["type"] == "invalid_request_error"
 
 
 def test_bad_chat_requests_and_unknown_routes(server):
