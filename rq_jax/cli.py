@@ -1,6 +1,5 @@
-"""What the command-line scripts share: a parser whose --help shows every default and whose errors are
-one line, argument types (each parses one option or raises `argparse.ArgumentTypeError` naming what was
-wrong, and argparse then names the option), the model and cache-format options of generate.py and
+"""What the command-line scripts share: the parser and argument types of `rq_jax.argtypes` (handed on
+here, so a script needs `cli` alone), the model and cache-format options of generate.py and
 serve.py with their checks against the model, output paths checked before any work, the runtime setup
 (compile cache, quiet XLA), and the shipped checkpoints' defaults."""
 
@@ -8,12 +7,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
-import shlex
-import textwrap
 
+import jax
+
+from rq_jax import checkpoint, sharding
+from rq_jax.argtypes import (ArgumentParser as ArgumentParser, HelpFormatter as HelpFormatter, divisors,
+                             finite_float as finite_float, int_list as int_list, nonnegative_float as nonnegative_float,
+                             nonnegative_int as nonnegative_int, positive_float as positive_float,
+                             positive_int as positive_int, probability as probability,
+                             spelled_command as spelled_command)
+from rq_jax.cache import available_formats, get_format, init_cache
+from rq_jax.cache.base import policy_fields
+from rq_jax.cache.schemes import Scheme
+from rq_jax.calibrate import load_calibration
+from rq_jax.calibrate.allocate import load_schedule
 from rq_jax.checkpoint import SHIPPED
+from rq_jax.compilation import CompileClock, default_cache_dir, quiet_xla, use_persistent_cache
 from rq_jax.tokenizer import STOP_STRINGS as STOP_STRINGS, eos_ids as eos_ids, stop_token_ids as stop_token_ids
 
 #: The shipped checkpoint each --model runs without --checkpoint: the base models, whose sample sum
@@ -26,109 +36,6 @@ SAMPLE_PROMPT = "62217+89000="
 #: options whose field it has (`rq_jax.cache.base.policy_fields`), and --calibration when it reads one.
 POLICY_OPTIONS = {"bits": "bits", "group_size": "group_size", "rotation": "rotation", "cache_dtype": "dtype",
                   "super_scale": "super_scale", "residual_length": "residual_length"}
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help keeps the docstring's layout and ends every option's help with its default (none for
-    options without one, flags, or a help that already names it)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if not action.option_strings or default is None or default is False or default == argparse.SUPPRESS \
-                or "(default" in text:
-            return text
-        if isinstance(default, (tuple, list)):  # as it is typed: `--context 1024 2048`, `--bits 2,2,2,4`
-            quote = shlex.quote if action.nargs else str
-            shown = (" " if action.nargs else ",").join(quote(str(x)) for x in default)
-        else:
-            shown = str(default)
-        return f"{text} (default: {shown.replace('%', '%%')})"
-
-    def _split_lines(self, text: str, width: int) -> list[str]:
-        """Wrapped at spaces only: paths and names such as checkpoints/ouro-small-qat stay whole."""
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """The scripts' parser: `HelpFormatter`, and an error is one line `PROG: error: MESSAGE` with exit
-    status 2 (argparse's own shape, without the usage block)."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive_int(text: str) -> int:
-    """An integer ≥ 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    """An integer ≥ 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """A finite float (no nan or inf)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite float ≥ 0."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite float > 0."""
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def probability(text: str) -> float:
-    """A number in (0, 1]."""
-    value = finite_float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
-    return value
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """Comma-separated integers, e.g. bit widths 2,2,2,4."""
-    try:
-        return tuple(int(b) for b in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers such as 2,2,2,4, got {text!r}") from None
-
-
-def spelled_command(words: list[str], group: argparse._ArgumentGroup, args: argparse.Namespace) -> str:
-    """`words` (the script and its fixed arguments) plus every option of `group` that `args` sets,
-    spelled out and shell-quoted: the command that reproduces a run (for model cards)."""
-    words = list(words)
-    for action in group._group_actions:
-        value = getattr(args, action.dest)
-        if isinstance(action, argparse._StoreTrueAction):
-            words += [action.option_strings[0]] if value else []
-        elif value is not None:
-            words += [action.option_strings[0], str(value)]
-    return " ".join(shlex.quote(w) for w in words)
 
 
 def add_model_options(p: argparse.ArgumentParser, *, infer_family: bool = False) -> None:
@@ -150,7 +57,6 @@ def resolve_checkpoint(p: argparse.ArgumentParser, args: argparse.Namespace):
     """The checkpoint's `ModelConfig` and folder, read before any weights: --checkpoint, or --model's
     shipped one. Fills in --model from the config when it was left out; `p.error` for a checkpoint that
     cannot be read, another family than --model, or Huginn-only options on Ouro."""
-    from rq_jax import checkpoint
 
     if args.checkpoint is None and args.model is None:
         p.error("give --model huginn or --model ouro (the shipped small models), or --checkpoint DIR")
@@ -180,7 +86,6 @@ def model_kwargs(args: argparse.Namespace) -> dict:
 
 def add_cache_options(p: argparse.ArgumentParser, default: str = "residual") -> None:
     """--cache and the format policy options (--bits, --group-size, ..., --calibration)."""
-    from rq_jax.cache import available_formats
 
     p.add_argument("--cache", choices=available_formats(), default=default,
                    help="KV cache format" + (" (default: residual, bits 2,2,2,4)" if default == "residual" else ""))
@@ -204,8 +109,6 @@ def add_cache_options(p: argparse.ArgumentParser, default: str = "residual") -> 
 
 def check_cache_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`p.error` when an option of `add_cache_options` is given that --cache does not take."""
-    from rq_jax.cache import get_format
-    from rq_jax.cache.base import policy_fields
 
     fields = policy_fields(args.cache)
     extra = [name for name, field in POLICY_OPTIONS.items() if getattr(args, name) is not None and field not in fields]
@@ -220,11 +123,6 @@ def check_cache_options(p: argparse.ArgumentParser, args: argparse.Namespace) ->
 def cache_policy(args: argparse.Namespace) -> dict:
     """Keyword arguments of the chosen cache format from the command line (only those given)."""
     return {field: getattr(args, name) for name, field in POLICY_OPTIONS.items() if getattr(args, name) is not None}
-
-
-def divisors(n: int) -> str:
-    """The divisors of n, comma-separated (what a group size of head_dim n may be)."""
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def check_group_sizes(p: argparse.ArgumentParser, option: str, sizes, head_dim: int) -> None:
@@ -246,7 +144,6 @@ def spelled(dest: str, value) -> str:
 def build_format(p: argparse.ArgumentParser, args: argparse.Namespace, config, num_loops: int):
     """The cache format of --cache and its options (`add_cache_options`), checked against the model
     before any work (`check_format`); `p.error` names the options otherwise."""
-    from rq_jax.cache import get_format
 
     if args.group_size is not None:
         check_group_sizes(p, "--group-size", args.group_size, config.head_dim)
@@ -254,8 +151,6 @@ def build_format(p: argparse.ArgumentParser, args: argparse.Namespace, config, n
                                                   if getattr(args, name) is not None])
     try:
         if args.schedule is not None:
-            from rq_jax.calibrate.allocate import load_schedule
-
             what += f" --schedule {args.schedule}"
             fmt = load_schedule(args.schedule, **cache_policy(args))
         else:
@@ -269,7 +164,6 @@ def build_format(p: argparse.ArgumentParser, args: argparse.Namespace, config, n
 def device_mesh(p: argparse.ArgumentParser, args: argparse.Namespace):
     """Join the processes $JAX_COORDINATOR_ADDRESS etc. name (a no-op when they are not set), then the
     mesh of --mesh (None: one device); `p.error` naming --mesh when it is malformed."""
-    from rq_jax import sharding
 
     sharding.init_distributed()
     try:
@@ -281,8 +175,6 @@ def device_mesh(p: argparse.ArgumentParser, args: argparse.Namespace):
 def schedule_schemes(p: argparse.ArgumentParser, paths) -> list:
     """A `Scheme` ("allocated NAME", ladder "allocated") per bit-allocation schedule file of --schedule;
     `p.error` naming the option for a file that is not one."""
-    from rq_jax.cache.schemes import Scheme
-    from rq_jax.calibrate.allocate import load_schedule
 
     schemes = []
     for path in paths:
@@ -299,7 +191,6 @@ def calibration(args: argparse.Namespace, model, fmt, num_loops: int):
     without one; raises ValueError naming the option when it does not load."""
     if not args.calibration:
         return None
-    from rq_jax.calibrate import load_calibration
 
     try:
         return load_calibration(args.calibration, model, fmt, num_loops=num_loops)
@@ -311,9 +202,7 @@ def check_format(p: argparse.ArgumentParser, what: str, fmt, config, num_loops: 
     """`p.error` (naming `what`, the options that chose `fmt`) unless the format can store this model's
     K/V at `num_loops` loops: its bit accounting and a cache of the model built abstractly (group sizes
     dividing head_dim, packable widths, ...; nothing allocated)."""
-    import jax
 
-    from rq_jax.cache import init_cache
 
     try:
         fmt.bits_per_element(num_loops, config.head_dim)
@@ -352,7 +241,6 @@ def output_file(p: argparse.ArgumentParser, option: str, path: str) -> str:
 
 def add_runtime_options(p: argparse.ArgumentParser) -> None:
     """--no-compile-cache (see `start`)."""
-    from rq_jax.compilation import default_cache_dir
 
     folder = default_cache_dir()
     p.add_argument("--no-compile-cache", action="store_true",
@@ -363,7 +251,6 @@ def add_runtime_options(p: argparse.ArgumentParser) -> None:
 def start(args: argparse.Namespace) -> None:
     """What every script does before its work: XLA's C++ log lines silenced (`quiet_xla`), and JAX's
     persistent compilation cache on unless --no-compile-cache (or $RQ_JAX_COMPILE_CACHE is empty)."""
-    from rq_jax.compilation import default_cache_dir, quiet_xla, use_persistent_cache
 
     quiet_xla()
     folder = default_cache_dir()
@@ -376,9 +263,7 @@ def compiling(what: str, *, quiet: bool = False):
     """Print "compiling WHAT (first run only) ..." before the block and how long it compiled after it
     (`rq_jax.compilation.CompileClock`), noting programs loaded from the persistent cache; `quiet`
     prints nothing (processes other than the first)."""
-    import jax
 
-    from rq_jax.compilation import CompileClock
 
     cached = bool(jax.config.jax_compilation_cache_dir)
     if not quiet:

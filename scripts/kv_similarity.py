@@ -7,7 +7,7 @@ a heatmap.
 On held-out rows of each task: per layer and loop the mean cosine of a loop's K (or V) to the anchor's
 (cos) and what least-squares residual coding leaves of it (rel), and per loop the NMSE of INT2 g32 coded
 directly and as a residual on the anchor, with their ratio (the paper's Table 1: Ouro-1.4B keys 0.30 /
-0.16 / 0.11); the figures are defined in `rq_jax.cache.kv_similarity`. With --card the NMSE ratios also
+0.16 / 0.11); the figures are defined in `rq_jax.eval.kv_similarity`. With --card the NMSE ratios also
 go into the checkpoint's model card (README.md), as its "Loop similarity" section.
 """
 
@@ -18,7 +18,7 @@ import os
 import sys
 
 from rq_jax import checkpoint, report
-from rq_jax.cache import kv_similarity
+from rq_jax.eval import kv_similarity
 from rq_jax.cli import ArgumentParser, positive_int
 
 

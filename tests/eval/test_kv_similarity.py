@@ -1,9 +1,9 @@
-"""rq_jax.cache.kv_similarity's pages on made-up figures: the Markdown tables, the model card's section
+"""rq_jax.eval.kv_similarity's pages on made-up figures: the Markdown tables, the model card's section
 and how it replaces an earlier one, the heatmap's file."""
 
 import numpy as np
 
-from rq_jax.cache import kv_similarity
+from rq_jax.eval import kv_similarity
 
 LOOPS, LAYERS = 4, 2
 
