@@ -11,7 +11,7 @@ import os
 import jax
 
 from rq_jax.cache import base
-from rq_jax.cache.kv import init_cache
+from rq_jax.cache.kv import cache_bytes
 from rq_jax.config import ModelConfig
 
 
@@ -24,12 +24,11 @@ CACHE_COPIES, INFLIGHT_COPIES, RUNTIME_BYTES = 3, 2, 512 * 2**20
 def generation_bytes(config: ModelConfig, fmt: base.CacheFormat, *, batch: int, prompt_len: int, max_len: int,
                      num_loops: int, param_bytes: int, plain_fmt: base.CacheFormat | None = None,
                      compute_itemsize: int = 4) -> dict[str, int]:
-    """Peak bytes of a generation, by part: the cache (its arrays' exact shapes, nothing allocated,
-    times `CACHE_COPIES`), the parameters, the prefill's in-flight K/V of every loop [L, N, B, K, T, D]
+    """Peak bytes of a generation, by part: the cache (`cache_bytes`: its arrays' exact shapes, nothing
+    allocated, times `CACHE_COPIES`), the parameters, the prefill's in-flight K/V of every loop [L, N, B, K, T, D]
     (times `INFLIGHT_COPIES`), one layer's attention scores [B, H, T, S] and MLP activations [B, T, I],
     and the runtime."""
-    shapes = jax.eval_shape(lambda: init_cache(config, batch, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt))
-    cache = base.tree_nbytes(shapes)
+    cache = cache_bytes(config, fmt, max_len, batch=batch, num_loops=num_loops, plain_fmt=plain_fmt).total
     layers = num_loops * config.num_layers + config.num_plain_layers
     inflight = 2 * layers * batch * config.num_kv_heads * prompt_len * config.head_dim * compute_itemsize
     scores = batch * config.num_heads * prompt_len * max_len * 4
@@ -73,18 +72,13 @@ def check_fits(model, fmt: base.CacheFormat, *, batch: int, prompt_len: int, max
 
 
 def byte_limits(fmt: base.CacheFormat, config: ModelConfig, context: int) -> dict[str, float]:
-    """Dense-bf16 bits / the format's bits per element, stored and read (`bits_per_element`,
-    `read_bits_per_element` at `context` tokens), over all slots of a cache: looped slots with `fmt` over
-    its loops, Huginn's plain slots with `fmt` as a one-loop group. The most a format can gain over dense
-    in capacity (storage) and in a bandwidth-bound step's speed (read)."""
-    looped, plain, d = config.num_loops * config.num_layers, config.num_plain_layers, config.head_dim
-
-    def mean(bits):
-        return (looped * bits(config.num_loops, d, context) + plain * bits(1, d, context)) / (looped + plain)
-
-    stored, read = mean(fmt.bits_per_element), mean(fmt.read_bits_per_element)
-    return dict(storage_bits=float(stored), read_bits=float(read), storage_limit=float(16 / stored),
-                read_limit=float(16 / read))
+    """The bits per element a cache of `context` positions in `fmt` stores and a decode step reads, over
+    all its slots (`cache_bytes`: looped slots with `fmt` over the config's loops, Huginn's plain slots
+    with `fmt` as a one-loop group), and dense bf16's bytes over those: the most a format can gain over
+    dense in capacity (storage) and in a bandwidth-bound step's speed (read)."""
+    row = cache_bytes(config, fmt, context)
+    return dict(storage_bits=float(row.mean_bits_per_element), read_bits=float(row.read_bits_per_element),
+                storage_limit=row.dense / row.total, read_limit=row.dense / row.read)
 
 
 def step_memory(compiled, weights: int, cache: int) -> dict[str, int]:

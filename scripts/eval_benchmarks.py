@@ -152,7 +152,8 @@ def main(argv=None):
     p, args = parse_args(argv)
     config, folder = cli.resolve_checkpoint(p, args)
     from rq_jax.serve.chat import ChatTemplate, ChatTemplateError
-    from rq_jax.serve.engine import Engine, SamplingParams, row_bytes
+    from rq_jax.cache import cache_bytes
+    from rq_jax.serve.engine import Engine, SamplingParams
     from rq_jax.serve.metrics import PREFIX, ServeMetrics
 
     try:
@@ -191,8 +192,8 @@ def main(argv=None):
     loops = kwargs["num_loops"] or config.num_loops
     for row in args.rows:
         cli.check_format(p, f"argument --schemes: {row.scheme.label}", row.scheme.fmt, config, loops)
-        if args.memory_gb is not None and int(args.memory_gb * 2**30) < row_bytes(config, row.scheme.fmt, max_len,
-                                                                                  loops):
+        if args.memory_gb is not None and int(args.memory_gb * 2**30) < cache_bytes(config, row.scheme.fmt, max_len,
+                                                                                    num_loops=loops).total:
             p.error(f"argument --memory-gb: {args.memory_gb:g} GiB holds no {max_len}-token slot of "
                     f"{row.scheme.label}")
     params = SamplingParams(max_tokens=protocol.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -241,7 +242,8 @@ def main(argv=None):
                 continue
             slots = min(args.max_slots, len(todo))
             if args.memory_gb is not None:
-                slots = min(slots, int(args.memory_gb * 2**30) // row_bytes(config, scheme.fmt, max_len, loops))
+                slots = min(slots, int(args.memory_gb * 2**30) // cache_bytes(config, scheme.fmt, max_len,
+                                                                               num_loops=loops).total)
             try:
                 memory.check_fits(model, scheme.fmt, batch=max(slots, 1), prompt_len=chunk, max_len=max_len,
                                   num_loops=loops, compute_itemsize=jnp.dtype(args.dtype).itemsize,

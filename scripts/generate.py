@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from rq_jax import checkpoint, cli, memory, sharding
-from rq_jax.cache import cache_nbytes, dense_equivalent_nbytes
+from rq_jax.cache import cache_bytes
 from rq_jax.cache.base import policy_fields
 from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, LOOKUPS, AdaptiveExit
 from rq_jax.sampling import Sampler, SamplingConfig
@@ -162,15 +162,15 @@ def print_cache(args, fmt, out, config) -> None:
     newcomer would otherwise misread: allocation against used positions, kivi's full-precision window,
     residual_vq's codebooks fitted on the prompt, values the format could not store."""
     c = out.cache
-    bits = float(fmt.bits_per_element(c.num_loops, config.head_dim, c.max_len))
-    nbytes, dense = cache_nbytes(c), dense_equivalent_nbytes(config, c)
+    row = cache_bytes(config, c.fmt, c.max_len, batch=c.lengths.shape[0], num_loops=c.num_loops, plain_fmt=c.plain_fmt)
+    bits, nbytes, dense = float(row.bits_per_element), row.total, row.dense
     print(f"KV cache ({args.cache}: {fmt.describe()}): looped layers at {bits:.4g} bits/element, metadata included; "
           f"{nbytes:,} bytes for {c.max_len} positions (dense bf16 would take {dense:,}: {nbytes / dense:.1%})")
     used = int(sharding.to_host(c.lengths).max())
     print(f"  {c.max_len} positions are allocated (prompt + --max-new-tokens); this run stored {used}")
     if args.calibration:
         print(f"  calibration: fitted, from --calibration {args.calibration} (in place of the defaults named above)")
-    if bits >= 16 and fmt.full_precision_part:
+    if fmt.full_precision_part and fmt.bits_per_element(c.num_loops, config.head_dim, c.max_len) >= 16:
         print(f"  at {c.max_len} positions every token sits in the format's full-precision part "
               f"({fmt.full_precision_part}), so nothing is quantized yet")
     if fmt.needs_data:

@@ -9,6 +9,8 @@ passed alongside it; a model call reads and writes it through a `rq_jax.cache.co
 
 from __future__ import annotations
 
+import dataclasses
+from fractions import Fraction
 from typing import Any, Literal
 
 import jax
@@ -137,17 +139,85 @@ class KVCache:
 
 
 def cache_nbytes(cache: KVCache) -> int:
-    """Bytes of the stored K/V and metadata, from the arrays themselves (the `lengths` counter excluded)."""
+    """Bytes of the stored K/V and metadata of a cache, allocated or abstract (`jax.eval_shape`), from
+    its arrays themselves (the per-row counters `lengths`, `overflow`, `out_of_range`, `steps` excluded)."""
     return base.tree_nbytes((cache.looped, cache.plain))
 
 
-def dense_equivalent_nbytes(config: ModelConfig, cache: KVCache, dtype: str = "bfloat16") -> int:
-    """Bytes a dense cache of `dtype` with the same batch, length and loops would take (nothing allocated)."""
+@dataclasses.dataclass(frozen=True)
+class CacheBytes:
+    """The byte figures of a cache of `batch` rows of `max_len` positions, every one from its arrays
+    (`cache_bytes`): the looped and plain layers' stored K/V and metadata, those of dense bf16 K/V of
+    the same slots, and what one decode step's attention reads from the full cache."""
+
+    looped: int  # bytes of the looped layers' state (`KVCache.looped`)
+    plain: int  # bytes of Huginn's plain layers' state (`KVCache.plain`; 0 without plain layers)
+    dense_looped: int  # bytes of the same looped slots held as dense bf16 K/V
+    dense_plain: int
+    read: int  # bytes one decode step's attention reads, every slot at every position
+    tokens: int  # positions held: batch × max_len
+
+    @property
+    def total(self) -> int:
+        """Bytes of the whole cache (`cache_nbytes`)."""
+        return self.looped + self.plain
+
+    @property
+    def dense(self) -> int:
+        """Bytes of a dense bf16 cache of the same rows, positions and loops."""
+        return self.dense_looped + self.dense_plain
+
+    @property
+    def per_token(self) -> float:
+        """Bytes per position of a row, all layers."""
+        return self.total / self.tokens
+
+    @property
+    def bits_per_element(self) -> Fraction:
+        """Stored bits per cached K or V element of the looped layers (codes, metadata, α and any
+        full-precision part, at the arrays' size): 16 × the bytes over dense bf16's."""
+        return Fraction(16 * self.looped, self.dense_looped)
+
+    @property
+    def mean_bits_per_element(self) -> Fraction:
+        """Stored bits per cached K or V element over every slot, plain layers included."""
+        return Fraction(16 * self.total, self.dense)
+
+    @property
+    def read_bits_per_element(self) -> Fraction:
+        """Bits a decode step reads per cached K or V element, over every slot."""
+        return Fraction(16 * self.read, self.dense)
+
+
+def cache_bytes(config: ModelConfig, fmt: base.CacheFormat, max_len: int, *, batch: int = 1,
+                num_loops: int | None = None, plain_fmt: base.CacheFormat | None = None) -> CacheBytes:
+    """The byte figures of `init_cache(config, batch, max_len, fmt, num_loops=..., plain_fmt=...)`, from
+    the arrays' shapes (`jax.eval_shape`: nothing is allocated), beside a dense bf16 cache's.
+
+    Leaves are [G, N, B, K, S, ...] (B = batch, S = max_len); the per-row counters are not counted. The
+    bytes read are the stored bytes of each stack times the format's re-read factor
+    (`read_bits_per_element` / `bits_per_element` at `max_len` tokens: a residual loop re-reads its
+    anchor, a shared slot is read by every loop of its group): looped slots with `fmt` over `num_loops`,
+    Huginn's plain slots with `plain_fmt` (default `fmt`) as a one-loop group. Every byte and bits per
+    element figure in rq_jax comes from here (or, for a cache in hand, `cache_nbytes`)."""
     from rq_jax.cache.dense import Dense
 
-    shapes = jax.eval_shape(lambda: init_cache(config, cache.lengths.shape[0], cache.max_len, Dense(dtype),
-                                               num_loops=cache.num_loops))
-    return base.tree_nbytes((shapes.looped, shapes.plain))
+    num_loops = config.num_loops if num_loops is None else num_loops
+    plain_fmt = plain_fmt or fmt
+
+    def shapes(f: base.CacheFormat, plain_f: base.CacheFormat) -> KVCache:
+        return jax.eval_shape(lambda: init_cache(config, batch, max_len, f, num_loops=num_loops, plain_fmt=plain_f))
+
+    def reread(f: base.CacheFormat, loops: int) -> Fraction:
+        d = config.head_dim
+        return Fraction(f.read_bits_per_element(loops, d, max_len)) / f.bits_per_element(loops, d, max_len)
+
+    dense_fmt = Dense("bfloat16")
+    stored, dense = shapes(fmt, plain_fmt), shapes(dense_fmt, dense_fmt)
+    looped, plain = base.tree_nbytes(stored.looped), base.tree_nbytes(stored.plain)
+    read = looped * reread(fmt, num_loops) + (plain * reread(plain_fmt, 1) if plain else 0)
+    return CacheBytes(looped, plain, base.tree_nbytes(dense.looped), base.tree_nbytes(dense.plain), int(read),
+                      batch * max_len)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFormat | None = None, *,

@@ -340,14 +340,13 @@ def settings_note(rows: Sequence[dict]) -> str:
 
 
 def bits_and_bytes(scheme: Scheme, config, num_loops: int, max_len: int) -> dict[str, float]:
-    """A scheme's bits per element (its accounting at `max_len` tokens) and bytes per token of one slot of
-    `max_len` tokens (the arrays' own bytes, all layers), beside dense bf16's."""
-    from rq_jax.cache.dense import Dense
-    from rq_jax.serve.engine import row_bytes
+    """A scheme's bits per element and bytes per token of one slot of `max_len` tokens, beside dense bf16's
+    (`rq_jax.cache.kv.cache_bytes`: the arrays' own bytes, all layers; the bits over the looped layers)."""
+    from rq_jax.cache.kv import cache_bytes
 
-    return dict(bits_per_element=float(scheme.fmt.bits_per_element(num_loops, config.head_dim, max_len)),
-                bytes_per_token=row_bytes(config, scheme.fmt, max_len, num_loops) / max_len,
-                dense_bytes_per_token=row_bytes(config, Dense("bfloat16"), max_len, num_loops) / max_len)
+    row = cache_bytes(config, scheme.fmt, max_len, num_loops=num_loops)
+    return dict(bits_per_element=float(row.bits_per_element), bytes_per_token=row.per_token,
+                dense_bytes_per_token=row.dense / row.tokens)
 
 
 def next_power_of_two(n: int) -> int:

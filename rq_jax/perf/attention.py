@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from rq_jax.cache import base
 from rq_jax.cache.calib import default_calib
-from rq_jax.cache.kv import init_cache
+from rq_jax.cache.kv import cache_bytes, init_cache
 from rq_jax.config import ModelConfig, preset
 from rq_jax.perf.fill import filled_row, repeat_rows
 
@@ -52,14 +52,10 @@ def filled_cache(config: ModelConfig, fmt: base.CacheFormat, batch: int, context
 
 def bytes_read(fmt: base.CacheFormat, config: ModelConfig, batch: int, context: int) -> int:
     """Cache bytes one decode step's attention reads from `context` stored tokens per row (K and V of every
-    slot): `read_bits_per_element` × the stored elements, over the looped slots (`fmt` over the config's
-    loops) and Huginn's plain slots (`fmt` as a one-loop group), as `rq_jax.memory.byte_limits` counts
-    them. For `attention_config` (one layer of `LOOPS` loops): that layer's bytes."""
-    d = config.head_dim
-    slot = 2 * batch * config.num_kv_heads * context * d  # K and V elements of one (loop, layer) slot
-    bits = (config.num_layers * config.num_loops * fmt.read_bits_per_element(config.num_loops, d, context)
-            + config.num_plain_layers * fmt.read_bits_per_element(1, d, context))
-    return int(bits * slot / 8)
+    slot): `rq_jax.cache.kv.cache_bytes`'s `read` of a cache of `batch` rows of `context` positions, the
+    arrays' bytes with a residual loop re-reading its anchor, as `rq_jax.memory.byte_limits` counts them.
+    For `attention_config` (one layer of `LOOPS` loops): that layer's bytes."""
+    return cache_bytes(config, fmt, context, batch=batch).read
 
 
 def takes_impl(fmt: base.CacheFormat) -> bool:

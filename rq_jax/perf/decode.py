@@ -124,7 +124,7 @@ class DecodeBench:
         if key not in self.compiled:
             fmt = self.fmt(label, impl)
             cache = jax.eval_shape(lambda: init_cache(self.config, batch, context + 1, fmt).as_bits())
-            nbytes = base.tree_nbytes((cache.looped, cache.plain))
+            nbytes = cache_nbytes(cache)
             lowered = self._lower(self.step, label, impl, self.param_shapes,
                                   jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache, self.calib(label), self.rng)
             start = time.perf_counter()
@@ -145,7 +145,7 @@ class DecodeBench:
         options = SEARCH_OPTIONS if jax.default_backend() == "cpu" else None
         compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
         self.compile_seconds += time.perf_counter() - start
-        return memory.step_memory(compiled, self.weights, base.tree_nbytes((cache.looped, cache.plain)))
+        return memory.step_memory(compiled, self.weights, cache_nbytes(cache))
 
     def memory(self, label: str, context: int, batch: int, impl: str = "auto") -> dict:
         """The step's memory at a batch: from a program already compiled for a run, else a search compile."""

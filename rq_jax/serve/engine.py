@@ -46,7 +46,7 @@ from rq_jax import sharding
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.calib import CacheCalib, default_calib
-from rq_jax.cache.kv import init_cache
+from rq_jax.cache.kv import cache_bytes, init_cache
 from rq_jax.serve import programs
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.serve.text import TextStream
@@ -199,14 +199,6 @@ def quarters(num_slots: int) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def row_bytes(config, fmt: CacheFormat, max_len: int, num_loops: int, plain_fmt: CacheFormat | None = None) -> int:
-    """Bytes of one slot's stored K/V and metadata in `fmt` (the arrays' own, via `jax.eval_shape`;
-    the per-row counters excluded, as in `cache_nbytes`)."""
-    shapes = jax.eval_shape(lambda: init_cache(config, 1, max_len, fmt, num_loops=num_loops, plain_fmt=plain_fmt))
-    leaves = jax.tree_util.tree_leaves((shapes.looped, shapes.plain))
-    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves))
-
-
 def compute_dtype(model) -> str:
     """The dtype a model computes in (its embedding's): the dtype of the K/V it produces."""
     return next(jnp.dtype(m.dtype).name for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Embed))
@@ -215,8 +207,8 @@ def compute_dtype(model) -> str:
 class Engine:
     """Decode slots over one batched cache of `fmt` (default dense bf16), fed by a waiting queue.
 
-    `num_slots`, or as many slots as `memory_bytes` of cache hold (`row_bytes` each, rounded down to a
-    multiple of the mesh's `data` size), each `max_len` tokens long (prompt + max_tokens − 1 must
+    `num_slots`, or as many slots as `memory_bytes` of cache hold (`cache_bytes` of one row each, rounded
+    down to a multiple of the mesh's `data` size), each `max_len` tokens long (prompt + max_tokens − 1 must
     fit). Prompts run in chunks of at most `chunk` tokens, padded to a bucket (`powers_of_two(16,
     chunk)`); each `step` spends up to `prefill_budget` bucket tokens (default max(chunk, 512)) on
     prefill chunks, then runs one decode step over the first R slots, R the smallest of
@@ -248,8 +240,8 @@ class Engine:
         self.chunk = min(chunk, max_len)
         self.buckets = powers_of_two(min(16, self.chunk), self.chunk)
         self.prefill_budget = prefill_budget or max(self.chunk, 512)
-        self.slot_bytes = row_bytes(config, self.fmt, max_len, self.num_loops, self.plain_fmt)
-        self.dense_slot_bytes = row_bytes(config, Dense("bfloat16"), max_len, self.num_loops)
+        row = cache_bytes(config, self.fmt, max_len, num_loops=self.num_loops, plain_fmt=self.plain_fmt)
+        self.slot_bytes, self.dense_slot_bytes = row.total, row.dense
         data = sharding.axis_size(mesh, sharding.DATA)
         if num_slots is None:
             if memory_bytes is None:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from rq_jax import checkpoint, cli
-from rq_jax.cache import cache_nbytes, get_format, init_cache
+from rq_jax.cache import cache_bytes, cache_nbytes, get_format, init_cache
 from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer, stop_token_ids
 from tests.conftest import SHIPPED, fixture_dir, run_script
@@ -111,7 +111,7 @@ def test_generate_prints_the_library_tokens_and_exact_bytes(model, extra):
 ])
 def test_generate_with_compressed_caches(argv, fmt, lines):
     """--model comes from the checkpoint's config; printed bytes equal those of a cache the library
-    builds for the same positions, the bits per element the format's own accounting at that length;
+    builds for the same positions, the bits per element its arrays' (`cache_bytes`);
     each format's explanation line is there (kivi's window only while every position sits in it)."""
     out = generate(*([] if "--checkpoint" in argv else ["--checkpoint", OURO]), "--max-new-tokens", "3", *argv)
     name = printed(out, r"KV cache \((\w+):")[0]
@@ -121,7 +121,7 @@ def test_generate_with_compressed_caches(argv, fmt, lines):
     assert "model: ouro from " in out
     config, positions = checkpoint.read_config(OURO)[0], int(positions)
     assert int(nbytes.replace(",", "")) == cache_nbytes(init_cache(config, 1, positions, fmt))
-    assert float(bits) == pytest.approx(float(fmt.bits_per_element(4, 64, positions)), rel=1e-3)
+    assert float(bits) == pytest.approx(float(cache_bytes(config, fmt, positions).bits_per_element), rel=1e-3)
     assert f"{positions} positions are allocated (prompt + --max-new-tokens); this run stored " in out
     for line in lines:
         assert line in out

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 from rq_jax import checkpoint, cli
-from rq_jax.cache import cache_nbytes, get_format, init_cache
+from rq_jax.cache import cache_bytes, cache_nbytes, get_format, init_cache
 from rq_jax.data import Addition
 from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
 from rq_jax.serve import Engine, ParamError, SamplingParams
 from rq_jax.serve import programs
-from rq_jax.serve.engine import row_bytes
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.serve.text import TextStream
 from rq_jax.tokenizer import load_tokenizer
@@ -182,7 +181,7 @@ def test_slots_follow_the_memory_budget_and_the_formats_bytes():
     budget = 2**24
     slots = {name: Engine(model, tokenizer, get_format(name), max_len=64, memory_bytes=budget).num_slots
              for name in ("dense", "residual")}
-    dense_row = row_bytes(model.config, get_format("dense"), 64, 4)
+    dense_row = cache_bytes(model.config, get_format("dense"), 64, num_loops=4).total
     assert dense_row == cache_nbytes(init_cache(model.config, 1, 64, get_format("dense")))
     assert slots["dense"] == budget // dense_row
     assert 4.5 <= slots["residual"] / slots["dense"] <= 5.5, slots
