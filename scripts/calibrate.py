@@ -12,14 +12,15 @@ the checkpoint and the output folder are checked before any work.
 
 import os
 
-import numpy as np
-
 from rq_jax import checkpoint, cli
 from rq_jax.cache import available_formats, get_format
 from rq_jax.cache.base import policy_fields
 from rq_jax.calibrate import METHODS, OptRHConfig, calibrate_model, calibration_set, save_calibration
 from rq_jax.calibrate.allocate import load_schedule
-from rq_jax.data import TASKS, encode
+from rq_jax.calibrate.data import reads_calibration_data
+from rq_jax.calibrate.pipeline import holdout_table
+from rq_jax.data import TASKS
+from rq_jax.tokenizer import load_tokenizer
 
 #: Formats that read a calibration (the others have nothing to fit).
 FORMATS = sorted(name for name in available_formats() if get_format(name).needs_calib)
@@ -57,42 +58,6 @@ def parse_args(argv=None):
     return p, p.parse_args(argv)
 
 
-def check_tokenizer(p, folder: str, vocab_size: int) -> None:
-    """`p.error` unless the model reads the byte-level ids of the calibration data."""
-    if vocab_size < 259:
-        p.error(f"argument --checkpoint: the calibration data are byte-level token ids (0..258) but the model's "
-                f"vocabulary has {vocab_size} entries")
-    path = os.path.join(folder, "tokenizer.json")
-    if os.path.exists(path):
-        from rq_jax.tokenizer import load_tokenizer
-
-        sample = "def f(x):\n    return x + 1  # é"
-        if load_tokenizer(folder).encode(sample).ids != encode(sample).tolist():
-            p.error(f"argument --checkpoint: {path} is not the byte-level tokenizer the calibration data are "
-                    "written in")
-
-
-def print_table(report: dict) -> None:
-    """Per-head holdout losses before → after, per stack, segment, group and layer."""
-    for group, entries in report.items():
-        for seg in entries or ():
-            start, groups, size = seg["segment"]
-            if "key_before" not in seg:
-                print(f"{group} loops {start}..{start + groups * size - 1}: holdout NMSE per loop  K "
-                      + " ".join(f"{x:.4f}" for x in seg["k_nmse"]) + "   V "
-                      + " ".join(f"{x:.4f}" for x in seg["v_nmse"]))
-                continue
-            print(f"{group} segment loops {start}..{start + groups * size - 1} (groups of {size}): "
-                  "holdout loss per kv head, default rotation → calibrated")
-            print(f"  {'group':>5s} {'layer':>5s} {'head':>4s} {'L_K before':>11s} {'L_K after':>11s} "
-                  f"{'L_V before':>11s} {'L_V after':>11s}")
-            kb, ka, vb, va = (np.asarray(seg[k]) for k in ("key_before", "key_after", "value_before", "value_after"))
-            for g, n, h in np.ndindex(kb.shape):
-                print(f"  {g:5d} {n:5d} {h:4d} {kb[g, n, h]:11.4e} {ka[g, n, h]:11.4e} "
-                      f"{vb[g, n, h]:11.4e} {va[g, n, h]:11.4e}")
-            print(f"  mean{'':12s} {kb.mean():11.4e} {ka.mean():11.4e} {vb.mean():11.4e} {va.mean():11.4e}")
-
-
 def main(argv=None):
     p, args = parse_args(argv)
     fields = policy_fields(args.cache)
@@ -127,7 +92,9 @@ def main(argv=None):
         holdout = calibration_set("holdout", args.holdout_rows, args.seq_len, seed=args.seed, tasks=tasks)
     except ValueError as err:
         p.error(str(err))
-    check_tokenizer(p, folder, config.vocab_size)
+    tokenizer = load_tokenizer(folder) if os.path.exists(os.path.join(folder, "tokenizer.json")) else None
+    if why := reads_calibration_data(config.vocab_size, tokenizer):
+        p.error(f"argument --checkpoint: {why}")
     method = args.method if fmt.learns_rotations else "format"
     out = args.out or os.path.join(folder, "calibration", f"{fmt.schedule_name(loops)}-{method}")
     if os.path.isdir(out) and os.listdir(out) and not args.overwrite:
@@ -143,7 +110,7 @@ def main(argv=None):
     print(f"model: {args.checkpoint} ({c.family}, {c.num_layers} layers, {c.num_kv_heads} kv heads, D={c.head_dim}), "
           f"{loops} loops; cache {fmt.name} ({cal.meta['schedule']}); method {cal.meta['method']}; "
           f"{args.fit_rows} fit + {args.holdout_rows} holdout rows of {args.seq_len} tokens")
-    print_table(cal.report)
+    print("\n".join(holdout_table(cal.report)))
     print(f"saved: {save_calibration(out, cal, overwrite=args.overwrite)}")
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from rq_jax.data import EOS, TASKS, Addition, Example, Retrieval, StdlibText, split_of, stream_rng
+from rq_jax.data import EOS, TASKS, Addition, Example, Retrieval, StdlibText, encode, split_of, stream_rng
 
 PARTS = ("fit", "holdout")
 _STREAM = 40  # seed-stream id of calibration rows (training uses 9, the task example streams 0 and 1)
@@ -116,3 +116,16 @@ def calibration_set(part: str, n: int, seq_len: int, *, seed: int = 0, tasks: Se
     if not rows:
         return CalibrationSet(np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), bool), (), info)
     return CalibrationSet(np.stack(rows), np.stack(answers), tuple(sources), info)
+
+
+def reads_calibration_data(vocab_size: int, tokenizer=None) -> str | None:
+    """Why a model cannot read the calibration rows (byte-level token ids 0..258, `rq_jax.data.encode`),
+    or None when it can: its vocabulary must hold them and its tokenizer (when it has one) must write a
+    sample the same way."""
+    if vocab_size < 259:
+        return (f"the calibration data are byte-level token ids (0..258) but the model's vocabulary has "
+                f"{vocab_size} entries")
+    sample = "def f(x):\n    return x + 1  # é"
+    if tokenizer is not None and tokenizer.encode(sample).ids != encode(sample).tolist():
+        return "its tokenizer is not the byte-level one the calibration data are written in"
+    return None

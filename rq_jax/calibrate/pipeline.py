@@ -152,3 +152,27 @@ def fit_rotations(model, fmt: base.CacheFormat, method: str, num_loops: int, *, 
     summary = {f"{kind}_{when}": float(np.mean([np.mean(seg[f"{kind}_{when}"]) for seg in segs]))
                for kind in ("key", "value") for when in ("before", "after")}
     return cal.calib, summary
+
+
+def holdout_table(report: dict) -> list[str]:
+    """`Calibration.report` as text lines: per stack and segment, the per-head holdout losses of the
+    default rotation and the calibrated one (per group, layer and kv head, then their means), or the
+    per-loop holdout NMSE for a segment that fits no rotation."""
+    lines = []
+    for group, entries in report.items():
+        for seg in entries or ():
+            start, groups, size = seg["segment"]
+            if "key_before" not in seg:
+                lines.append(f"{group} loops {start}..{start + groups * size - 1}: holdout NMSE per loop  K "
+                             + " ".join(f"{x:.4f}" for x in seg["k_nmse"]) + "   V "
+                             + " ".join(f"{x:.4f}" for x in seg["v_nmse"]))
+                continue
+            lines += [f"{group} segment loops {start}..{start + groups * size - 1} (groups of {size}): "
+                      "holdout loss per kv head, default rotation → calibrated",
+                      f"  {'group':>5s} {'layer':>5s} {'head':>4s} {'L_K before':>11s} {'L_K after':>11s} "
+                      f"{'L_V before':>11s} {'L_V after':>11s}"]
+            kb, ka, vb, va = (np.asarray(seg[k]) for k in ("key_before", "key_after", "value_before", "value_after"))
+            lines += [f"  {g:5d} {n:5d} {h:4d} {kb[g, n, h]:11.4e} {ka[g, n, h]:11.4e} {vb[g, n, h]:11.4e} "
+                      f"{va[g, n, h]:11.4e}" for g, n, h in np.ndindex(kb.shape)]
+            lines.append(f"  mean{'':12s} {kb.mean():11.4e} {ka.mean():11.4e} {vb.mean():11.4e} {va.mean():11.4e}")
+    return lines

@@ -348,3 +348,29 @@ def test_calibrate_script_fits_a_schedule(tmp_path):
     assert find_artifact(tmp_path, load_schedule(str(SCHEDULE)), 4) == str(tmp_path / "art")
     with pytest.raises(ValueError, match="no calibration artifact"):
         find_artifact(tmp_path, get_format("residual", group_size=32), 4)
+
+
+def test_reads_calibration_data_names_what_stops_a_model():
+    """The byte-level check both runners share: a small vocabulary, another tokenizer, or fine."""
+    from types import SimpleNamespace
+
+    from rq_jax.calibrate.data import reads_calibration_data
+    from rq_jax.data import encode
+
+    byte_level = SimpleNamespace(encode=lambda text: SimpleNamespace(ids=encode(text).tolist()))
+    other = SimpleNamespace(encode=lambda text: SimpleNamespace(ids=[1, 2, 3]))
+    assert reads_calibration_data(259) is None and reads_calibration_data(300, byte_level) is None
+    assert "vocabulary has 100 entries" in reads_calibration_data(100, byte_level)
+    assert "not the byte-level one" in reads_calibration_data(300, other)
+
+
+def test_holdout_table_lists_every_head_and_the_means():
+    from rq_jax.calibrate.pipeline import holdout_table
+
+    losses = {k: np.full((1, 2, 1), v) for k, v in
+              dict(key_before=2.0, key_after=1.0, value_before=4.0, value_after=3.0).items()}
+    lines = holdout_table({"core": [dict(segment=(0, 1, 4), **losses)],
+                           "tail": [dict(segment=(4, 2, 1), k_nmse=[0.1, 0.2], v_nmse=[0.3, 0.4])]})
+    assert lines[0].startswith("core segment loops 0..3 (groups of 4)") and len(lines) == 2 + 2 + 1 + 1
+    assert lines[-2].split()[-4:] == ["2.0000e+00", "1.0000e+00", "4.0000e+00", "3.0000e+00"]
+    assert lines[-1] == "tail loops 4..5: holdout NMSE per loop  K 0.1000 0.2000   V 0.3000 0.4000"
