@@ -12,209 +12,29 @@ bf16 compute, 32 GiB. `--models NAME[:field=value,...]` takes a preset of `rq_ja
 looped layers; the tables name every change. Huginn's positions are raised past its 4096 when a context
 needs it (shapes only: the trained model never saw them).
 
-The timed step is the Sampler's decode step: the model's own jitted forward for one new token per row
-through a cache already holding `--context` tokens (each format's attention to the stored past, the new
-token's K/V of every loop written back), then the greedy next token. The cache argument is donated, as
-a decode loop updates it in place; its lengths are reset after each step so every step sees the same
-context. Weights are random (`init_model`) in `--weight-dtype` (bf16); compute runs in `--dtype`
-(float32 by default on a CPU, where bf16 dots and attention are several times slower than float32).
-Latency is the median of `--repeats` steps after `--warmup` steps, each ended by `block_until_ready`;
-tokens/s = batch / latency.
-
-Implementations (`--impls`, column `impl`): every format runs once per entry with its `attend_impl` set
-to it (`rq_jax.cache.attention`) — on a CPU by default "xla" (the jnp attention, tiled: column `tile`)
-and "native" (the C++ kernels of `cpu_kernels` through the XLA FFI, which read the codes where they lie
-and take no tile); on a GPU the formats' own "auto" (the Pallas kernels). Where the native kernels cannot
-run here one line says why and their rows are dropped. A format without an `attend_impl` (KIVI) has XLA's
-attention only: one row, impl "xla" ("auto" on a GPU), compared with the xla dense row. "native→xla"
-marks a row where the op fell back to XLA for some slot (the reason is printed and kept in `fallback`).
-The impl picks the attention to the stored past only: the new token's K/V are written the same way in
-every row (XLA's in-place dynamic-update-slices on a CPU). Every ratio to dense
-below pairs a row with the dense row of the same impl (and model, context, batch) of the same run, and
-with `--budget-rows` each impl's budget is its own dense step's memory; compare impls with each other
-on ms/step, tok/s and max batch of the same format.
-
-Read bandwidth: the run first times `jit(jnp.sum)` over `--read-mb` MiB of float32 (median of
-`--repeats`; header and JSON `read_bandwidth`, bytes/s: what XLA's own reduction reaches on this
-machine, not a hardware peak). Columns `attn MiB read` and `% read BW`: the cache bytes the step's
-attention reads at the row's context (`rq_jax.perf.attention.bytes_read`: the format's
-`read_bits_per_element`, a residual loop re-reading its anchor, over every looped and plain slot, K and
-V) and those bytes over the step's time as a fraction of the read bandwidth. Attention's bytes only:
-the step also reads the weights (column `step GiB`), the new token's K/V and the activations, so the
-fraction is a lower bound on the step's memory traffic; near 100% the step's time is the cache read
-alone, and a kernel reading faster than XLA's reduction passes 100%.
-
-The cache is not filled by running the model (a 16k-token prefill at full width takes hours on a CPU):
-random K/V (keys correlated across loops) are written through each format's own `write`, in chunks of
-tokens, for one row, and that row is repeated to the batch. A step's time does not depend on the values.
-
-Memory budget (`--memory-gb`, GiB): a batch fits when the compiled step's memory as XLA reports it
-(`memory_analysis()`: arguments — weights, cache, calibration — plus outputs not aliased to the donated
-cache, temporaries and generated code) is at most the budget. The search compiles programs for abstract
-inputs (`jax.ShapeDtypeStruct`, `jax.eval_shape`: nothing allocated; on a CPU with LLVM optimisation
-off, which changes code generation, not buffer sizes) and returns the largest batch b that fits with
-the figure of b + 1 beside it: secant estimates from batches 1 and 2 (memory is affine in the batch
-past a small-batch plateau), then steps that double and bisection (`largest_fitting`). Temporaries are
-the backend's own (a GPU's differ). The step computes with the weights as stored and attends one
-context tile at a time, so its temporaries do not grow with the context: the step's activations (per
-row) and a few tiles' decoded K/V and scores (at most `base.TILE_ELEMENTS` float32 elements each, at any
-batch). The peak tokens/s is
-measured at the largest batch when the step fits this machine (`--machine-gb`, default 60% of the
-memory available), else the table says "not run".
-
-Ratios to dense are measured in the same run and printed beside their limits (dense bytes / format
-bytes by the formats' own accounting): cache bytes, batches and peak tokens/s beside the storage limit
-16 / bits per element; tokens/s at a fixed batch beside the read limit 16 / bits read per element
-(ResidualQuant's residual loops also read their anchor: Ouro's [2,2,2,4] stores 3.09 bits per element
-and reads 6.47). KIVI's bits are its own accounting at the row's context.
+What is timed and measured, the columns, the budget search and the ratios: `rq_jax.perf.decode_report`.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
-from pathlib import Path
 
 import jax
-from tqdm import tqdm
 
-from rq_jax import cli
-from rq_jax.cache import base
-from rq_jax.cache.context import SELF_TILE
+from rq_jax import cli, report
 from rq_jax.cache.schemes import BENCH_DECODE, catalog
-from rq_jax.config import ModelConfig, changes_from, parse_preset
 from rq_jax.perf import attention as pa
-from rq_jax.perf.decode import DecodeBench, describe_device
+from rq_jax.perf import decode_report
 from rq_jax.sampling import PREFILL_CHUNK
-
-GiB = 2**30
-MiB = 2**20
-CPU_MODELS = ["ouro-1.4b:num_layers=2"]
-#: Huginn at a CPU's scale (pass it to --models): real width, heads and vocabulary; one core block, one
-#: group of 4 steps, no prelude/coda (each of its blocks holds 0.4B parameters).
-CPU_HUGINN = "huginn-0125:num_layers=1,num_loops=4,num_prelude=0,num_coda=0"
-GPU_MODELS = ["ouro-1.4b", "huginn-0125"]
-
-
-def parse_model(spec: str, layers: int | None, max_context: int) -> tuple[str, ModelConfig, str]:
-    """(name, config, what differs from the preset) of `NAME[:field=value,...]`; `layers` (if given)
-    sets num_layers, and the positions are raised to hold `max_context` + 1."""
-    name, config = parse_preset(spec)
-    config = config.replace(num_layers=layers or config.num_layers,
-                            max_position_embeddings=max(config.max_position_embeddings, max_context + 1))
-    return name, config, changes_from(name, config)
-
-
-# ---- tables -----------------------------------------------------------------------------------------
-
-
-def _ratio(ratio: float | None, limit: float) -> str:
-    return "-" if ratio is None else f"{ratio:.2f} (limit {limit:.2f})"
-
-
-def _gib(m) -> str:
-    if m is None:
-        return "-"
-    return f"{m['total'] / GiB:.2f} = {m['weights'] / GiB:.2f} w + {m['cache'] / GiB:.2f} c + {m['temp'] / GiB:.2f} t" \
-           f" + {m['other'] / GiB:.2f} o"
-
-
-def add_ratios(rows: list[dict], budget_rows: list[dict]) -> None:
-    """Ratios to the dense row of the same model, context, impl (and batch), from this run's figures."""
-    dense = {(r["model"], r["context"], r["impl"], r["batch"]): r for r in rows if r["format"] == "dense bf16"}
-    for r in rows:
-        d = dense.get((r["model"], r["context"], r["impl"], r["batch"]))
-        r["bytes_x_dense"] = d["cache_nbytes"] / r["cache_nbytes"] if d else None
-        r["tok_s_x_dense"] = r["tok_s"] / d["tok_s"] if d and r["tok_s"] and d["tok_s"] else None
-    dense = {(r["model"], r["context"], r["impl"]): r for r in budget_rows if r["format"] == "dense bf16"}
-    for r in budget_rows:
-        d = dense.get((r["model"], r["context"], r["impl"]))
-        r["batch_x_dense"] = r["max_batch"] / d["max_batch"] if d and d["max_batch"] else None
-        r["peak_x_dense"] = r["peak_tok_s"] / d["peak_tok_s"] if d and r["peak_tok_s"] and d["peak_tok_s"] else None
-
-
-def _mib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / MiB:.1f}"
-
-
-def _impl(r: dict) -> str:
-    """The row's impl, "→xla" added when the decode-attention op fell back to XLA for some slot."""
-    return r["impl"] + ("→xla" if r.get("fallback") else "")
-
-
-def add_reads(rows: list[dict], configs: dict[str, ModelConfig], read_bw: float) -> None:
-    """Each step row's attention bytes (`rq_jax.perf.attention.bytes_read`: the cache bytes its attention
-    reads at the row's context, by the format's `read_bits_per_element`) and, when timed, those bytes per
-    second as a fraction of the measured read bandwidth."""
-    for r in rows:
-        r["attn_bytes"] = pa.bytes_read(DecodeBench.fmt(r["format"], r["impl"]), configs[r["model"]], r["batch"],
-                                        r["context"])
-        r["read_fraction"] = r["attn_bytes"] / (r["ms"] / 1e3) / read_bw if r["ms"] else None
-
-
-def step_table(rows: list[dict]) -> list[str]:
-    cols = ("model", "context", "batch", "format", "impl", "tile", "ms/step", "tok/s", "tok/s × dense (read limit)",
-            "attn MiB read", "% read BW", "cache MiB", "dense bytes ÷ format bytes (storage limit)",
-            "temp MiB (per row)", "step GiB (weights + cache + temp + other)", "ms holding `filled` tokens (× full)")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        timed = r["ms"] is not None
-        filled = "-" if r.get("ms_filled") is None else \
-            f"{r['ms_filled']:.1f} at {r['filled']} ({r['ms_filled'] / r['ms']:.2f})"
-        cells = (r["model"], r["context"], r["batch"], r["format"], _impl(r), r["tile"],
-                 f"{r['ms']:.1f}" if timed else r["run"], f"{r['tok_s']:.2f}" if timed else "-",
-                 _ratio(r["tok_s_x_dense"], r["read_limit"]), _mib(r["attn_bytes"]),
-                 "-" if r["read_fraction"] is None else f"{100 * r['read_fraction']:.0f}%",
-                 _mib(r["cache_nbytes"]),
-                 _ratio(r["bytes_x_dense"], r["storage_limit"]),
-                 f"{_mib(r['memory']['temp'])} ({_mib(r['memory']['temp'] / r['batch'])})",
-                 _gib(r["memory"]), filled)
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return lines
-
-
-def budget_table(rows: list[dict]) -> list[str]:
-    cols = ("model", "context", "format", "impl", "budget GiB", "max batch", "GiB at max (w + c + t + o)",
-            "GiB at max + 1", "MiB per added row (cache, temp per row)", "batch × dense (storage limit)", "peak tok/s",
-            "peak × dense (storage limit)")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        best = r["max_batch"] if r["max_batch"] else "none fits"
-        if r["max_batch"] and r["next_batch"] is None:
-            best = f"≥ {r['max_batch']} (cap)"
-        per_row = "-" if r["per_row"] is None else \
-            f"{_mib(r['per_row'])} ({_mib(r['cache_per_row'])}, {_mib(r['temp_per_row'])})"
-        cells = (r["model"], r["context"], r["format"], _impl(r), f"{r['budget'] / GiB:.2f}", best,
-                 _gib(r["memory"]),
-                 "-" if r["next_memory"] is None else f"{r['next_memory']['total'] / GiB:.2f}", per_row,
-                 _ratio(r["batch_x_dense"], r["storage_limit"]),
-                 f"{r['peak_tok_s']:.2f}" if r["peak_tok_s"] else r["peak_run"],
-                 _ratio(r["peak_x_dense"], r["storage_limit"]))
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return lines
-
-
-def prefill_table(rows: list[dict]) -> list[str]:
-    cols = ("model", "prompt tokens", "format", "impl", "cache MiB", "temp GiB",
-            "step GiB (weights + cache + temp + other)")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        m = r["memory"]
-        cells = (r["model"], r["tokens"], r["format"], r["impl"], _mib(m["cache"]), f"{m['temp'] / GiB:.2f}", _gib(m))
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return lines
-
-
-# ---- main -------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
     on_gpu = jax.default_backend() == "gpu"
     p = cli.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--models", nargs="+", default=GPU_MODELS if on_gpu else CPU_MODELS,
+    p.add_argument("--models", nargs="+", default=decode_report.GPU_MODELS if on_gpu else decode_report.CPU_MODELS,
                    help=f"NAME[:field=value,...]: a preset with ModelConfig fields changed (Huginn at a CPU's "
-                        f"scale: {CPU_HUGINN})")
+                        f"scale: {decode_report.CPU_HUGINN})")
     p.add_argument("--layers", type=cli.positive_int,
                    help="looped layers (Ouro layers, Huginn core blocks) of every model")
     labels = [s.label for s in catalog()]
@@ -255,128 +75,19 @@ def main(argv=None):
                    help="MiB summed (jit(jnp.sum), float32) to measure the read bandwidth")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = p.parse_args(argv)
-    if args.memory_gb is None and "dense bf16" not in args.formats:
-        p.error("--budget-rows needs 'dense bf16' among --formats (or give --memory-gb)")
-    run_contexts = set() if args.no_run else set(args.run_contexts or args.context)
-    models = [parse_model(spec, args.layers, max(args.context + args.prefill)) for spec in args.models]
-    names = [m[0] for m in models]
-    models = [(f"{n} ({i + 1})" if names.count(n) > 1 else n, c, d) for i, (n, c, d) in enumerate(models)]
-    fixed_budget = None if args.memory_gb is None else int(args.memory_gb * GiB)
-    search = fixed_budget != 0
-    budget_words = (f"{args.memory_gb:g} GiB" if fixed_budget is not None else
-                    f"the 'dense bf16' step's memory at batch {args.budget_rows} (per model and context)")
-    command = "python scripts/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.memory_gb is None and decode_report.DENSE not in args.formats:
+        p.error(f"--budget-rows needs '{decode_report.DENSE}' among --formats (or give --memory-gb)")
     impls, dropped = pa.usable_impls(list(dict.fromkeys(args.impls)))
     if dropped:
         print(dropped)
     if not impls:
         sys.exit(f"{dropped}; no --impls left to run")
-    # A format without attend_impl (KIVI) has XLA's attention only: one row, "xla" ("auto" on a GPU).
-    runs = {fmt: list(dict.fromkeys(i if pa.takes_impl(DecodeBench.fmt(fmt)) or i == "auto" else "xla"
-                                    for i in impls)) for fmt in args.formats}
-    read_bw = pa.read_bandwidth(args.read_mb << 20, args.repeats)
-    header = [
-        f"device: {describe_device()}; jax {jax.__version__}; read bandwidth {read_bw / 1e9:.1f} GB/s "
-        f"(jit(jnp.sum) of {args.read_mb} MiB float32, median of {args.repeats})",
-        "attention impl: " + pa.describe_impls(impls) + " (each format's attend_impl, one row per format and impl; a "
-        "format without attend_impl: xla only; '→xla': the op fell back to XLA for some slot)",
-        f"dtypes: weights {args.weight_dtype}, compute {args.dtype}, cache as each format's label says",
-        *(f"model {label}: {c.num_layers} looped layers x {c.num_loops} loops"
-          + (f" + {c.num_plain_layers} plain layers" if c.num_plain_layers else "")
-          + f", {c.num_heads} heads x {c.head_dim}, hidden {c.hidden_size}, vocab {c.vocab_size} ({changed})"
-          for label, c, changed in models),
-        f"step: median of {args.repeats} after {args.warmup} warm-up, block_until_ready; cache filled by each "
-        "format's write (random K/V, one row repeated); timed contexts: "
-        + (", ".join(map(str, sorted(run_contexts))) or "none (compile only)"),
-        f"XLA's attention: tiled, tile = rq_jax.cache.base.context_tile (a float32 operand of at most "
-        f"{base.TILE_ELEMENTS} elements, at least {base.MIN_TILE} tokens; column 'tile'); prompts over "
-        f"{SELF_TILE} tokens attend to themselves in {SELF_TILE} x {SELF_TILE} tiles",
-        f"memory: XLA memory_analysis of the compiled step; budget {budget_words}",
-        f"command: {command}",
-    ]
-    for line in header:
-        print(line)
-    per_model = sum(map(len, runs.values())) * (len(args.context) * (len(args.batch) + (2 if search else 0))
-                                                + len(args.prefill))
-    bar = tqdm(total=per_model * len(models), desc="bench_decode", unit="step", file=sys.stderr)
-    rows, budget_rows, prefill_rows, compile_s, began = [], [], [], {}, time.perf_counter()
-    said = set()  # the decode-attention op's fallback warnings printed so far
-    for label, config, _ in models:
-        bench = DecodeBench(label, config, args, run=bool(run_contexts))
-        for context in args.context:
-            timed = context in run_contexts
-            budgets = {}
-            for fmt in args.formats:
-                for impl in runs[fmt]:
-                    name = f"{label.split()[0]} {context} {fmt} {impl}"
-                    for batch in args.batch:
-                        bar.set_postfix_str(f"{name} b{batch}")
-                        row = bench.measure(fmt, context, batch, timed, args.filled, impl)
-                        rows.append(row)
-                        bar.update()
-                        tqdm.write(f"  {label} ctx {context} b{batch} {fmt} {_impl(row)}: "
-                                   + (f"{row['ms']:.1f} ms, {row['tok_s']:.2f} tok/s" if row["ms"] else row["run"])
-                                   + f", cache {row['cache_nbytes'] / MiB:.1f} MiB, temp "
-                                   f"{row['memory']['temp'] / MiB:.1f} MiB, step "
-                                   f"{row['memory']['total'] / GiB:.2f} GiB")
-                    for message in bench.fallbacks.get((fmt, impl), []):
-                        if (label, message) not in said:
-                            said.add((label, message))
-                            tqdm.write(f"  {label} {fmt} {impl}: {message}")
-                    if not search:
-                        continue
-                    if impl not in budgets:  # --budget-rows: dense's step memory on the same impl
-                        budgets[impl] = fixed_budget or bench.memory("dense bf16", context, args.budget_rows,
-                                                                     impl)["total"]
-                    budget = budgets[impl]
-                    bar.set_postfix_str(f"{name} budget search")
-                    found = bench.largest_batch(fmt, context, budget, args.max_batch, impl)
-                    bar.update()
-                    found["peak_tok_s"], found["peak_run"] = None, "none fits" if not found["max_batch"] else "-"
-                    if found["max_batch"] and timed:
-                        bar.set_postfix_str(f"{name} b{found['max_batch']} (peak)")
-                        done = next((r for r in rows if (r["model"], r["context"], r["format"], r["impl"], r["batch"])
-                                     == (label, context, fmt, impl, found["max_batch"])), None)
-                        peak = done or bench.measure(fmt, context, found["max_batch"], impl=impl)
-                        found["peak_tok_s"], found["peak_run"] = peak["tok_s"], peak["run"]
-                        found["peak_ms"] = peak["ms"]
-                    elif found["max_batch"]:
-                        found["peak_run"] = "not run (compile only)"
-                    bar.update()
-                    found["fallback"] = list(bench.fallbacks.get((fmt, impl), ())) or None
-                    budget_rows.append(found)
-                    tqdm.write(f"  {label} ctx {context} {fmt} {impl}: largest batch {found['max_batch']} in "
-                               f"{budget / GiB:.2f} GiB ({len(found['totals'])} programs compiled), peak "
-                               + (f"{found['peak_tok_s']:.2f} tok/s" if found["peak_tok_s"] else found["peak_run"]))
-        for tokens in args.prefill:
-            for fmt in args.formats:
-                for impl in runs[fmt]:
-                    bar.set_postfix_str(f"{label.split()[0]} prefill {tokens} {fmt} {impl}")
-                    mem = bench.prefill_memory(fmt, tokens, impl)
-                    prefill_rows.append(dict(model=label, tokens=tokens, format=fmt, impl=impl, memory=mem))
-                    bar.update()
-        compile_s[label] = bench.compile_seconds
-        del bench
-    bar.close()
-    wall = time.perf_counter() - began
-    header.append(f"wall time {wall:.0f} s, of which compiling steps "
-                  + ", ".join(f"{label} {secs:.0f} s" for label, secs in compile_s.items()))
-    add_reads(rows, {label: c for label, c, _ in models}, read_bw)
-    add_ratios(rows, budget_rows)
-    lines = ["## Decode step", "", *step_table(rows)]
-    if search:
-        lines += ["", f"## Largest batch in {budget_words}", "", *budget_table(budget_rows)]
-    if prefill_rows:
-        lines += ["", "## Prefill (compile only, batch 1)", "", *prefill_table(prefill_rows)]
-    text = "\n".join(["# bench_decode", "", *(f"- {h}" for h in header), "", *lines]) + "\n"
-    print("\n" + "\n".join(lines))
+    command = "python scripts/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = decode_report.run(args, impls, command)
+    print("\n" + "\n".join(decode_report.tables(result)))
     if args.out:
-        Path(args.out + ".md").write_text(text)
-        Path(args.out + ".json").write_text(json.dumps(dict(
-            header=header, device=describe_device(), platform=jax.default_backend(), jax=jax.__version__,
-            read_bandwidth=read_bw, impls=impls, args=vars(args), budget=fixed_budget, wall_s=wall, compile_s=compile_s,
-            models={label: dict(config=vars(c), changed=d) for label, c, d in models},
-            rows=rows, budget_rows=budget_rows, prefill_rows=prefill_rows), indent=2))
+        report.write_text(args.out + ".md", decode_report.page(result))
+        report.write_text(args.out + ".json", json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,2 +1,2 @@
-"""Performance measurement behind the bench scripts: decode steps (`decode`), attention (`attention`) and
-the decode step's compile time at depth (`compile_time`)."""
+"""Performance measurement behind the bench scripts: decode steps (`decode`) and their run's tables
+(`decode_report`), attention (`attention`) and the decode step's compile time at depth (`compile_time`)."""
