@@ -1,0 +1,347 @@
+"""The serving benchmark behind scripts/bench_serve.py: scripts/serve.py started per cache format on
+127.0.0.1 (cold, then from the compile cache the cold start filled), driven by an async load generator
+(aiohttp, as vLLM's own serving benchmark: on 2 cores the client shares the CPU with the server, and
+httpx's streaming cost ~0.75 of a core at 700 tok/s, halving what the server was measured to do) with
+streamed completions; its tables (`markdown`), JSON and figure (`plot`).
+
+Per request: time to first token, inter-token latency, end to end; per load point (fixed concurrency or
+Poisson arrivals): output tok/s, req/s, peak concurrent sequences (from the client's clock: polling the
+server's /metrics would cost it CPU), medians / p99, and the engine's seconds and calls per program
+from /metrics before and after.
+
+`args` below is bench_serve.py's parsed command line: model, checkpoint, memory_gb, max_len,
+max_tokens, levels (concurrencies, 'max': every slot), arrivals (rates), requests, max_seconds, out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from rq_jax import report
+from rq_jax.serve.metrics import PHASES
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+#: The cache formats compared: label -> serve.py options.
+FORMATS = {"dense bf16": ["--cache", "dense"], "residual [2,2,2,4]": ["--cache", "residual"]}
+#: vLLM 0.32's CPU build serving checkpoints/ouro-lastloop on this 2-core machine (issue 24; not rerun here).
+VLLM = {"c1_tok_s": "282-380", "c1_ttft_ms": "7-9", "c32_tok_s": "1,430-1,640", "c32_ttft_ms": "67-90",
+        "startup_cold_s": "78", "startup_cached_s": "40", "rss_gb": "3.3"}
+
+
+class ServerDidNotStart(RuntimeError):
+    """serve.py exited, or was not ready within the start-up limit (its output's tail in the message)."""
+
+
+class ServerProcess:
+    """scripts/serve.py on a free 127.0.0.1 port; `startup` seconds from spawn to /health 200."""
+
+    def __init__(self, args, extra: list[str], compile_cache: str, timeout: float = 600.0):
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), "--model", args.model, "--checkpoint",
+               args.checkpoint, *extra, "--memory-gb", str(args.memory_gb), "--max-len", str(args.max_len),
+               "--max-waiting", "4096", "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONPATH=str(REPO), RQ_JAX_COMPILE_CACHE=compile_cache))
+        while True:
+            if self.proc.poll() is not None or time.perf_counter() - start > timeout:
+                self.stop()
+                raise ServerDidNotStart(f"serve.py did not start:\n{open(self.log.name).read()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.startup = time.perf_counter() - start
+
+    def metric(self, name: str) -> float:
+        """A metric's sum in the server's /metrics now."""
+        import httpx
+
+        return metric(httpx.get(self.url + "/metrics", timeout=10).text, name)
+
+    def rss_gb(self) -> float:
+        """Peak resident memory of the server process (VmHWM)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return kb / 2**20
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL when it has not exited within 60 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def metric(text: str, name: str, phase: str | None = None) -> float:
+    """The sum of a metric's samples in Prometheus text (those of engine program `phase` only, when given)."""
+    labels = rf"{{[^}}]*phase=\"{phase}\"[^}}]*}}" if phase else r"(?:{[^}]*})?"
+    return sum(float(m.group(1)) for m in re.finditer(rf"^rq_serve_{name}{labels} (\S+)$", text, re.M))
+
+
+def engine_counters(text: str) -> dict:
+    """The engine's seconds and calls per program, the decode steps' rows and the requests that entered
+    through batched prefills, from /metrics."""
+    out = {f"{phase}_{what}": metric(text, f"engine_{what}_total", phase)
+           for phase in PHASES for what in ("seconds", "calls")}
+    return dict(out, decode_rows=metric(text, "decode_rows_total"),
+                batch_prefill_requests=metric(text, "batch_prefill_requests_total"))
+
+
+async def one_request(http, url: str, prompt: str, max_tokens: int) -> dict:
+    """A streamed completion over aiohttp session `http`: time to first token, the gaps between tokens,
+    end to end, tokens received (counted from the chunks' token ids; a chunk carries the tokens of one
+    engine step)."""
+    start = time.perf_counter()
+    times = []
+    body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True, logprobs=0,
+                return_tokens_as_token_ids=True)
+    async with http.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            return dict(error=r.status)
+        async for line in r.content:  # one SSE line at a time
+            if line.startswith(b"data: ") and line.rstrip() != b"data: [DONE]":
+                choices = json.loads(line[6:])["choices"]
+                now = time.perf_counter()
+                times += [now] * len(choices[0]["logprobs"]["tokens"] if choices else [])
+    if not times:
+        return dict(error="no tokens")
+    return dict(ttft=times[0] - start, itl=list(np.diff(times)), e2e=times[-1] - start, tokens=len(times),
+                streaming=(times[0], times[-1]))
+
+
+def peak_streaming(spans: list[tuple[float, float]]) -> int:
+    """The most (first, last) token spans open at once (a span closing at a time another opens counts once)."""
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    return max(itertools.accumulate(d for _, d in events), default=0)
+
+
+async def run_point(server: ServerProcess, prompts: list[str], args, concurrency: int | None = None,
+                    rate: float | None = None) -> dict:
+    """One load point: fixed `concurrency`, or Poisson arrivals at `rate` requests/s."""
+    import aiohttp
+
+    rng = np.random.default_rng(0)
+
+    async def metrics_text(http) -> str:
+        async with http.get(server.url + "/metrics") as r:
+            return await r.text()
+
+    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: the gate below is the concurrency
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        before = engine_counters(await metrics_text(http))
+        start = time.perf_counter()
+        deadline = start + args.max_seconds
+        tasks = []
+        if concurrency is not None:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def gated(p):
+                async with gate:
+                    if time.perf_counter() > deadline:
+                        return None
+                    return await one_request(http, server.url, p, args.max_tokens)
+
+            tasks = [asyncio.create_task(gated(p)) for p in prompts]
+        else:
+            for p in prompts:
+                if time.perf_counter() > deadline:
+                    break
+                tasks.append(asyncio.create_task(one_request(http, server.url, p, args.max_tokens)))
+                await asyncio.sleep(rng.exponential(1 / rate))
+        results = [r for r in await asyncio.gather(*tasks) if r is not None]
+        wall = time.perf_counter() - start
+        after = engine_counters(await metrics_text(http))
+    return point_summary(results, wall, concurrency, rate, {k: after[k] - before[k] for k in after})
+
+
+def point_summary(results: list[dict], wall: float, concurrency: int | None, rate: float | None,
+                  engine: dict) -> dict:
+    """A load point's row from its requests' results (`one_request`'s), its wall seconds and the engine
+    counters it added: throughput, peak concurrent sequences, medians and p99 (ms; NaN without data)."""
+    ok = [r for r in results if "error" not in r]
+    itl = [x for r in ok for x in r["itl"]]
+
+    def ms(values, q):
+        return float(np.percentile(values, q) * 1e3) if values else float("nan")
+
+    return dict(concurrency=concurrency, rate=rate, requests=len(ok), errors=len(results) - len(ok), wall_s=wall,
+                output_tok_s=sum(r["tokens"] for r in ok) / wall, req_s=len(ok) / wall,
+                peak_sequences=peak_streaming([r["streaming"] for r in ok]),
+                ttft_ms_p50=ms([r["ttft"] for r in ok], 50), ttft_ms_p99=ms([r["ttft"] for r in ok], 99),
+                itl_ms_p50=ms(itl, 50), itl_ms_p99=ms(itl, 99), e2e_ms_p50=ms([r["e2e"] for r in ok], 50),
+                e2e_ms_p99=ms([r["e2e"] for r in ok], 99), engine=engine)
+
+
+def bench_format(label: str, args, prompts: list[str], cache_dir: str) -> dict:
+    """Start-ups (cold, then from the compile cache the cold start filled) and every load point of one format."""
+    out = dict(format=label, points=[])
+    cold = ServerProcess(args, FORMATS[label], cache_dir)
+    out["startup_cold_s"] = cold.startup
+    cold.stop()
+    server = ServerProcess(args, FORMATS[label], cache_dir)
+    out["startup_s"] = server.startup
+    out["slots"] = int(server.metric("slots_total"))
+    print(f"{label}: {out['slots']} slots, started in {out['startup_cold_s']:.1f} s cold, {server.startup:.1f} s "
+          "from the compile cache", flush=True)
+    try:
+        for c in dict.fromkeys(out["slots"] if c == "max" else c for c in args.levels):  # 'max' may repeat one
+            point = asyncio.run(run_point(server, prompts[: max(args.requests, c)], args, concurrency=c))
+            out["points"].append(point)
+            print(f"  concurrency {c}: {point['output_tok_s']:,.0f} tok/s, TTFT p50 {point['ttft_ms_p50']:.1f} ms, "
+                  f"peak {point['peak_sequences']} sequences", flush=True)
+        for rate in args.arrivals:
+            point = asyncio.run(run_point(server, prompts[: args.requests], args, rate=rate))
+            out["points"].append(point)
+            print(f"  {rate:g} req/s: {point['output_tok_s']:,.0f} tok/s, e2e p99 {point['e2e_ms_p99']:.0f} ms",
+                  flush=True)
+        out["rss_gb"] = server.rss_gb()
+    finally:
+        server.stop()
+    return out
+
+
+def load(point: dict) -> str:
+    """A load point's label."""
+    return f"concurrency {point['concurrency']}" if point["concurrency"] else f"Poisson {point['rate']:g} req/s"
+
+
+def _rule(n: int) -> str:
+    return report.row(["---"] * n)
+
+
+def markdown(runs: list[dict], args) -> str:
+    """The run's tables: every load point, where the engine's time went, dense against residual, and the
+    vLLM comparison workload (when both formats ran concurrency 1 and 32)."""
+    row = report.row
+    lines = [f"Ouro-small ({args.checkpoint}), {args.max_len}-token slots at a {args.memory_gb} GiB cache budget, "
+             f"12-token prompts, {args.max_tokens} output tokens (greedy, ignore_eos); medians and p99 of one run.",
+             "", row(["format", "load", "requests", "output tok/s", "req/s", "peak sequences", "TTFT p50 / p99 ms",
+                      "ITL p50 / p99 ms", "e2e p50 / p99 ms"]), _rule(9)]
+    for run in runs:
+        for p in run["points"]:
+            lines.append(row([run["format"], load(p), p["requests"], f"{p['output_tok_s']:,.0f}", f"{p['req_s']:.1f}",
+                              p["peak_sequences"], f"{p['ttft_ms_p50']:.1f} / {p['ttft_ms_p99']:.1f}",
+                              f"{p['itl_ms_p50']:.1f} / {p['itl_ms_p99']:.1f}",
+                              f"{p['e2e_ms_p50']:.0f} / {p['e2e_ms_p99']:.0f}"]))
+    lines += ["", "Where the engine's time went (wall seconds of each program with its results ready, from /metrics; "
+              "busy: their sum over the point's wall time):", "",
+              row(["format", "load", "prefill calls × ms", "admit calls × ms", "batched prefill calls × ms (requests)",
+                   "decode steps × ms (mean rows)", "busy"]), _rule(7)]
+    for run in runs:
+        for p in run["points"]:
+            e = p["engine"]
+
+            def calls(phase):
+                n = e[f"{phase}_calls"]
+                return f"{n:.0f} × {e[f'{phase}_seconds'] / n * 1e3:.1f}" if n else "0"
+
+            busy = sum(e[f"{phase}_seconds"] for phase in PHASES) / p["wall_s"]
+            rows = e["decode_rows"] / e["decode_calls"] if e["decode_calls"] else 0
+            lines.append(row([run["format"], load(p), calls("prefill"), calls("admit"),
+                              f"{calls('batch_prefill')} ({e['batch_prefill_requests']:.0f})",
+                              f"{calls('decode')} ({rows:.0f})", f"{busy:.0%}"]))
+    dense, residual = runs[0], runs[-1]
+
+    def at(run, c):
+        return next((p for p in run["points"] if p["concurrency"] == c), None)
+
+    def sat(run):
+        return max(p["output_tok_s"] for p in run["points"])
+
+    def peak(run):
+        return max(p["peak_sequences"] for p in run["points"])
+
+    lines += ["", row(["", "slots at the budget", "peak concurrent sequences", "saturated output tok/s",
+                       "start-up s (cold / compile cache)", "peak RSS GB"]), _rule(6)]
+    for run in runs:
+        lines.append(row([run["format"], run["slots"], peak(run), f"{sat(run):,.0f}",
+                          f"{run['startup_cold_s']:.1f} / {run['startup_s']:.1f}", f"{run['rss_gb']:.2f}"]))
+    lines.append(row(["residual / dense", f"{residual['slots'] / dense['slots']:.2f}x",
+                      f"{peak(residual) / peak(dense):.2f}x", f"{sat(residual) / sat(dense):.2f}x", "", ""]))
+    c1, c32, r1, r32 = at(dense, 1), at(dense, 32), at(residual, 1), at(residual, 32)
+    if c1 and c32 and r1 and r32:
+        lines += ["", "The vLLM comparison workload (vLLM's figures quoted from issue 24, not rerun here):", "",
+                  row(["", "vLLM 0.32 CPU (quoted)", "rq_jax dense bf16", "rq_jax residual [2,2,2,4]"]), _rule(4),
+                  row(["output tok/s, concurrency 1", VLLM["c1_tok_s"], f"{c1['output_tok_s']:,.0f}",
+                       f"{r1['output_tok_s']:,.0f}"]),
+                  row(["TTFT ms (p50), concurrency 1", VLLM["c1_ttft_ms"], f"{c1['ttft_ms_p50']:.1f}",
+                       f"{r1['ttft_ms_p50']:.1f}"]),
+                  row(["output tok/s, concurrency 32", VLLM["c32_tok_s"], f"{c32['output_tok_s']:,.0f}",
+                       f"{r32['output_tok_s']:,.0f}"]),
+                  row(["TTFT ms (p50), concurrency 32", VLLM["c32_ttft_ms"], f"{c32['ttft_ms_p50']:.1f}",
+                       f"{r32['ttft_ms_p50']:.1f}"]),
+                  row(["start-up s, cold / compile cache", f"{VLLM['startup_cold_s']} / {VLLM['startup_cached_s']}",
+                       f"{dense['startup_cold_s']:.1f} / {dense['startup_s']:.1f}",
+                       f"{residual['startup_cold_s']:.1f} / {residual['startup_s']:.1f}"]),
+                  row(["peak RSS GB", VLLM["rss_gb"], f"{dense['rss_gb']:.2f}", f"{residual['rss_gb']:.2f}"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: str) -> None:
+    """Output tok/s and p99 end-to-end latency against offered load: the fixed-concurrency points
+    (concurrent requests) above, the Poisson points (arrival rate) below."""
+    fig, axes = report.pyplot().subplots(2, 2, figsize=(11, 7))
+    for (a, b), kind, xlabel in ((axes[0], "concurrency", "concurrent requests (fixed concurrency)"),
+                                 (axes[1], "rate", "arrival rate, requests/s (Poisson)")):
+        for run in runs:
+            pts = sorted((p for p in run["points"] if p[kind]), key=lambda p: p[kind])
+            x = [p[kind] for p in pts]
+            a.plot(x, [p["output_tok_s"] for p in pts], marker="o", label=run["format"])
+            b.plot(x, [p["e2e_ms_p99"] for p in pts], marker="o", label=run["format"])
+        a.set(xlabel=xlabel, ylabel="output tokens/s", title="throughput")
+        b.set(xlabel=xlabel, ylabel="end-to-end latency p99 (ms)", title="p99 latency", yscale="log")
+        for ax in (a, b):
+            if kind == "concurrency":
+                ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    report.save_figure(fig, path, dpi=120)
+
+
+def write(runs: list[dict], args) -> str:
+    """PREFIX.md (the tables), PREFIX.json ({"args", "runs", "vllm"}) and PREFIX.png for `args.out`;
+    returns the tables."""
+    tables = markdown(runs, args)
+    report.write_text(args.out + ".md", tables)
+    report.write_text(args.out + ".json", json.dumps(dict(args=vars(args), runs=runs, vllm=VLLM), indent=2))
+    plot(runs, args.out + ".png")
+    return tables
+
+
+def run(args) -> list[dict]:
+    """Every format of `FORMATS` under every load point (each server stopped on the way out, whatever
+    happens); prompts: held-out sums in the models' format, repeated to at least 4096."""
+    from rq_jax.data import Addition
+    from rq_jax.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.checkpoint)
+    need = max(args.requests, 4096)
+    prompts = [tokenizer.decode(list(e.prompt())) for e in Addition().examples("eval", min(need, 1024))]
+    prompts = (prompts * (need // len(prompts) + 1))[:need]
+    with tempfile.TemporaryDirectory() as cache_dir:
+        return [bench_format(label, args, prompts, os.path.join(cache_dir, str(i))) for i, label in enumerate(FORMATS)]

@@ -1,0 +1,68 @@
+"""rq_jax.perf.serve without a server: /metrics text as ServeMetrics renders it, peak concurrent streams,
+a load point's summary, and the tables and files of the run checked in at docs/results/bench_serve."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from types import SimpleNamespace
+
+import pytest
+
+from rq_jax.perf import serve
+from rq_jax.serve.metrics import PHASES, ServeMetrics
+
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+def test_metrics_text_sums_samples_by_name_and_phase():
+    m = ServeMetrics("tiny", "dense")
+    m.slots_total.set(12)
+    m.decode_rows.inc(7)
+    for phase, seconds in [("decode", 0.5), ("decode", 0.25), ("prefill", 2.0)]:
+        m.ran(phase, seconds)
+    text = m.render().decode()
+    assert serve.metric(text, "slots_total") == 12
+    assert serve.metric(text, "engine_calls_total") == 3  # every phase's samples
+    assert serve.metric(text, "engine_seconds_total", "decode") == 0.75
+    assert serve.metric(text, "nothing_total") == 0
+    counters = serve.engine_counters(text)
+    assert set(counters) == {f"{p}_{w}" for p in PHASES for w in ("seconds", "calls")} | {
+        "decode_rows", "batch_prefill_requests"}
+    assert (counters["decode_calls"], counters["prefill_seconds"], counters["admit_calls"],
+            counters["decode_rows"]) == (2, 2.0, 0, 7)
+
+
+@pytest.mark.parametrize("spans,peak", [
+    ([], 0), ([(0, 1)], 1), ([(0, 2), (1, 3), (1.5, 4)], 3),
+    ([(0, 1), (1, 2)], 1),  # one closes as the other opens
+    ([(0, 1), (2, 3), (2.5, 2.6)], 2),
+])
+def test_peak_streaming(spans, peak):
+    assert serve.peak_streaming(spans) == peak
+
+
+def test_point_summary():
+    results = [dict(ttft=0.01, itl=[0.002, 0.004], e2e=0.02, tokens=3, streaming=(1.0, 1.5)),
+               dict(ttft=0.03, itl=[0.006], e2e=0.05, tokens=2, streaming=(1.2, 2.0)), dict(error=429)]
+    p = serve.point_summary(results, 2.0, 8, None, {"decode_calls": 4})
+    assert (p["requests"], p["errors"], p["output_tok_s"], p["req_s"], p["peak_sequences"]) == (2, 1, 2.5, 1.0, 2)
+    assert p["ttft_ms_p50"] == pytest.approx(20) and p["itl_ms_p50"] == pytest.approx(4)
+    assert (p["concurrency"], p["rate"], p["engine"]) == (8, None, {"decode_calls": 4})
+    assert math.isnan(serve.point_summary([dict(error=503)], 1.0, None, 5.0, {})["e2e_ms_p99"])
+
+
+def test_the_checked_in_run_writes_the_same_tables_and_keys(tmp_path):
+    """docs/results/bench_serve.json through `write` gives docs/results/bench_serve.md to the byte, the
+    JSON's keys and a figure."""
+    run = json.loads((RESULTS / "bench_serve.json").read_text())
+    args = SimpleNamespace(**dict(run["args"], out=str(tmp_path / "bench")))
+    tables = serve.write(run["runs"], args)
+    assert tables == (RESULTS / "bench_serve.md").read_text() == (tmp_path / "bench.md").read_text()
+    assert "| rq_jax residual [2,2,2,4] |" in tables and "| residual / dense | 5.12x |" in tables
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert written == dict(run, args=vars(args)) and list(written) == ["args", "runs", "vllm"]
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    without = [dict(r, points=[p for p in r["points"] if p["concurrency"] != 32]) for r in run["runs"]]
+    assert "vLLM comparison" not in serve.markdown(without, args)
