@@ -20,21 +20,20 @@ JSON out as Table 2 (one column per model and benchmark, and the average).
 """
 
 import dataclasses
-import hashlib
-import json
 import os
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-from tqdm import tqdm
 
-from rq_jax import checkpoint, cli, memory
+from rq_jax import checkpoint, cli, report
 from rq_jax.cache.schemes import PaperRow
+from rq_jax.calibrate.data import reads_calibration_data
+from rq_jax.eval import benchmark_report, prompts
 from rq_jax.eval import benchmark_run as br
-from rq_jax.eval import prompts
+from rq_jax.serve.chat import ChatTemplate
+from rq_jax.serve.engine import SamplingParams
 from rq_jax.tokenizer import load_tokenizer, stop_token_ids
 
 
@@ -96,66 +95,22 @@ def parse_args(argv=None):
     return p, args
 
 
-def combine(argv) -> None:
-    """--combine RUN.json ... --out PREFIX: Table 2's layout of several runs."""
-    p = cli.ArgumentParser(description="lay several eval_benchmarks runs out as Table 2")
-    p.add_argument("--combine", nargs="+", required=True, metavar="RUN.json")
-    p.add_argument("--out", required=True, help="output prefix: PREFIX.md")
-    args = p.parse_args(argv)
-    runs = []
-    for path in args.combine:
-        try:
-            with open(path) as f:
-                run = json.load(f)
-        except (OSError, ValueError) as err:
-            p.error(f"argument --combine: {path}: {err}")
-        if not isinstance(run, dict) or not {"meta", "rows"} <= set(run):
-            p.error(f"argument --combine: {path} is not an eval_benchmarks run (no meta and rows)")
-        runs.append(run)
-    cli.output_file(p, "--out", args.out)
-    lines = ["# Table 2 layout: accuracy (%) per scheme, " + ", ".join(
-        f"{r['meta']['family']} {r['meta']['benchmark']} ({os.path.basename(r['meta']['checkpoint'])}, "
-        f"n={r['meta']['problems']}, {r['meta']['prompt_format']})" for r in runs), "", br.grid(runs)]
-    text = "\n".join(lines)
-    print(text)
-    with open(f"{args.out}.md", "w") as f:
-        f.write(text)
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def check_settings(p, path: str, settings: dict) -> None:
-    """`p.error` when the run at `path` (its JSON) was made with other settings."""
-    if not os.path.exists(path):
-        return
-    try:
-        with open(path) as f:
-            meta = json.load(f)["meta"]
-    except (OSError, ValueError, KeyError) as err:
-        p.error(f"argument --resume: {path} is not an eval_benchmarks run ({type(err).__name__}: {err})")
-    theirs = {k: meta.get(k) for k in settings}
-    if theirs != settings:
-        diff = {k: (theirs[k], v) for k, v in settings.items() if theirs[k] != v}
-        p.error(f"argument --resume: {path} was written with other settings (theirs, now): {diff}")
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--combine" in argv:
-        return combine(argv)
+    if "--combine" in argv:  # --combine RUN.json ... --out PREFIX: Table 2's layout of several runs
+        p = cli.ArgumentParser(description="lay several eval_benchmarks runs out as Table 2")
+        p.add_argument("--combine", nargs="+", required=True, metavar="RUN.json")
+        p.add_argument("--out", required=True, help="output prefix: PREFIX.md")
+        args = p.parse_args(argv)
+        try:
+            runs = [report.read_run(path) for path in args.combine]
+        except ValueError as err:
+            p.error(f"argument --combine: {err}")
+        cli.output_file(p, "--out", args.out)
+        print(text := benchmark_report.combine(runs))
+        return report.write_text(f"{args.out}.md", text)
     p, args = parse_args(argv)
     config, folder = cli.resolve_checkpoint(p, args)
-    from rq_jax.serve.chat import ChatTemplate, ChatTemplateError
-    from rq_jax.cache import cache_bytes
-    from rq_jax.serve.engine import Engine, SamplingParams
-    from rq_jax.serve.metrics import PREFIX, ServeMetrics
-
     try:
         tokenizer = load_tokenizer(folder)
     except FileNotFoundError as err:
@@ -169,132 +124,54 @@ def main(argv=None):
     protocol = prompts.protocol(config.family, args.benchmark, args.prompt_format)
     protocol = dataclasses.replace(protocol, shots=protocol.shots if args.shots is None else args.shots,
                                    max_new_tokens=args.max_new_tokens or protocol.max_new_tokens)
-    template = ChatTemplate.from_folder(folder)
     try:
-        texts = {q.id: prompts.build_prompt(protocol, q, template) for q in problems}
-    except (ValueError, ChatTemplateError) as err:
-        p.error(f"argument --prompt-format: {err}")
-    # A rendered chat template spells its own special tokens (as HF's apply_chat_template + tokenize).
-    ids = {i: tokenizer.encode(t, add_special_tokens=not protocol.chat).ids for i, t in texts.items()}
-    longest = max(len(x) for x in ids.values())
-    max_len = longest + protocol.max_new_tokens - 1
-    if min(len(x) for x in ids.values()) == 0:
-        p.error(f"argument --data: a prompt of {args.data} tokenizes to nothing")
-    if max_len > config.max_position_embeddings and protocol.format != "raw":
-        p.error(f"argument --prompt-format: the {protocol.format} prompts ({protocol.shots} shots) are up to {longest} "
-                f"tokens; with {protocol.max_new_tokens} new tokens they need {max_len} positions, more than the "
-                f"model's {config.max_position_embeddings}: use --prompt-format raw (the benchmark's own text, no "
-                "shots) for a small model")
-    if max_len > config.max_position_embeddings:
-        p.error(f"argument --max-new-tokens: the longest prompt ({longest} tokens) plus {protocol.max_new_tokens} "
-                f"new tokens needs {max_len} positions, more than the model's {config.max_position_embeddings}")
+        ids, longest, max_len = prompts.encode_prompts(protocol, problems, ChatTemplate.from_folder(folder), tokenizer,
+                                                       config.max_position_embeddings)
+    except ValueError as err:
+        p.error(str(err))
     kwargs = cli.model_kwargs(args)
     loops = kwargs["num_loops"] or config.num_loops
     for row in args.rows:
         cli.check_format(p, f"argument --schemes: {row.scheme.label}", row.scheme.fmt, config, loops)
-        if args.memory_gb is not None and int(args.memory_gb * 2**30) < cache_bytes(config, row.scheme.fmt, max_len,
-                                                                                    num_loops=loops).total:
+        if not br.slots_at(args.memory_gb, config, row.scheme.fmt, max_len, loops, 1):
             p.error(f"argument --memory-gb: {args.memory_gb:g} GiB holds no {max_len}-token slot of "
                     f"{row.scheme.label}")
-    params = SamplingParams(max_tokens=protocol.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed, stop=protocol.stop)
-    chunk = min(args.chunk, br.next_power_of_two(max(16, longest)))
-    eos = stop_token_ids(tokenizer, folder)
-    can_fit = br.reads_calibration_data(tokenizer, config)
-
     settings = dict(checkpoint=os.path.abspath(folder), family=config.family, loops=loops, dtype=args.dtype,
                     param_dtype=args.param_dtype, init_state=args.init_state, benchmark=args.benchmark,
-                    data=os.path.abspath(args.data), data_sha256=sha256(args.data), problems=len(problems),
+                    data=os.path.abspath(args.data), data_sha256=br.sha256(args.data), problems=len(problems),
                     prompt_format=protocol.format, shots=protocol.shots, max_new_tokens=protocol.max_new_tokens,
                     temperature=args.temperature, top_p=args.top_p, seed=args.seed, timeout=args.timeout)
     cli.start(args)
     mesh = cli.device_mesh(p, args)
-    json_path = f"{args.out}.json"
     cli.output_file(p, "--out", args.out)
-    if args.resume:
-        check_settings(p, json_path, settings)
+    try:
+        args.resume and report.finished_rows(f"{args.out}.json", settings, key="scheme")
+    except ValueError as err:
+        p.error(f"argument --resume: {err}")
     model, _ = checkpoint.load(folder, dtype=jnp.dtype(args.dtype), param_dtype=jnp.dtype(args.param_dtype))
     meta = dict(settings, protocol=prompts.describe(protocol), stop=list(protocol.stop), max_len=max_len,
                 python=platform.python_version(), device=str(jax.devices()[0]),
                 command="python scripts/eval_benchmarks.py " + " ".join(argv))
-    br.write_json(json_path, meta, [])
-    order = [q.id for q in problems]
-    scorer = br.Scorer(args.benchmark, problems, scripts=protocol.scripts, timeout=args.timeout,
-                       workers=args.workers)
-    rows, dense = [], None
-    for row in args.rows:
-        scheme = row.scheme
-        path = f"{args.out}_completions/{br.slug(scheme.label)}.jsonl"
-        log = br.CompletionLog(path, args.resume)
-        todo = [(i, ids[i]) for i in order if i not in log.records]
-        out = dict(scheme=scheme.label, setting=row.setting, method=row.method, stored=scheme.stored,
-                   calibration=scheme.method or "default", completions=os.path.relpath(path, os.path.dirname(
-                       os.path.abspath(args.out)) or "."), resumed=len(order) - len(todo))
-        start = time.perf_counter()
-        if todo:
-            try:
-                calib, out["calibration_source"] = br.row_calibration(scheme, model, loops, args.calibration, can_fit,
-                                                                      args.calibration_rows)
-            except br.NeedsCalibration as err:
-                rows.append({**out, "missing": str(err)})
-                print(f"eval_benchmarks: {scheme.label}: {err}", file=sys.stderr, flush=True)
-                br.write_json(json_path, meta, rows)
-                continue
-            slots = min(args.max_slots, len(todo))
-            if args.memory_gb is not None:
-                slots = min(slots, int(args.memory_gb * 2**30) // cache_bytes(config, scheme.fmt, max_len,
-                                                                               num_loops=loops).total)
-            try:
-                memory.check_fits(model, scheme.fmt, batch=max(slots, 1), prompt_len=chunk, max_len=max_len,
-                                  num_loops=loops, compute_itemsize=jnp.dtype(args.dtype).itemsize,
-                                  what=f"the {scheme.label} row", advice="use a smaller --max-slots or --memory-gb")
-                metrics = ServeMetrics(os.path.basename(folder), scheme.label)
-                engine = Engine(model, tokenizer, scheme.fmt, eos_ids=eos, max_len=max_len, num_slots=slots,
-                                calib=calib, mesh=mesh, chunk=chunk, metrics=metrics, **kwargs)
-            except (ValueError, MemoryError) as err:
-                p.error(f"argument --schemes: {scheme.label}: {err}")
-            out["compile_seconds"] = sum(engine.warm_up().values())
-            lost = dict(model=os.path.basename(folder), cache=scheme.label)
-            bar = tqdm(total=len(todo), desc=scheme.label, unit="answer", disable=args.no_progress)
-            tokens = [0]
-
-            def progress(answers, new_tokens, bar=bar, tokens=tokens, begun=time.perf_counter()):
-                tokens[0] += new_tokens
-                bar.update(answers)
-                bar.set_postfix_str(f"{tokens[0] / (time.perf_counter() - begun):.1f} tok/s")
-
-            br.run_requests(engine, todo, params, log, scorer, progress=progress,
-                            out_of_range=lambda: metrics.registry.get_sample_value(
-                                f"{PREFIX}cache_out_of_range_values_total", lost) or 0.0)
-            bar.close()
-        if dense is None:
-            dense = log.records
-        out.update(br.row_metrics(log.records, dense, order), **br.bits_and_bytes(scheme, config, loops, max_len),
-                   seconds=time.perf_counter() - start)
-        rows.append(out)
-        br.write_json(json_path, meta, rows)
-        if args.no_progress:
-            print(f"eval_benchmarks: {scheme.label}: {100 * out['accuracy']:.2f}% of {len(order)}, "
-                  f"{len(todo)} generated, {out['mean_tokens']:.1f} tokens each, {out['seconds']:.0f} s",
-                  file=sys.stderr, flush=True)
+    report.write_run(args.out, meta, [])
+    scorer = br.Scorer(args.benchmark, problems, scripts=protocol.scripts, timeout=args.timeout, workers=args.workers)
+    params = SamplingParams(max_tokens=protocol.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, stop=protocol.stop)
+    try:
+        rows = br.run_rows(model, tokenizer, args.rows, ids, params, scorer,
+                           prefix=args.out, max_len=max_len,
+                           chunk=min(args.chunk, br.next_power_of_two(max(16, longest))),
+                           eos_ids=stop_token_ids(tokenizer, folder), max_slots=args.max_slots,
+                           memory_gb=args.memory_gb, calibration=args.calibration,
+                           can_fit=reads_calibration_data(config.vocab_size, tokenizer) is None,
+                           calibration_rows=args.calibration_rows, mesh=mesh, resume=args.resume,
+                           show_progress=not args.no_progress, compute_dtype=args.dtype,
+                           model_name=os.path.basename(folder),
+                           on_row=lambda rows: report.write_run(args.out, meta, rows), **kwargs)
+    except (ValueError, MemoryError) as err:
+        p.error(f"argument --schemes: {err}")
     scorer.close()
-    heading = br.BENCHMARKS[args.benchmark].heading
-    header = (f"# {heading} on {os.path.basename(meta['checkpoint'])} ({config.family}, {loops} loops, "
-              f"{args.dtype} compute, {args.param_dtype} weights): {len(problems)} problems, {meta['protocol']}, "
-              f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, "
-              f"≤ {protocol.max_new_tokens} new tokens\n\n"
-              "Accuracy (pass@1 for code) through each cache, with the 95% paired-bootstrap CI of its difference to "
-              "dense bf16; agree: the same extracted answer as dense bf16 (code: the same cleaned program); tokens: "
-              "mean generated tokens per answer; tok/s: generated tokens per second of generation (compiles "
-              "excluded); b_eff: bits per stored K/V element; bytes per token of one slot, and its ratio to dense "
-              "bf16; out of range: values the cache could not store.")
-    text = br.markdown(rows, header, heading) + "\n" + br.settings_note(rows)
-    print(text)
-    with open(f"{args.out}.md", "w") as f:
-        f.write(text)
     meta["seconds"] = sum(r.get("seconds", 0.0) for r in rows)
-    br.write_json(json_path, meta, rows)
-    br.figure(rows, f"{args.out}_accuracy.png", f"{heading}, {os.path.basename(meta['checkpoint'])}")
+    print(benchmark_report.write(args.out, meta, rows))
     return rows
 
 

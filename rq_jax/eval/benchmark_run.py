@@ -21,18 +21,27 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import re
+import sys
 import time
 from typing import Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
-from rq_jax.cache.schemes import TABLE2_METHODS, TABLE2_SETTINGS, PaperRow, Scheme, catalog, table2_rows
+from rq_jax import memory
+from rq_jax.cache.kv import cache_bytes
+from rq_jax.cache.schemes import PaperRow, Scheme, catalog, table2_rows
+from rq_jax.calibrate.scheme import NeedsCalibration, scheme_calibration
 from rq_jax.eval import benchmarks as bm
 from rq_jax.scoring import paired_bootstrap
+from rq_jax.serve.engine import Engine, completion
+from rq_jax.serve.metrics import PREFIX, ServeMetrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +189,6 @@ def run_requests(engine, todo: Sequence[tuple[str, Sequence[int]]], params, log:
     its record to `log` once scored (in finishing order). `out_of_range()` reads the engine's running
     count of values the cache could not store; `progress(answers, tokens)` is called per finished
     request. Returns the seconds generation took."""
-    from rq_jax.serve.engine import completion
-
     deltas: dict[str, list] = collections.defaultdict(list)
 
     def sink(delta) -> None:
@@ -241,109 +248,9 @@ def row_metrics(records: dict[str, dict], dense: dict[str, dict], ids: Sequence[
                 out_of_range=int(sum(r["out_of_range"] for r in rec)))
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.2f}"
-
-
-def _setting_heading(setting: str, rows: Sequence[dict]) -> str:
-    """"INT2 g32 (2.5)": the setting with its Direct row's bits per element, as Table 2 writes it."""
-    direct = next((r for r in rows if r["setting"] == setting and r["method"] == "Direct" and "accuracy" in r), None)
-    return f"{setting} ({direct['bits_per_element']:.1f})" if direct else setting
-
-
-def markdown(rows: Sequence[dict], header: str, heading: str) -> str:
-    """The run's table: Table 2's Setting and Method columns, then this benchmark's accuracy and the rest."""
-    lines = [header, "",
-             f"| Setting | Method | scheme | {heading} % | Δ vs BF16 (95% CI) | agree | tokens | tok/s | b_eff | "
-             "bytes/token (× dense) | out of range |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    last = None
-    for r in rows:
-        setting = "BF16" if r["scheme"] == "dense bf16" else (r["setting"] or "other")
-        cell = "" if setting == last else (_setting_heading(r["setting"], rows) if r["setting"] else setting)
-        last = setting
-        method = r["method"] or "—"
-        if "accuracy" not in r:
-            lines.append(f"| {cell} | {method} | {r['scheme']} | {r['missing']} | | | | | | | |")
-            continue
-        lo, hi = 100 * r["accuracy_diff_lo"], 100 * r["accuracy_diff_hi"]
-        ci = "—" if r["scheme"] == "dense bf16" else f"{100 * r['accuracy_diff']:+.1f} ({lo:+.1f}, {hi:+.1f})"
-        speed = f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else "—"
-        lines.append(f"| {cell} | {method} | {r['scheme']} | {_pct(r['accuracy'])} | {ci} | {r['agreement']:.3f} | "
-                     f"{r['mean_tokens']:.1f} | {speed} | {r['bits_per_element']:.3f} | "
-                     f"{r['bytes_per_token']:,.0f} ({r['bytes_per_token'] / r['dense_bytes_per_token']:.2f}) | "
-                     f"{r['out_of_range']:,} |")
-    return "\n".join(lines) + "\n"
-
-
-def grid(runs: Sequence[dict]) -> str:
-    """Table 2's layout from several runs' JSON (one per model and benchmark): rows Setting / Method,
-    one accuracy column per run ("Ouro G8K", ...), and Avg over the columns where a row has them all."""
-    columns = [(f"{run['meta']['family'].capitalize()} {BENCHMARKS[run['meta']['benchmark']].short}",
-                {r["scheme"]: r for r in run["rows"]}) for run in runs]
-    lines = ["| Setting | Method | " + " | ".join(c for c, _ in columns) + " | Avg |",
-             "|---|---|" + "---|" * (len(columns) + 1)]
-    every = [r for run in runs for r in run["rows"]]
-    last = None
-    for row in all_rows().values():  # Table 2's rows in its order, then the catalog's others
-        cells = [col.get(row.scheme.label) for _, col in columns]
-        if not any(c and "accuracy" in c for c in cells):
-            continue
-        values = [100 * c["accuracy"] if c and "accuracy" in c else None for c in cells]
-        setting = "BF16" if row.scheme.label == "dense bf16" else (row.setting or "other")
-        heading = _setting_heading(row.setting, every) if row.setting else setting
-        avg = f"{np.mean(values):.2f}" if all(v is not None for v in values) else "—"
-        method = row.method or row.scheme.label
-        lines.append(f"| {'' if setting == last else heading} | {method} | "
-                     + " | ".join("—" if v is None else f"{v:.2f}" for v in values) + f" | {avg} |")
-        last = setting
-    return "\n".join(lines) + "\n"
-
-
-def figure(rows: Sequence[dict], path: str, title: str) -> None:
-    """Accuracy against bits per element, one line per Table 2 method across the settings (by bits; two
-    settings at the same bits join vertically), dense bf16 as a dashed line; other schemes as labelled points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [r for r in rows if "accuracy" in r]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    dense = next((r for r in done if r["scheme"] == "dense bf16"), None)
-    if dense:
-        ax.axhline(100 * dense["accuracy"], color="k", ls="--", lw=1, label="BF16")
-    for method in TABLE2_METHODS:
-        pts = sorted((r["bits_per_element"], 100 * r["accuracy"], r["setting"]) for r in done if r["method"] == method)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", mfc="none", label=method)  # overlaps show
-            for x, y, setting in pts:
-                ax.annotate(setting, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-    for r in done:
-        if not r["method"] and r["scheme"] != "dense bf16":
-            ax.scatter(r["bits_per_element"], 100 * r["accuracy"], s=14, color="gray")
-            ax.annotate(r["scheme"], (r["bits_per_element"], 100 * r["accuracy"]), fontsize=6)
-    ax.set(xlabel="bits per element (b_eff)", ylabel="accuracy / pass@1 (%)", title=title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-
-
-def settings_note(rows: Sequence[dict]) -> str:
-    """How the rows' INT2/4 settings are built (for the table's footer; "" when there are none)."""
-    used = {r["setting"] for r in rows}
-    mixed = [f"{name}: bits {list(b)}, group sizes {list(g)}" for name, (b, g) in TABLE2_SETTINGS.items()
-             if 4 in b and name in used]
-    return ("INT2/4 settings keep the INT4 anchor (the last loop of a group) at g32: " + "; ".join(mixed) + ".\n"
-            if mixed else "")
-
-
 def bits_and_bytes(scheme: Scheme, config, num_loops: int, max_len: int) -> dict[str, float]:
     """A scheme's bits per element and bytes per token of one slot of `max_len` tokens, beside dense bf16's
     (`rq_jax.cache.kv.cache_bytes`: the arrays' own bytes, all layers; the bits over the looped layers)."""
-    from rq_jax.cache.kv import cache_bytes
-
     row = cache_bytes(config, scheme.fmt, max_len, num_loops=num_loops)
     return dict(bits_per_element=float(row.bits_per_element), bytes_per_token=row.per_token,
                 dense_bytes_per_token=row.dense / row.tokens)
@@ -354,49 +261,90 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def write_json(path: str, meta: dict, rows: Sequence[dict]) -> None:
-    """The run's JSON: its settings and its rows so far."""
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=list(rows)), f, indent=2, ensure_ascii=False)
+def sha256(path: str | os.PathLike) -> str:
+    """The file's SHA-256 (hex): which data a run scored."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
-# ------------------------------------------------------------------------------------------ calibration
+def slots_at(memory_gb: float | None, config, fmt, max_len: int, num_loops: int, most: int) -> int:
+    """Decode slots for a row: `most`, capped at what `memory_gb` GiB of cache holds in `fmt` at `max_len`
+    tokens a slot (0 when not one fits)."""
+    if memory_gb is None:
+        return most
+    return min(most, int(memory_gb * 2**30) // cache_bytes(config, fmt, max_len, num_loops=num_loops).total)
 
 
-class NeedsCalibration(Exception):
-    """A row whose rotations must be fitted, with neither an artifact nor data to fit them on."""
+def run_rows(model, tokenizer, rows: Sequence[PaperRow], ids: dict[str, list[int]], params, scorer: Scorer, *,
+             prefix: str, max_len: int, chunk: int, eos_ids, max_slots: int,
+             memory_gb: float | None = None, calibration: str | None = None, can_fit: bool = True,
+             calibration_rows: int = 32, mesh=None, resume: bool = False, show_progress: bool = True,
+             compute_dtype: str = "float32", model_name: str = "model",
+             on_row: Callable[[list[dict]], None] = lambda rows: None, **model_kwargs) -> list[dict]:
+    """Table rows for `rows` (dense bf16 first: every row's reference), each generated on the serving
+    engine over the prompts `ids` (problem id -> prompt token ids, in order) with `params`, scored by
+    `scorer`, its completions appended to PREFIX_completions/<slug>.jsonl (with `resume`, the ones saved
+    there are kept and only the rest generated). A row's rotations come from `scheme_calibration`
+    (`calibration` folder, else fitted when `can_fit`); a row that needs an artifact it lacks is kept
+    with its reason under "missing". `on_row(rows so far)` after each row; `model_kwargs` go to the
+    model's calls (`num_loops`, None for the config's; Huginn's `init_scale`), `compute_dtype` sizes its
+    activations. ValueError or MemoryError when a row's engine cannot be built (`max_slots`, `memory_gb`)."""
+    config, order = model.config, list(ids)
+    num_loops = model_kwargs.get("num_loops") or config.num_loops
+    done, dense = [], None
+    for row in rows:
+        scheme = row.scheme
+        path = f"{prefix}_completions/{slug(scheme.label)}.jsonl"
+        log = CompletionLog(path, resume)
+        todo = [(i, ids[i]) for i in order if i not in log.records]
+        out = dict(scheme=scheme.label, setting=row.setting, method=row.method, stored=scheme.stored,
+                   calibration=scheme.method or "default",
+                   completions=os.path.relpath(path, os.path.dirname(os.path.abspath(prefix)) or "."),
+                   resumed=len(order) - len(todo))
+        start = time.perf_counter()
+        if todo:
+            try:
+                calib, out["calibration_source"] = scheme_calibration(scheme, model, num_loops, folder=calibration,
+                                                                      can_fit=can_fit, rows=calibration_rows)
+            except NeedsCalibration as err:
+                done.append({**out, "missing": str(err)})
+                print(f"eval_benchmarks: {scheme.label}: {err}", file=sys.stderr, flush=True)
+                on_row(done)
+                continue
+            slots = slots_at(memory_gb, config, scheme.fmt, max_len, num_loops, min(max_slots, len(todo)))
+            metrics = ServeMetrics(model_name, scheme.label)
+            try:
+                memory.check_fits(model, scheme.fmt, batch=max(slots, 1), prompt_len=chunk, max_len=max_len,
+                                  num_loops=num_loops, compute_itemsize=jnp.dtype(compute_dtype).itemsize,
+                                  what=f"the {scheme.label} row", advice="use a smaller --max-slots or --memory-gb")
+                engine = Engine(model, tokenizer, scheme.fmt, eos_ids=eos_ids, max_len=max_len, num_slots=slots,
+                                calib=calib, mesh=mesh, chunk=chunk, metrics=metrics, **model_kwargs)
+            except (ValueError, MemoryError) as err:
+                raise type(err)(f"{scheme.label}: {err}") from None
+            out["compile_seconds"] = sum(engine.warm_up().values())
+            lost = dict(model=model_name, cache=scheme.label)
+            bar = tqdm(total=len(todo), desc=scheme.label, unit="answer", disable=not show_progress)
+            tokens, begun = [0], time.perf_counter()
 
+            def progress(answers, new_tokens, bar=bar, tokens=tokens, begun=begun):
+                tokens[0] += new_tokens
+                bar.update(answers)
+                bar.set_postfix_str(f"{tokens[0] / (time.perf_counter() - begun):.1f} tok/s")
 
-def reads_calibration_data(tokenizer, config) -> bool:
-    """Whether the model reads rq_jax's calibration rows (byte-level token ids, `rq_jax.data.encode`)."""
-    from rq_jax.data import encode
-
-    sample = "def f(x):\n    return x + 1  # é"
-    return config.vocab_size >= 259 and tokenizer.encode(sample).ids == encode(sample).tolist()
-
-
-def row_calibration(scheme: Scheme, model, num_loops: int, folder: str | None, can_fit: bool,
-                    rows: int = 32) -> tuple[object, dict | None]:
-    """(CacheCalib or None for the format's default, where it came from) for a row. A row with a fitted
-    rotation (`scheme.method`) reads the artifact for its schedule under `folder`; without `folder` it is
-    fitted on the data's calib split (`rq_jax.calibrate.fit_rotations`, `rows` fit and holdout rows) when
-    `can_fit` (the model reads that data). Raises NeedsCalibration otherwise, or when `folder` has no
-    artifact for the schedule."""
-    from rq_jax import calibrate
-
-    if not scheme.method:
-        return None, None
-    if folder:
-        try:
-            path = calibrate.find_artifact(folder, scheme.fmt, num_loops, method=scheme.method)
-            return calibrate.load_calibration(path, model, scheme.fmt, num_loops=num_loops,
-                                              method=scheme.method), dict(artifact=path)
-        except (ValueError, FileNotFoundError) as err:
-            raise NeedsCalibration(f"needs an {scheme.method} artifact: {err}") from None
-    if not can_fit:
-        fmt = scheme.fmt
-        raise NeedsCalibration(
-            f"needs --calibration: an {scheme.method} artifact for {fmt.schedule_name(num_loops)} (rq_jax's "
-            f"calibration data are byte-level, which this model does not read)")
-    calib, summary = calibrate.fit_rotations(model, scheme.fmt, scheme.method, num_loops, rows=rows)
-    return calib, dict(fitted=f"{rows} fit + {rows} holdout rows of the data's calib split", **summary)
+            run_requests(engine, todo, params, log, scorer, progress=progress,
+                         out_of_range=lambda: metrics.registry.get_sample_value(
+                             f"{PREFIX}cache_out_of_range_values_total", lost) or 0.0)
+            bar.close()
+        dense = log.records if dense is None else dense
+        out.update(row_metrics(log.records, dense, order), **bits_and_bytes(scheme, config, num_loops, max_len),
+                   seconds=time.perf_counter() - start)
+        done.append(out)
+        on_row(done)
+        if not show_progress:
+            print(f"eval_benchmarks: {scheme.label}: {100 * out['accuracy']:.2f}% of {len(order)}, "
+                  f"{len(todo)} generated, {out['mean_tokens']:.1f} tokens each, {out['seconds']:.0f} s",
+                  file=sys.stderr, flush=True)
+    return done

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from rq_jax.eval.benchmarks import CodeProblem, MathProblem
-from rq_jax.serve.chat import ChatTemplate
+from rq_jax.serve.chat import ChatTemplate, ChatTemplateError
 
 BENCHMARKS = ("gsm8k", "math500", "humaneval", "mbpp")
 FORMATS = ("paper", "raw")
@@ -198,3 +198,30 @@ def describe(p: Protocol) -> str:
         return "raw prompts (the benchmark's text as it is)"
     how = f"{p.shots}-shot" + (", chat template" if p.chat else ", plain text")
     return how + (f", system prompt \"{p.system}\"" if p.system else "")
+
+
+def encode_prompts(p: Protocol, problems, template: ChatTemplate | None, tokenizer,
+                   max_positions: int) -> tuple[dict[str, list[int]], int, int]:
+    """Every problem's prompt (`build_prompt`) as token ids: (problem id -> ids in the problems' order,
+    the longest prompt's tokens, the positions a slot needs: that plus `p.max_new_tokens` - 1). A rendered
+    chat template spells its own special tokens (as HF's apply_chat_template + tokenize). ValueError
+    opening with the option to blame ("argument --prompt-format: ...") for a prompt that cannot be built,
+    one that tokenizes to nothing, or prompts longer than `max_positions` allows."""
+    try:
+        texts = {q.id: build_prompt(p, q, template) for q in problems}
+    except (ValueError, ChatTemplateError) as err:
+        raise ValueError(f"argument --prompt-format: {err}") from None
+    ids = {i: tokenizer.encode(t, add_special_tokens=not p.chat).ids for i, t in texts.items()}
+    if min(len(x) for x in ids.values()) == 0:
+        raise ValueError("argument --data: a prompt tokenizes to nothing")
+    longest = max(len(x) for x in ids.values())
+    max_len = longest + p.max_new_tokens - 1
+    if max_len > max_positions and p.format != "raw":
+        raise ValueError(f"argument --prompt-format: the {p.format} prompts ({p.shots} shots) are up to {longest} "
+                         f"tokens; with {p.max_new_tokens} new tokens they need {max_len} positions, more than the "
+                         f"model's {max_positions}: use --prompt-format raw (the benchmark's own text, no shots) for "
+                         "a small model")
+    if max_len > max_positions:
+        raise ValueError(f"argument --max-new-tokens: the longest prompt ({longest} tokens) plus {p.max_new_tokens} "
+                         f"new tokens needs {max_len} positions, more than the model's {max_positions}")
+    return ids, longest, max_len
