@@ -7,7 +7,7 @@ format then stores those K/V (one write per loop segment) and decodes them. NMSE
 squared error ‖K̂ − K‖² / ‖K‖² (likewise V), summed over layers, rows, heads and tokens before the ratio
 and averaged over loops: 0 is exact, 1 is as far off as storing zeros. Rows are the scheme catalog's
 (`rq_jax.cache.schemes.kv_error_labels`) at the given group size; errors are
-`rq_jax.cache.kv_error.reconstruction_error`.
+`rq_jax.cache.kv_error.scheme_errors`.
 """
 
 import json
@@ -15,9 +15,8 @@ import json
 import jax.numpy as jnp
 import numpy as np
 
-from rq_jax import checkpoint, cli
-from rq_jax.cache.kv_error import dense_kv, reconstruction_error
-from rq_jax.cache.schemes import kv_error_labels, pick
+from rq_jax import checkpoint, cli, report
+from rq_jax.cache.kv_error import dense_kv, scheme_errors
 
 
 def main(argv=None):
@@ -51,22 +50,10 @@ def main(argv=None):
     tokens = jnp.asarray(np.random.default_rng(args.seed).integers(0, config.vocab_size, (args.batch, args.seq)))
     with cli.compiling("the dense prefill"):
         k, v = dense_kv(model, tokens, loops)
-    rows = []
-    print(f"{'scheme':30s} {'bits/elem':>9s} {'K NMSE':>9s} {'V NMSE':>9s}")
-    for scheme in pick(kv_error_labels(args.group_size), (args.group_size,)):
-        try:
-            err = reconstruction_error(scheme.fmt, k, v)
-        except ValueError as why:  # a format this model's shapes do not suit (e.g. a head dim not a power of 2)
-            print(f"{scheme.label:30s} not for this model: {why}")
-            continue
-        row = dict(scheme=scheme.label, bits=float(scheme.fmt.bits_per_element(loops, k.shape[-1])),
-                   k_nmse=float(err["k"].mean()), v_nmse=float(err["v"].mean()),
-                   k_nmse_per_loop=err["k"].tolist(), v_nmse_per_loop=err["v"].tolist())
-        rows.append(row)
-        print(f"{scheme.label:30s} {row['bits']:9.4f} {row['k_nmse']:9.4f} {row['v_nmse']:9.4f}")
-    with open(args.json, "w") as f:
-        json.dump(dict(checkpoint=args.checkpoint, family=config.family, loops=loops, group_size=args.group_size,
-                       seq=args.seq, batch=args.batch, seed=args.seed, rows=rows), f, indent=2)
+    rows = scheme_errors(k, v, args.group_size)
+    report.write_text(args.json, json.dumps(dict(checkpoint=args.checkpoint, family=config.family, loops=loops,
+                                                 group_size=args.group_size, seq=args.seq, batch=args.batch,
+                                                 seed=args.seed, rows=rows), indent=2))
     print(f"wrote {args.json}")
 
 

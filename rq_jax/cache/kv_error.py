@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int
 from rq_jax.cache import base
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.kv import init_cache
+from rq_jax.cache.schemes import kv_error_labels, pick
 
 
 def dense_kv(model, tokens: Int[Array, "b t"], num_loops: int, **model_kwargs):
@@ -48,6 +49,29 @@ def reconstruction_error(fmt: base.CacheFormat, k: Float[Array, "l n b k s d"], 
         out[name], out[f"{name}_layer"] = sq.sum(1) / norm.sum(1), sq / norm
     return out
 
+
+
+def scheme_errors(k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"], group_size: int,
+                  log=print) -> list[dict]:
+    """`reconstruction_error` of every scheme of the K/V error report (`schemes.kv_error_labels` at
+    `group_size`) on K/V [L, N, B, K, S, D]: rows of scheme, bits (per element at these loops and head
+    dim), k_nmse, v_nmse (the mean over loops) and k/v_nmse_per_loop [L]. A format these shapes do not
+    suit (e.g. a head dim not a power of 2) is left out with a line saying why; `log` gets the table as
+    it fills."""
+    loops, rows = k.shape[0], []
+    log(f"{'scheme':30s} {'bits/elem':>9s} {'K NMSE':>9s} {'V NMSE':>9s}")
+    for scheme in pick(kv_error_labels(group_size), (group_size,)):
+        try:
+            err = reconstruction_error(scheme.fmt, k, v)
+        except ValueError as why:
+            log(f"{scheme.label:30s} not for this model: {why}")
+            continue
+        row = dict(scheme=scheme.label, bits=float(scheme.fmt.bits_per_element(loops, k.shape[-1])),
+                   k_nmse=float(err["k"].mean()), v_nmse=float(err["v"].mean()),
+                   k_nmse_per_loop=err["k"].tolist(), v_nmse_per_loop=err["v"].tolist())
+        rows.append(row)
+        log(f"{scheme.label:30s} {row['bits']:9.4f} {row['k_nmse']:9.4f} {row['v_nmse']:9.4f}")
+    return rows
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _segment_errors(fmt: base.CacheFormat, seg: base.Segment, ks, vs, lengths, calib):
