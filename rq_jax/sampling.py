@@ -21,10 +21,10 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from rq_jax import sharding
-from rq_jax.cache.base import CacheFormat
+from rq_jax.cache.base import CacheFormat, policy_fields
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.calib import CacheCalib, default_calib, fit_calib
-from rq_jax.cache.kv import KVCache, init_cache
+from rq_jax.cache.kv import KVCache, cache_bytes, cache_nbytes, init_cache
 from rq_jax.compilation import CompileClock
 from rq_jax.nn.common import ModelOutput
 
@@ -180,9 +180,36 @@ class Generation(NamedTuple):
     steps: np.ndarray | None = None
     compile_seconds: float = 0.0
 
-    def __repr__(self) -> str:
-        from rq_jax.cache.kv import cache_nbytes
+    def cache_report(self, config, calibration: str | None = None) -> list[str]:
+        """Lines on the final cache: its bytes against dense bf16 and its bits per element (metadata
+        included, `cache_bytes`), and what a newcomer would otherwise misread: allocation against used
+        positions, `calibration` (where a fitted one came from), a full-precision part that holds every
+        token, codebooks fitted on the prompt, values the format could not store."""
+        c, fmt = self.cache, self.cache.fmt
+        row = cache_bytes(config, fmt, c.max_len, batch=c.lengths.shape[0], num_loops=c.num_loops,
+                          plain_fmt=c.plain_fmt)
+        lines = [f"KV cache ({fmt.name}: {fmt.describe()}): looped layers at {float(row.bits_per_element):.4g} "
+                 f"bits/element, metadata included; {row.total:,} bytes for {c.max_len} positions (dense bf16 would "
+                 f"take {row.dense:,}: {row.total / row.dense:.1%})",
+                 f"  {c.max_len} positions are allocated (prompt + --max-new-tokens); this run stored "
+                 f"{int(sharding.to_host(c.lengths).max())}"]
+        if calibration:
+            lines.append(f"  calibration: fitted, from --calibration {calibration} (in place of the defaults named "
+                         "above)")
+        if fmt.full_precision_part and fmt.bits_per_element(c.num_loops, config.head_dim, c.max_len) >= 16:
+            lines.append(f"  at {c.max_len} positions every token sits in the format's full-precision part "
+                         f"({fmt.full_precision_part}), so nothing is quantized yet")
+        if fmt.needs_data:
+            lines.append(f"  {fmt.name} fits its codebooks on this prompt's K/V before decoding (prefill includes the "
+                         "fit, and a short prompt gives rough codebooks)")
+        if fmt.reports_out_of_range:
+            lost = int(sharding.to_host(c.out_of_range).sum())
+            hint = lost and "super_scale" in policy_fields(fmt.name) and not fmt.super_scale
+            lines.append(f"values the cache could not store (metadata outside its dtype's range, non-finite K/V): "
+                         f"{lost:,}" + ("  (try --super-scale)" if hint else ""))
+        return lines
 
+    def __repr__(self) -> str:
         b, n = self.tokens.shape
         extra = "" if self.mean_steps is None else f", mean_steps={self.mean_steps:.2f}"
         return (f"Generation(tokens [{b}, {n}], num_generated={self.num_generated.tolist()}, "

@@ -24,8 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from rq_jax import checkpoint, cli, memory, sharding
-from rq_jax.cache import cache_bytes
-from rq_jax.cache.base import policy_fields
 from rq_jax.nn.huginn import DEFAULT_THRESHOLDS, LOOKUPS, AdaptiveExit
 from rq_jax.sampling import Sampler, SamplingConfig
 from rq_jax.tokenizer import load_tokenizer, stop_token_ids
@@ -74,22 +72,6 @@ def parse_args(argv=None):
     except UnicodeEncodeError:
         p.error("argument --prompt: not valid UTF-8 text")
     return p, args
-
-
-def check_answer(mixture, prompt: str, text: str) -> str | None:
-    """One line on a prompt in the checkpoint's sum format: the sum read the usual way and whether the
-    model's answer `text` spells it; a note for a prompt outside the format; None without a recorded
-    training mixture."""
-    if mixture is None:
-        return None
-    operands = mixture.addition.parse(prompt)
-    if operands is None:
-        return ("note: this prompt is not a sum in the training format; the shipped models only know their "
-                "training tasks (sums as above, key-value retrieval, Python source), so expect text like that")
-    (a, b), answer = operands, mixture.addition.read(text)
-    digits = mixture.addition.max_digits + 1
-    said = f"{text!r}, not {digits} digits" if answer is None else f"{text[:digits]} = {answer}"
-    return f"check: {a} + {b} = {a + b}; the model answered {said}: {'right' if answer == a + b else 'wrong'}"
 
 
 def main(argv=None):
@@ -146,41 +128,15 @@ def main(argv=None):
     text = tokenizer.decode(out.tokens[0, :n].tolist())
     print(f"prompt: {args.prompt!r}")
     print(f"generated: {text!r}")
-    if line := check_answer(mixture, args.prompt, text):
-        print(line)
+    if mixture is not None:
+        print(mixture.addition.check(args.prompt, text))
     print(f"prefill: {len(prompt) / out.prefill_seconds:,.1f} tok/s ({len(prompt)} tokens)   "
           f"decode: {max(n - 1, 1) / out.decode_seconds:,.1f} tok/s ({n} tokens)   [{args.dtype} compute]")
     if out.mean_steps is not None:
         print(f"adaptive exit ({args.exit_criterion}): {out.mean_steps:.2f} of {out.cache.num_loops} steps "
               f"per decoded token on average")
-    print_cache(args, fmt, out, model.config)
+    print("\n".join(out.cache_report(model.config, args.calibration)))
     return out
-
-
-def print_cache(args, fmt, out, config) -> None:
-    """The cache's bytes against dense bf16, its bits per element (metadata included), and what a
-    newcomer would otherwise misread: allocation against used positions, kivi's full-precision window,
-    residual_vq's codebooks fitted on the prompt, values the format could not store."""
-    c = out.cache
-    row = cache_bytes(config, c.fmt, c.max_len, batch=c.lengths.shape[0], num_loops=c.num_loops, plain_fmt=c.plain_fmt)
-    bits, nbytes, dense = float(row.bits_per_element), row.total, row.dense
-    print(f"KV cache ({args.cache}: {fmt.describe()}): looped layers at {bits:.4g} bits/element, metadata included; "
-          f"{nbytes:,} bytes for {c.max_len} positions (dense bf16 would take {dense:,}: {nbytes / dense:.1%})")
-    used = int(sharding.to_host(c.lengths).max())
-    print(f"  {c.max_len} positions are allocated (prompt + --max-new-tokens); this run stored {used}")
-    if args.calibration:
-        print(f"  calibration: fitted, from --calibration {args.calibration} (in place of the defaults named above)")
-    if fmt.full_precision_part and fmt.bits_per_element(c.num_loops, config.head_dim, c.max_len) >= 16:
-        print(f"  at {c.max_len} positions every token sits in the format's full-precision part "
-              f"({fmt.full_precision_part}), so nothing is quantized yet")
-    if fmt.needs_data:
-        print(f"  {args.cache} fits its codebooks on this prompt's K/V before decoding (prefill includes the fit, "
-              "and a short prompt gives rough codebooks)")
-    if fmt.reports_out_of_range:
-        lost = int(sharding.to_host(c.out_of_range).sum())
-        hint = lost and "super_scale" in policy_fields(args.cache) and not args.super_scale
-        print(f"values the cache could not store (metadata outside its dtype's range, non-finite K/V): {lost:,}"
-              + ("  (try --super-scale)" if hint else ""))
 
 
 if __name__ == "__main__":

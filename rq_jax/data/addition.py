@@ -52,6 +52,18 @@ class Addition:
         digits = answer[: self.max_digits + 1]
         return int(digits[::-1]) if len(digits) == self.max_digits + 1 and digits.isdigit() else None
 
+    def check(self, prompt: str, text: str) -> str:
+        """One line on a generation: for a prompt in this format, the sum read the usual way and whether
+        the model's answer `text` spells it; for any other prompt, a note that the task is not a sum."""
+        operands = self.parse(prompt)
+        if operands is None:
+            return ("note: this prompt is not a sum in the training format; the shipped models only know their "
+                    "training tasks (sums as above, key-value retrieval, Python source), so expect text like that")
+        (a, b), answer = operands, self.read(text)
+        digits = self.max_digits + 1
+        said = f"{text!r}, not {digits} digits" if answer is None else f"{text[:digits]} = {answer}"
+        return f"check: {a} + {b} = {a + b}; the model answered {said}: {'right' if answer == a + b else 'wrong'}"
+
     def describe(self) -> str:
         """The format in one line, with the first held-out example."""
         d = self.max_digits

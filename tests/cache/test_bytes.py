@@ -2,14 +2,10 @@
 bytes of a real allocated cache, for every format of the catalog, at Ouro's shape and at Huginn's
 (plain prelude/coda layers)."""
 
-import contextlib
-import io
-import runpy
-import types
 from fractions import Fraction
-from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from rq_jax import memory
@@ -17,11 +13,11 @@ from rq_jax.cache import Dense, available_formats, cache_bytes, cache_nbytes, in
 from rq_jax.config import preset
 from rq_jax.eval.benchmark_run import bits_and_bytes
 from rq_jax.perf.attention import bytes_read
+from rq_jax.sampling import Generation
 
 B, L = 2, 136  # past kivi's 128-token window: some keys and values quantized, the window partly full
 CONFIGS = {"ouro": preset("ouro-tiny", head_dim=128),  # D = 128: every catalog group size, turboquant's power of 2
            "huginn": preset("huginn-tiny", head_dim=128, num_heads=2, num_kv_heads=2, hidden_size=256)}
-PRINT_CACHE = runpy.run_path(str(Path(__file__).parents[2] / "scripts" / "generate.py"))["print_cache"]
 
 
 def allocated(tree) -> int:
@@ -29,13 +25,11 @@ def allocated(tree) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
 
 
-def printed_by_generate(config, fmt, cache) -> str:
-    """What scripts/generate.py prints about a cache."""
-    args = types.SimpleNamespace(cache=fmt.name, calibration=None, super_scale=False)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        PRINT_CACHE(args, fmt, types.SimpleNamespace(cache=cache), config)
-    return out.getvalue()
+def printed_by_generate(config, cache) -> str:
+    """What scripts/generate.py prints about a generation's cache (`Generation.cache_report`)."""
+    out = Generation(tokens=np.zeros((B, 1), np.int32), num_generated=np.ones(B, np.int32), logits=None, cache=cache,
+                     prefill_seconds=0.0, decode_seconds=0.0)
+    return "\n".join(out.cache_report(config))
 
 
 def test_the_catalog_holds_every_format():
@@ -78,6 +72,6 @@ def test_every_caller_agrees_with_cache_bytes_and_the_allocated_cache(model):
         assert bits_and_bytes(scheme, config, loops, L) == dict(
             bits_per_element=float(row.bits_per_element), bytes_per_token=total / (B * L),
             dense_bytes_per_token=row.dense / (B * L)), label
-        line = printed_by_generate(config, fmt, cache).splitlines()[0]
+        line = printed_by_generate(config, cache).splitlines()[0]
         assert (f"looped layers at {float(row.bits_per_element):.4g} bits/element, metadata included; {total:,} bytes "
                 f"for {L} positions (dense bf16 would take {row.dense:,}: {total / row.dense:.1%})") in line, label
