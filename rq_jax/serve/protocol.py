@@ -36,10 +36,13 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
     def body(self) -> dict:
+        """The error's JSON."""
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class _Strict(BaseModel):
+    """Unknown fields refused, JSON types taken as they are (no "1" for 1)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
@@ -48,10 +51,14 @@ _NON_EMPTY = Field(min_length=1)
 
 
 class StreamOptions(_Strict):
+    """OpenAI's stream_options: include_usage adds a usage chunk before [DONE]."""
+
     include_usage: bool = Field(False, description="true or false")
 
 
 class TextPart(_Strict):
+    """A text part of a message's content (the only kind served)."""
+
     type: Literal["text"]
     text: str
 
@@ -88,6 +95,7 @@ class OpenAIRequest(_Strict):
 
     @property
     def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
 
