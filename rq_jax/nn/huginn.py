@@ -37,7 +37,7 @@ from rq_jax.cache.context import CallContext, ContextSource
 from rq_jax.cache.kv import KV, KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
-from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_interleaved
+from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_interleaved, wide
 
 
 #: The reference's default ("auto") threshold of each criterion (seal-rg/recurrent-pretraining
@@ -130,8 +130,7 @@ def _exit_fires(rule: AdaptiveExit, tracker: _ExitTracker, logits: Float[Array, 
         if rule.criterion != "latent-diff":
             logits = common.take_last(logits, num_new)[:, None]
         else:
-            s_prev, s = s_prev.astype(jnp.float32), s.astype(jnp.float32)
-            value = jnp.linalg.norm(s_prev - s, axis=-1) / jnp.linalg.norm(s, axis=-1)  # [B, T]
+            value = _latent_change(s_prev, s)
             real = jnp.arange(s.shape[1])[None, :] < num_new[:, None]
             value = jnp.sum(jnp.where(real, value, 0.0), axis=1) / jnp.maximum(num_new, 1)
             return (value < rule.threshold)[:, None], tracker
@@ -144,12 +143,16 @@ def _exit_fires(rule: AdaptiveExit, tracker: _ExitTracker, logits: Float[Array, 
         entropy = -jnp.sum(probs * jnp.log(probs + 1e-10), axis=-1)
         return jnp.abs(entropy - tracker.entropy) < rule.threshold, tracker._replace(entropy=entropy)
     if rule.criterion == "latent-diff":
-        s_prev, s = s_prev.astype(jnp.float32), s.astype(jnp.float32)
-        value = jnp.linalg.norm(s_prev - s, axis=-1) / jnp.linalg.norm(s, axis=-1)
-        return value < rule.threshold, tracker
+        return _latent_change(s_prev, s) < rule.threshold, tracker
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     stable = jnp.where(argmax == tracker.argmax, tracker.stable + 1, 0)
     return stable >= int(rule.threshold), tracker._replace(argmax=argmax, stable=stable)
+
+
+def _latent_change(s_prev: Float[Array, "b t e"], s: Float[Array, "b t e"]) -> Float[Array, "b t"]:
+    """‖s_prev − s‖ / ‖s‖ per token, in float32 (float64 for a float64 state)."""
+    s_prev, s = s_prev.astype(wide(s.dtype)), s.astype(wide(s.dtype))
+    return jnp.linalg.norm(s_prev - s, axis=-1) / jnp.linalg.norm(s, axis=-1)
 
 
 def _frozen(attend: common.Attend, exited: Bool[Array, "b t"], prev: KV) -> common.Attend:
@@ -360,10 +363,11 @@ class Huginn(common.LoopedModule):
         d = 1 if rule.exit_in_prefill else t  # decisions per row
         def kv_zeros(n):
             return (jnp.zeros((n, b, c.num_kv_heads, t, c.head_dim), e.dtype),) * 2
-        tracker = _ExitTracker(jnp.full((b, d, vocab), -math.log(vocab), jnp.float32), jnp.full((b, d), 100.0),
+        acc = wide(e.dtype)  # the logits' dtype: float64 in a float64 run
+        tracker = _ExitTracker(jnp.full((b, d, vocab), -math.log(vocab), acc), jnp.full((b, d), 100.0, acc),
                                jnp.full((b, d), -1, jnp.int32), jnp.zeros((b, d), jnp.int32))
         carry = (s, jnp.zeros((b, t), bool), jnp.zeros((b, t), jnp.int32), tracker,
-                 jnp.zeros((b, t, vocab), jnp.float32), kv_zeros(c.num_layers), kv_zeros(c.num_coda))
+                 jnp.zeros((b, t, vocab), acc), kv_zeros(c.num_layers), kv_zeros(c.num_coda))
 
         def step(carry, seg, g, r):
             s, exited, steps_used, tracker, logits, core_kv, coda_kv = carry
