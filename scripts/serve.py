@@ -13,9 +13,18 @@ SIGTERM (or Ctrl-C) stops admitting, lets held requests finish for --drain-timeo
 the rest and exits.
 """
 
+import os
 import time
 
-from rq_jax import cli
+import jax.numpy as jnp
+
+from rq_jax import checkpoint, cli, memory
+from rq_jax.serve import launch
+from rq_jax.serve.chat import ChatTemplate
+from rq_jax.serve.engine import Engine
+from rq_jax.serve.metrics import ServeMetrics
+from rq_jax.serve.runner import EngineThread
+from rq_jax.tokenizer import load_tokenizer
 
 
 def parse_args(argv=None):
@@ -59,9 +68,39 @@ def main(argv=None):
     started = time.perf_counter()
     p, args = parse_args(argv)
     cli.start(args)
-    from rq_jax.serve import launch
-
-    launch.run(p, args, started)
+    mesh = cli.device_mesh(p, args)
+    config, folder = cli.resolve_checkpoint(p, args)
+    loops = config.num_loops if args.loops is None else args.loops
+    fmt = cli.build_format(p, args, config, loops)
+    if args.max_len > config.max_position_embeddings:
+        p.error(f"argument --max-len: {args.max_len} exceeds the model's {config.max_position_embeddings} positions")
+    try:
+        tokenizer = load_tokenizer(folder)
+    except FileNotFoundError as err:
+        p.error(f"argument --checkpoint: {err} (the checkpoint needs its tokenizer.json)")
+    model, _ = checkpoint.load(folder, dtype=jnp.dtype(args.dtype))
+    try:
+        calib = cli.calibration(args, model, fmt, loops)
+    except ValueError as err:
+        p.error(str(err))
+    if calib is None and fmt.needs_data:
+        p.error(f"argument --calibration: the {args.cache} cache needs a fitted artifact (scripts/calibrate.py)")
+    name = args.served_model_name or os.path.basename(os.path.normpath(folder))
+    metrics = ServeMetrics(name, args.cache)
+    try:
+        engine = Engine(model, tokenizer, fmt, eos_ids=cli.stop_token_ids(tokenizer, folder), max_len=args.max_len,
+                        num_slots=args.max_slots, memory_bytes=None if args.memory_gb is None else
+                        int(args.memory_gb * 2**30), calib=calib, mesh=mesh, chunk=args.chunk,
+                        prefill_budget=args.prefill_budget, prefill_rows=args.prefill_rows,
+                        prefill_group=args.prefill_group, metrics=metrics, **cli.model_kwargs(args))
+        memory.check_fits(model, fmt, batch=engine.num_slots, prompt_len=1, max_len=args.max_len,
+                          num_loops=loops, compute_itemsize=jnp.dtype(args.dtype).itemsize, what="this server",
+                          advice="use a smaller --memory-gb, --max-slots or --max-len")
+    except (ValueError, MemoryError) as err:
+        p.error(str(err))
+    runner = EngineThread(engine, max_waiting=args.max_waiting, warm_up_echo=args.warmup_echo)
+    launch.run(runner, tokenizer, name, ChatTemplate.from_folder(folder), metrics, source=cli.checkpoint_source(args),
+               mesh=mesh, host=args.host, port=args.port, drain_timeout=args.drain_timeout, started=started)
 
 
 if __name__ == "__main__":

@@ -1,64 +1,19 @@
-"""scripts/serve.py's server from its command line: the engine thread a command line describes
-(`build`), and the uvicorn server over it that drains on SIGTERM and exits 0 (`run`)."""
+"""scripts/serve.py's server: uvicorn over an engine thread, draining on SIGTERM and exiting 0 (`run`).
+The script builds the engine thread from its command line (`rq_jax.cli`); this room holds what follows."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import os
 import signal
 import threading
 import time
 
-import jax.numpy as jnp
+import uvicorn
 
-from rq_jax import checkpoint, cli, memory, sharding
-
-
-def build(p, args):
-    """The engine thread, tokenizer, model name, chat template, metrics, checkpoint source and mesh of a
-    command line (nothing compiled yet); `p.error` names the option behind anything the checkpoint
-    refuses, before the weights load where it can."""
-    from rq_jax.serve.chat import ChatTemplate
-    from rq_jax.serve.engine import Engine
-    from rq_jax.serve.metrics import ServeMetrics
-    from rq_jax.serve.runner import EngineThread
-    from rq_jax.tokenizer import load_tokenizer
-
-    mesh = cli.device_mesh(p, args)
-    config, folder = cli.resolve_checkpoint(p, args)
-    loops = config.num_loops if args.loops is None else args.loops
-    fmt = cli.build_format(p, args, config, loops)
-    if args.max_len > config.max_position_embeddings:
-        p.error(f"argument --max-len: {args.max_len} exceeds the model's {config.max_position_embeddings} positions")
-    try:
-        tokenizer = load_tokenizer(folder)
-    except FileNotFoundError as err:
-        p.error(f"argument --checkpoint: {err} (the checkpoint needs its tokenizer.json)")
-    model, _ = checkpoint.load(folder, dtype=jnp.dtype(args.dtype))
-    try:
-        calib = cli.calibration(args, model, fmt, loops)
-    except ValueError as err:
-        p.error(str(err))
-    if calib is None and fmt.needs_data:
-        p.error(f"argument --calibration: the {args.cache} cache needs a fitted artifact (scripts/calibrate.py)")
-    name = args.served_model_name or os.path.basename(os.path.normpath(folder))
-    metrics = ServeMetrics(name, args.cache)
-    budget = None if args.memory_gb is None else int(args.memory_gb * 2**30)
-    try:
-        engine = Engine(model, tokenizer, fmt, eos_ids=cli.stop_token_ids(tokenizer, folder), max_len=args.max_len,
-                        num_slots=args.max_slots, memory_bytes=budget, calib=calib, mesh=mesh, chunk=args.chunk,
-                        prefill_budget=args.prefill_budget, prefill_rows=args.prefill_rows,
-                        prefill_group=args.prefill_group, metrics=metrics,
-                        **cli.model_kwargs(args))
-        memory.check_fits(model, fmt, batch=engine.num_slots, prompt_len=1, max_len=args.max_len,
-                          num_loops=loops, compute_itemsize=jnp.dtype(args.dtype).itemsize, what="this server",
-                          advice="use a smaller --memory-gb, --max-slots or --max-len")
-    except (ValueError, MemoryError) as err:
-        p.error(str(err))
-    runner = EngineThread(engine, max_waiting=args.max_waiting, warm_up_echo=args.warmup_echo)
-    return runner, tokenizer, name, ChatTemplate.from_folder(folder), metrics, cli.checkpoint_source(args), mesh
+from rq_jax import sharding
+from rq_jax.serve.api import Server, create_app
 
 
 def _report_ready(runner, started: float, url: str) -> None:
@@ -71,23 +26,20 @@ def _report_ready(runner, started: float, url: str) -> None:
               f"{time.perf_counter() - started:.1f} s at {url}", flush=True)
 
 
-def run(p, args, started: float) -> None:
-    """Build the server of a parsed command line, print what it serves, and serve until SIGINT/SIGTERM:
-    admitting stops, held requests get --drain-timeout seconds, then one JSON line says what was left.
-    `started`: the process's start (perf_counter), for the "ready after" line."""
-    import uvicorn
-
-    from rq_jax.serve.api import Server, create_app
-
-    runner, tokenizer, name, chat_template, metrics, source, mesh = build(p, args)
+def run(runner, tokenizer, name: str, chat_template, metrics, *, source: str, mesh, host: str, port: int,
+        drain_timeout: float, started: float) -> None:
+    """Print what the engine thread `runner` serves (model `name` from `source`) and serve it on
+    host:port until SIGINT/SIGTERM: admitting stops, held requests get `drain_timeout` seconds, then one
+    JSON line says what was left. `started`: the process's start (perf_counter), for the "ready after"
+    line."""
     engine = runner.engine
-    print(f"model: {name} from {source}; cache {args.cache}: {engine.num_slots} slots of {engine.max_len} tokens, "
+    print(f"model: {name} from {source}; cache {engine.fmt.name}: {engine.num_slots} slots of {engine.max_len} tokens, "
           f"{engine.slot_bytes:,} bytes each (dense bf16: {engine.dense_slot_bytes:,}); prefill buckets "
           f"{list(engine.buckets)}, decode buckets {list(engine.decode_buckets)}"
           + ("" if chat_template else "; no chat template"), flush=True)
     if mesh is not None:
         print("\n".join(sharding.describe(engine.config, mesh, batch=engine.num_slots)), flush=True)
-    threading.Thread(target=_report_ready, args=(runner, started, f"http://{args.host}:{args.port}/v1"),
+    threading.Thread(target=_report_ready, args=(runner, started, f"http://{host}:{port}/v1"),
                      daemon=True).start()
 
     class Uvicorn(uvicorn.Server):
@@ -107,8 +59,7 @@ def run(p, args, started: float) -> None:
                     signal.signal(sig, handler)
 
     app = create_app(Server(runner, tokenizer, name, chat_template, metrics))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.drain_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_timeout)
     logging.basicConfig(level=logging.WARNING)
     Uvicorn(config).run()
     print(json.dumps({"stopped": True, "held": len(engine.held())}), flush=True)
