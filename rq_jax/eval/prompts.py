@@ -129,9 +129,17 @@ class Protocol:
         return self.format == "paper" and self.benchmark in ("humaneval", "mbpp")
 
 
-def protocol(family: str, benchmark: str, fmt: str = "paper") -> Protocol:
-    """The protocol of a family ("ouro" or "huginn") on a benchmark, in the paper's format or `raw`.
-    Raises ValueError naming a bad argument."""
+def protocol(family: str, benchmark: str, fmt: str = "paper", *, shots: int | None = None,
+             max_new_tokens: int | None = None) -> Protocol:
+    """The protocol of a family ("ouro" or "huginn") on a benchmark, in the paper's format or `raw`, with
+    `shots` worked examples and `max_new_tokens` when given (default: the paper's). Raises ValueError
+    naming a bad argument."""
+    p = _protocol(family, benchmark, fmt)
+    return dataclasses.replace(p, shots=p.shots if shots is None else shots,
+                               max_new_tokens=max_new_tokens or p.max_new_tokens)
+
+
+def _protocol(family: str, benchmark: str, fmt: str) -> Protocol:
     for name, value, known in (("family", family, ("ouro", "huginn")), ("benchmark", benchmark, BENCHMARKS),
                                ("prompt format", fmt, FORMATS)):
         if value not in known:
