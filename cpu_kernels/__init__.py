@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import build
+
 log = logging.getLogger(__name__)
 
 NEG = -1e30
@@ -54,8 +56,6 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library with its FFI targets registered, "") or (None, why not)."""
     if os.environ.get("RQ_JAX_NATIVE", "1") == "0":
         return None, "turned off (RQ_JAX_NATIVE=0)"
-    from cpu_kernels import build
-
     try:
         lib = ctypes.CDLL(str(build.library()))
     except (build.BuildError, OSError) as err:

@@ -32,6 +32,8 @@ import time
 from typing import NamedTuple
 
 import jax
+import jaxlib
+from jax._src.lib.mlir import ir
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -105,7 +107,7 @@ class CompileError(RuntimeError):
 def _lowering_capability(capability: int):
     """Make jax lower Triton kernels for `capability`: off a GPU it assumes sm_90, which decides which
     casts it accepts (float8 needs >= 89)."""
-    from jax._src.pallas.triton import lowering
+    from jax._src.pallas.triton import lowering  # platform: jax._src's Triton lowering, patched only to lower for CUDA
 
     original = lowering.lower_jaxpr_to_triton_module
 
@@ -123,8 +125,6 @@ def _lowering_capability(capability: int):
 def triton_kernels(fn, args, *, capability: int = 90) -> list[TritonKernel]:
     """Lower `jax.jit(fn)(*args)` (args: arrays or ShapeDtypeStructs) for CUDA at `capability` and
     return every Triton kernel it embeds, in program order."""
-    from jax._src.lib.mlir import ir
-
     with _lowering_capability(capability):
         module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
     out = []
@@ -153,8 +153,7 @@ def triton_kernels(fn, args, *, capability: int = 90) -> list[TritonKernel]:
 @functools.cache
 def toolchain_versions() -> dict[str, str]:
     """Versions that decide the compiled result: triton, its ptxas, jax and jaxlib."""
-    import jaxlib
-    import triton
+    import triton  # optional: triton (the [test] extra), as below
     from triton.backends.nvidia.compiler import get_ptxas_version
 
     ptxas = re.search(r"release (\S+),", get_ptxas_version(90))
@@ -186,14 +185,15 @@ def _tensor_cores(ptx: str) -> str:
 
 def _compile(kernel: TritonKernel, target: Target) -> dict:
     """ttir -> ttgir -> llir -> ptx with the wheel's CUDA backend, then ptxas -v; resource fields."""
-    from triton._C.libtriton import ir
+    # optional: triton (the [test] extra: its CUDA backend and ptxas), as below
+    from triton._C.libtriton import ir as tir
     from triton.backends.compiler import GPUTarget, Language
     from triton.backends.nvidia.compiler import CUDABackend, get_ptxas, sm_arch_from_capability
 
     backend = CUDABackend(GPUTarget("cuda", target.capability, 32))
     options = backend.parse_options({"num_warps": kernel.num_warps, "num_stages": kernel.num_stages})
-    context = ir.context()
-    ir.load_dialects(context)
+    context = tir.context()
+    tir.load_dialects(context)
     backend.load_dialects(context)
     stages: dict = {}
     backend.add_stages(stages, options, Language.TRITON)
@@ -202,7 +202,7 @@ def _compile(kernel: TritonKernel, target: Target) -> dict:
         path = pathlib.Path(tmp, "kernel.mlirbc")
         path.write_bytes(kernel.ir)
         try:
-            module = ir.parse_mlir_module(str(path), context)
+            module = tir.parse_mlir_module(str(path), context)
             module.context = context
             for stage in ("ttir", "ttgir", "llir", "ptx"):
                 module = stages[stage](module, metadata)
@@ -271,7 +271,7 @@ def blocks_per_sm(res: Resources) -> int:
 def triton_available() -> bool:
     """Whether the pip `triton` wheel (with its CUDA backend and ptxas) can be imported."""
     try:
-        import triton.backends.nvidia.compiler  # noqa: F401
+        import triton.backends.nvidia.compiler  # noqa: F401  # optional: triton (the [test] extra)
     except ImportError:
         return False
     return True

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from rq_jax.config import ModelConfig
+from rq_jax.config import ModelConfig, from_hf_config
+from rq_jax.convert.hf import load_model, resolve
 from rq_jax.io import atomic_folder
 from rq_jax.models import LoopedLM, model_class
 
@@ -80,9 +81,6 @@ def read_config(path_or_id: str | os.PathLike) -> tuple[ModelConfig, str]:
     """The `ModelConfig` of a checkpoint (a folder saved by `save`, an HF folder or a cached hub id) and
     its resolved folder, without reading the weights. Raises FileNotFoundError for a missing checkpoint
     or config file, ValueError for a config that is not one (see `rq_jax.config.from_hf_config`)."""
-    from rq_jax.config import from_hf_config
-    from rq_jax.convert.hf import resolve
-
     folder = resolve(path_or_id)
     if is_saved_model(folder):
         return load_config(folder), folder
@@ -96,8 +94,6 @@ def load(path_or_id: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.fl
 
     Returns (model, resolved folder).
     """
-    from rq_jax.convert.hf import load_model, resolve
-
     folder = resolve(path_or_id)
     if is_saved_model(folder):
         return restore(folder, dtype=dtype, param_dtype=param_dtype), folder

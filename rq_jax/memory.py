@@ -9,6 +9,7 @@ import math
 import os
 
 import jax
+from flax import nnx
 
 from rq_jax.cache import base
 from rq_jax.cache.kv import cache_bytes
@@ -57,8 +58,6 @@ def check_fits(model, fmt: base.CacheFormat, *, batch: int, prompt_len: int, max
                compute_itemsize: int = 4, caches: int = 1, what: str = "this run", advice: str = "") -> None:
     """Raise MemoryError with the estimate when `caches` caches of `fmt` (plus everything
     `generation_bytes` counts) would not fit in the memory available; nothing is allocated."""
-    from flax import nnx
-
     param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     need = generation_bytes(model.config, fmt, batch=batch, prompt_len=prompt_len, max_len=max_len,
                             num_loops=num_loops, param_bytes=param_bytes, compute_itemsize=compute_itemsize)

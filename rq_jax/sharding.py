@@ -49,6 +49,8 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from rq_jax.cache.base import CacheFormat
@@ -303,8 +305,6 @@ def to_host(tree: Any) -> Any:
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
             return np.asarray(x)
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree_util.tree_map(one, tree)
@@ -324,8 +324,6 @@ def shard_model(model, mesh: Mesh | None):
     """`model` (an Ouro or Huginn nnx module) with its arrays placed by `param_specs` (a new module)."""
     if mesh is None:
         return model
-    from flax import nnx
-
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, shard_state(state, model.config, mesh))
 

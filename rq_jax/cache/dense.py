@@ -10,6 +10,7 @@ import cpu_kernels
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+from pallas_kernels import dense_decode_attention
 
 from rq_jax.cache import attention, base
 from rq_jax.quant import ste
@@ -115,6 +116,4 @@ def _attend_native(fmt, slot, index, q, lengths, calib) -> base.Partial:
 @attention.DENSE.register("pallas")
 def _attend_pallas(fmt, slot, index, q, lengths, calib) -> base.Partial:
     """The dense Pallas kernel (`pallas_kernels.dense_decode_attention`; interpret mode off a GPU)."""
-    from pallas_kernels import dense_decode_attention
-
     return _kernel_partial(dense_decode_attention, slot, index, q, lengths, interpret=jax.default_backend() != "gpu")

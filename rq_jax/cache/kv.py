@@ -20,6 +20,7 @@ from flax import struct
 from jaxtyping import Array, Bool, Int
 
 from rq_jax.cache import base
+from rq_jax.cache.dense import Dense
 from rq_jax.config import ModelConfig
 
 Group = Literal["looped", "plain"]
@@ -129,8 +130,6 @@ class KVCache:
 
     def dense_kv(self, group: Group = "looped") -> KV:
         """K and V [L, N, B, K, S, D] of a dense cache's looped (L = num_loops) or plain (L = 1) layers."""
-        from rq_jax.cache.dense import Dense
-
         fmt = self.schedule(group)[0]
         if not isinstance(fmt, Dense):
             raise ValueError(f"dense_kv needs a dense cache, this one stores {group} layers as {fmt.name!r}")
@@ -200,8 +199,6 @@ def cache_bytes(config: ModelConfig, fmt: base.CacheFormat, max_len: int, *, bat
     anchor, a shared slot is read by every loop of its group): looped slots with `fmt` over `num_loops`,
     Huginn's plain slots with `plain_fmt` (default `fmt`) as a one-loop group. Every byte and bits per
     element figure in rq_jax comes from here (or, for a cache in hand, `cache_nbytes`)."""
-    from rq_jax.cache.dense import Dense
-
     num_loops = config.num_loops if num_loops is None else num_loops
     plain_fmt = plain_fmt or fmt
 
@@ -229,8 +226,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFor
     `fmt`). `track_steps` records each token's computed loops and hides the skipped ones from later
     tokens (`KVCache.steps`). Raises ValueError if `max_len` exceeds the model's maximum position.
     """
-    from rq_jax.cache.dense import Dense
-
     fmt = fmt or Dense()
     plain_fmt = plain_fmt or fmt
     num_loops = config.num_loops if num_loops is None else num_loops

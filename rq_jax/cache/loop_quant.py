@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
+from pallas_kernels import QuantStream, residual_decode_attention
 
 from rq_jax.cache import attention, base
 from rq_jax.quant import affine, bits as qbits, residual, rotation, ste
@@ -143,8 +144,6 @@ def _kernel_partial(kernel, q_rot: Float[Array, "b t k g d"], ops: LoopOperands,
     (the Pallas kernel, or the native CPU kernel): queries as [B, K, T·H/K, D] rows, the chain's streams
     over the [G·N] slots (flattened when `flat`, else left stacked [G, N, ...] for a kernel that takes
     leading slot axes), key means as per-row mean scores."""
-    from pallas_kernels import QuantStream
-
     b, t, heads, per_kv, d = q_rot.shape
     q = q_rot.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
     num_layers = ops.k[0].codes.shape[1]
@@ -171,8 +170,6 @@ def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: 
     """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
     compiled for Triton on a GPU, run in interpret mode elsewhere. Raises NotImplementedError (at
     trace time) for configurations the kernel does not cover."""
-    from pallas_kernels import residual_decode_attention
-
     return _kernel_partial(residual_decode_attention, q_rot, ops, lengths, interpret=jax.default_backend() != "gpu")
 
 

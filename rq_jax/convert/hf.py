@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from rq_jax.config import ModelConfig, from_hf_config
+from rq_jax.models import model_class
 from rq_jax.nn.layers import rope_angles
 
 _PREFIX = {"ouro": "model.", "huginn": "transformer."}
@@ -39,7 +41,7 @@ def resolve(path_or_id: str | os.PathLike) -> str:
     if os.path.exists(path):
         raise FileNotFoundError(f"{path} is a file; expected a checkpoint folder with config.json")
     local = path.startswith((".", "/", "~")) or (os.sep in path and os.path.isdir(os.path.dirname(path)))
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # heavy: huggingface_hub (~0.13 s with httpx), only hub ids need it
 
     try:
         return snapshot_download(path, local_files_only=True)
@@ -111,8 +113,6 @@ def load_model(path_or_id: str | os.PathLike, *, dtype=jnp.float32, param_dtype=
     Returns (model, config). Raises CheckpointError naming any missing, unexpected or mis-shaped
     tensor; Huginn's `lm_head.weight` may be present or absent when embeddings are tied.
     """
-    from rq_jax.models import model_class
-
     folder = resolve(path_or_id)
     config = config or from_hf_config(folder)
     tensors = read_tensors(folder)
@@ -182,8 +182,6 @@ def save_hf(model, folder: str | os.PathLike, *, dtype=np.float32, extra_config:
 
     Tensors are stored in `dtype`; `extra_config` entries are added to config.json.
     """
-    from safetensors.numpy import save_file
-
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
     tensors = {}

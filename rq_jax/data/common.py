@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from rq_jax.tokenizer import byte_level_tokenizer
+
 EOS = 0  # <|endoftext|>: separator between documents and padding (never a loss target when padding)
 BYTE_OFFSET = 3  # ids 0..2 are the special tokens; every id ≥ 3 is one byte
 
@@ -43,8 +45,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 @functools.lru_cache(maxsize=1)
 def byte_tables() -> tuple[np.ndarray, np.ndarray]:
     """(byte → token id [256] int32, token id → byte [259] int32 with −1 for special tokens)."""
-    from rq_jax.tokenizer import byte_level_tokenizer
-
     vocab = byte_level_tokenizer().get_vocab()
     to_id = np.array([vocab[ch] for _, ch in sorted(_bytes_to_unicode().items())], np.int32)
     to_byte = np.full(len(vocab), -1, np.int32)

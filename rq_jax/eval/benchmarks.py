@@ -323,7 +323,7 @@ def math_equal(answer: str, reference: str) -> bool:
 
     `math_verify` times out with signal.alarm, so call this from the main thread.
     """
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # optional: math-verify (the [eval] extra)
 
     return bool(verify(parse(f"\\boxed{{{reference}}}"), parse(f"\\boxed{{{answer}}}")))
 

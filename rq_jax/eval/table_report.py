@@ -109,6 +109,7 @@ def figures(rows: list[dict], kv_err: dict, loops: int, prefix: str) -> None:
     """PREFIX_accuracy.png (exact match against bits per element, a hollow marker and a colour per
     scheme, the legend naming them, and the Pareto front: the best accuracy at each number of bits or
     fewer) and PREFIX_kv_error.png (K and V NMSE per loop and layer)."""
+    # heavy: matplotlib (~0.3 s), only figures need it
     from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullLocator
 
     plt = report.pyplot()

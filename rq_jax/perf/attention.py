@@ -23,10 +23,13 @@ import logging
 import statistics
 import time
 
+import cpu_kernels
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import decode_attention as jda
+from pallas_kernels import dense_decode_attention
 
-from rq_jax.cache import base
+from rq_jax.cache import attention, base
 from rq_jax.cache.calib import default_calib
 from rq_jax.cache.kv import cache_bytes, init_cache
 from rq_jax.config import ModelConfig, preset
@@ -86,8 +89,6 @@ def fallbacks():
     implementation logs at every trace, so a program traced inside says whether its kernel ran. The
     records still propagate to the loggers above (Python's last-resort stderr handler, though, only
     prints when no handler at all takes them: print the list)."""
-    from rq_jax.cache import attention
-
     handler = _Collect()
     attention.log.addHandler(handler)
     try:
@@ -118,13 +119,9 @@ def step_fn(fmt: base.CacheFormat):
 def dense_kernel_fn(impl: str):
     """On the dense bf16 slot stack [M, B, K, S, D]: jit(q [L, B, K, R, D], k, v, lengths, inner) through
     the dense Pallas kernel ("pallas") or JAX's own decode attention ("jax-peer")."""
-    from pallas_kernels import dense_decode_attention
-
     def one(q, k, v, lengths, slot):
         if impl == "pallas":
             return dense_decode_attention(q, k, v, lengths, slot)
-        from jax.experimental.pallas.ops.gpu import decode_attention as jda
-
         mqa = functools.partial(jda.mqa, return_residuals=True, normalize_output=False)
         o, (l, m) = jax.vmap(lambda q, k, v: mqa(q, k, v, kv_seq_len=lengths), in_axes=(1, 1, 1),
                              out_axes=1)(q.astype(jnp.bfloat16), k[slot], v[slot])
@@ -145,8 +142,6 @@ def usable_impls(impls: list[str]) -> tuple[list[str], str]:
     dropped): the `--impls` of the benchmark scripts."""
     if "native" not in impls:
         return list(impls), ""
-    import cpu_kernels
-
     why = ""
     if jax.default_backend() != "cpu":
         why = f"the native kernels run on a CPU, this backend is {jax.default_backend()}"
@@ -161,8 +156,6 @@ def describe_impls(impls: list[str]) -> str:
     """The impls in words for a table's header, naming the native kernels' instruction set where run."""
     if "native" not in impls:
         return ", ".join(impls)
-    import cpu_kernels
-
     return ", ".join(f"native ({cpu_kernels.isa()} kernels)" if i == "native" else i for i in impls)
 
 

@@ -30,7 +30,9 @@ import time
 import numpy as np
 
 from rq_jax import report
+from rq_jax.data import Addition
 from rq_jax.serve.metrics import PHASES
+from rq_jax.tokenizer import load_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -49,7 +51,7 @@ class ServerProcess:
     """scripts/serve.py on a free 127.0.0.1 port; `startup` seconds from spawn to /health 200."""
 
     def __init__(self, args, extra: list[str], compile_cache: str, timeout: float = 600.0):
-        import httpx
+        import httpx  # optional: httpx (the [test] extra)
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -76,7 +78,7 @@ class ServerProcess:
 
     def metric(self, name: str) -> float:
         """A metric's sum in the server's /metrics now."""
-        import httpx
+        import httpx  # optional: httpx (the [test] extra)
 
         return metric(httpx.get(self.url + "/metrics", timeout=10).text, name)
 
@@ -142,7 +144,7 @@ def peak_streaming(spans: list[tuple[float, float]]) -> int:
 async def run_point(server: ServerProcess, prompts: list[str], args, concurrency: int | None = None,
                     rate: float | None = None) -> dict:
     """One load point: fixed `concurrency`, or Poisson arrivals at `rate` requests/s."""
-    import aiohttp
+    import aiohttp  # optional: aiohttp (the [test] extra)
 
     rng = np.random.default_rng(0)
 
@@ -336,9 +338,6 @@ def write(runs: list[dict], args) -> str:
 def run(args) -> list[dict]:
     """Every format of `FORMATS` under every load point (each server stopped on the way out, whatever
     happens); prompts: held-out sums in the models' format, repeated to at least 4096."""
-    from rq_jax.data import Addition
-    from rq_jax.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(args.checkpoint)
     need = max(args.requests, 4096)
     prompts = [tokenizer.decode(list(e.prompt())) for e in Addition().examples("eval", min(need, 1024))]

@@ -18,6 +18,7 @@ token ids and `SamplingParams`, and `Delta`s back into JSON.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -273,8 +274,6 @@ def sse(events: AsyncIterator[str]) -> StreamingResponse:
 
 def create_app(server: Server, on_shutdown: Callable[[], Any] | None = None) -> FastAPI:
     """The FastAPI app of `server` (its engine thread started and stopped with the app's lifespan)."""
-    import contextlib
-
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.runner.start()

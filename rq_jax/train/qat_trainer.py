@@ -41,11 +41,14 @@ from flax import nnx
 
 from rq_jax import checkpoint as model_io
 from rq_jax.cache import base, get_format
+from rq_jax.calibrate import load_calibration
 from rq_jax.calibrate.provenance import fingerprint, weights_mismatch
+from rq_jax.convert.hf import save_hf
 from rq_jax.data import TASKS, Mixture, StdlibText, Tasks
 from rq_jax import scoring
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm
+from rq_jax.tokenizer import byte_level_tokenizer
 from rq_jax.train import lora
 from rq_jax.train.run_config import TrainConfig, diff
 from rq_jax.train.qat import fake_quant_forward, format_calib, supports_fake_quant
@@ -202,8 +205,6 @@ class QATTrainer:
         self.fmt = cfg.format()
         self.num_loops = tc.num_loops
         if cfg.calibration:
-            from rq_jax.calibrate import load_calibration
-
             self.calib = load_calibration(cfg.calibration, base_model, self.fmt, num_loops=self.num_loops)
         else:
             self.calib = format_calib(tc.model, self.fmt, self.num_loops)
@@ -350,8 +351,6 @@ class QATTrainer:
         the starting checkpoint's tokenizer files, README.md — loadable by `rq_jax.checkpoint.load`.
         `metrics` (and `before`: the starting model's) go to the card. Returns the card's facts. (A
         calibration fitted for the starting weights does not carry over: refit it for the export.)"""
-        from rq_jax.convert.hf import save_hf
-
         cfg = self.cfg
         info = {"weights": "quantization-aware fine-tuned", "base_checkpoint": cfg.checkpoint,
                 "cache": self.fmt.schedule_name(self.num_loops), "trainable": cfg.trainable,
@@ -368,8 +367,6 @@ class QATTrainer:
                 shutil.copy(src, os.path.join(folder, name))
                 copied |= name == "tokenizer.json"
         if not copied and cfg.train.model.vocab_size == 259:
-            from rq_jax.tokenizer import byte_level_tokenizer
-
             byte_level_tokenizer().save(os.path.join(folder, "tokenizer.json"))
         with open(os.path.join(folder, "README.md"), "w") as f:
             f.write(model_card(info, cfg))

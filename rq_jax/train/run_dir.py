@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable
 
 import orbax.checkpoint as ocp
+from tqdm import tqdm
 
 
 class RunDir:
@@ -72,8 +73,6 @@ def run_steps(run_dir: RunDir, start: int, stop: int, opts, *, train: Callable[[
     `opts.max_minutes` or SIGTERM/SIGINT. Every `opts.eval_every` steps (and before the first with
     `eval_at_start`) `evaluate()`'s metrics are logged; `save()` runs every `opts.ckpt_every_s` and on exit.
     A tqdm bar when `opts.progress` (process 0 only). Returns the last step's record."""
-    from tqdm import tqdm
-
     stopping = []
     handlers = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGTERM, signal.SIGINT)}
     start_wall = last_ckpt = time.time()

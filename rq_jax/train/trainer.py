@@ -27,9 +27,11 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from rq_jax import sharding
+from rq_jax.config import from_hf_config
 from rq_jax.data import TASKS, Mixture, StdlibText
 from rq_jax.models import init_model
 from rq_jax.train import heldout, objectives
+from rq_jax.train.portable import load_params, load_portable, save_portable
 from rq_jax.train.run_config import TrainConfig, diff
 from rq_jax.train.run_dir import RunDir, run_steps
 
@@ -161,9 +163,6 @@ def load_weights(folder: str, cfg: TrainConfig, like):
 
     Raises ValueError if `folder`'s model config differs from `cfg.model` or `cfg.embed_std` is set
     (a re-initialised embedding would discard the loaded one)."""
-    from rq_jax.config import from_hf_config
-    from rq_jax.train.portable import load_params
-
     if cfg.embed_std is not None or cfg.branch_norm_init is not None:
         raise ValueError("init_weights excludes embed_std and branch_norm_init: they would overwrite loaded weights")
     saved = from_hf_config(folder)
@@ -205,8 +204,6 @@ class Trainer:
         self.run_dir = RunDir(opts.run_dir, keep=opts.ckpt_keep, is_main=self.is_main)
         self._eval_sets = None
         if not self.restore() and opts.init_from:
-            from rq_jax.train.portable import load_portable
-
             load_portable(self, opts.init_from)
             self._place()
 
@@ -247,8 +244,6 @@ class Trainer:
         if not self.run_dir.save(self.step, self._state(), meta):
             return
         if self.opts.portable:
-            from rq_jax.train.portable import save_portable
-
             view = self
             if jax.process_count() > 1:  # gathered on every process (a collective), written by process 0
                 view = SimpleNamespace(params=sharding.to_host(self.params), opt_state=sharding.to_host(self.opt_state),
