@@ -1,0 +1,126 @@
+"""Compile Pallas TPU (Mosaic) kernels for a TPU without one: the real Mosaic and XLA:TPU compilers of libtpu,
+run on a CPU host for a named topology.
+
+`jax.experimental.topologies.get_topology_desc(platform="tpu", ...)` gives the devices of a TPU topology;
+arguments placed on one of them (`ShapeDtypeStruct(..., sharding=SingleDeviceSharding(dev))`) make
+`jax.jit(f).lower(...).compile()` run libtpu's compilers, which refuse what the chip would: a kernel over its
+scoped VMEM limit fails with RESOURCE_EXHAUSTED, a block that breaks the tiling rules fails in Mosaic. libtpu
+wants TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES when no TPU is present; `topology` sets them (unless
+already set) before its first call.
+
+    res = compile_for(fn, [jax.ShapeDtypeStruct(...), ...], "v5e")   # TpuCompile, never raises on a refusal
+    res.ok, res.error, res.custom_calls, res.vmem_limits, res.generated_code_bytes, res.temp_bytes
+
+`libtpu` is looked up lazily, only here: the kernels and their interpret mode do not need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import re
+import time
+
+import jax
+
+#: A topology of each generation (`1x1` is refused by libtpu: the smallest slices).
+TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+#: What libtpu needs in the environment off a TPU host (any accelerator type serves every topology above).
+ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
+MOSAIC_CALL = "tpu_custom_call"
+
+_CUSTOM_CALL = re.compile(r"%(\S+) = .*?custom-call\(.*?custom_call_target=\"([^\"]+)\"")
+_SCOPED = re.compile(r"\"scoped_memory_configs\":\[\{[^\]]*?\"size\":\"(\d+)\"")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuCompile:
+    """One compile for one generation.
+
+    ok: both compilers accepted it; error: the first lines of their refusal ("" when ok); custom_calls:
+    (HLO op name, call target) of every custom call in the compiled HLO (a Pallas kernel: its `name`, and
+    target "tpu_custom_call"); vmem_limits: the scoped VMEM limit (bytes) of each Mosaic call, from its
+    backend config; generated_code_bytes, temp_bytes, argument_bytes, output_bytes: the compiled program's
+    `memory_analysis()` (HBM; -1 when not ok); seconds: lower + compile time.
+    """
+
+    generation: str
+    topology: str
+    ok: bool
+    error: str
+    custom_calls: tuple[tuple[str, str], ...]
+    vmem_limits: tuple[int, ...]
+    generated_code_bytes: int
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def kernels(self) -> tuple[str, ...]:
+        """Op names of the Mosaic kernels (custom calls to "tpu_custom_call") in the compiled HLO."""
+        return tuple(name for name, target in self.custom_calls if target == MOSAIC_CALL)
+
+
+@functools.cache
+def libtpu_available() -> bool:
+    """Whether the `libtpu` package (jax[tpu]'s compiler) is installed here."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@functools.cache
+def topology(generation: str):
+    """The `TopologyDescription` of `generation` ("v4", "v5e", "v5p", "v6e"; TOPOLOGIES), ENV set first.
+    ValueError for an unknown generation; RuntimeError when libtpu is missing or refuses."""
+    if generation not in TOPOLOGIES:
+        raise ValueError(f"unknown TPU generation {generation!r}: choose from {sorted(TOPOLOGIES)}")
+    if not libtpu_available():
+        raise RuntimeError("libtpu is not installed (pip install 'jax[tpu]' pinned to the jaxlib in use)")
+    from jax.experimental import topologies
+
+    for name, value in ENV.items():
+        os.environ.setdefault(name, value)
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[generation])
+    except Exception as e:  # libtpu's plugin raises XlaRuntimeError / RuntimeError / ValueError
+        raise RuntimeError(f"libtpu refused topology {TOPOLOGIES[generation]}: {e}") from e
+
+
+def place(args, generation: str):
+    """`args` (a pytree of arrays or ShapeDtypeStructs) as ShapeDtypeStructs on the first device of
+    `generation`'s topology."""
+    sharding = jax.sharding.SingleDeviceSharding(topology(generation).devices[0])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+
+
+def _summary(e: Exception) -> str:
+    """The first three non-empty lines of a compiler error, on one line (at most 500 characters)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (" | ".join(lines[:3]) or type(e).__name__)[:500]
+
+
+def compile_for(fn, args, generation: str) -> TpuCompile:
+    """Lower and compile `jax.jit(fn)(*args)` for `generation` (args: arrays or ShapeDtypeStructs, placed by
+    `place`). A compiler refusal is returned (ok=False, its first lines in `error`), not raised; errors of the
+    Python trace itself (bad shapes, a kernel's own NotImplementedError) propagate."""
+    placed = place(args, generation)
+    start = time.perf_counter()
+    lowered = jax.jit(fn).lower(*placed)
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # libtpu raises XlaRuntimeError (RESOURCE_EXHAUSTED, Mosaic failures) and others
+        return TpuCompile(generation, TOPOLOGIES[generation], False, _summary(e), (), (), -1, -1, -1, -1,
+                          round(time.perf_counter() - start, 3))
+    seconds = round(time.perf_counter() - start, 3)
+    hlo = compiled.as_text()
+    calls = tuple(_CUSTOM_CALL.findall(hlo))
+    limits = tuple(int(x) for line in hlo.splitlines() if f'custom_call_target="{MOSAIC_CALL}"' in line
+                   for x in _SCOPED.findall(line))
+    mem = compiled.memory_analysis()
+    return TpuCompile(generation, TOPOLOGIES[generation], True, "", calls, limits,
+                      int(mem.generated_code_size_in_bytes), int(mem.temp_size_in_bytes),
+                      int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes), seconds)
