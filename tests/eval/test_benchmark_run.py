@@ -104,7 +104,8 @@ def test_grid_lays_runs_out_as_table_2():
                 for r, a, b in zip(table2_rows(), accuracies, [16, 2.5, 2.5, 2.6, 2.6])]
         return dict(meta=dict(family=family, benchmark=benchmark), rows=rows)
 
-    text = benchmark_report.grid([run("ouro", "gsm8k", [0.8, 0.3, 0.6, 0.65]), run("huginn", "mbpp", [0.4, 0.2, 0.3, 0.35, 0.38])])
+    text = benchmark_report.grid([run("ouro", "gsm8k", [0.8, 0.3, 0.6, 0.65]),
+                                  run("huginn", "mbpp", [0.4, 0.2, 0.3, 0.35, 0.38])])
     lines = text.splitlines()
     assert lines[0] == "| Setting | Method | Ouro G8K | Huginn MBPP | Avg |"
     assert lines[2] == "| BF16 | — | 80.00 | 40.00 | 60.00 |"
