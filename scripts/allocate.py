@@ -19,7 +19,7 @@ import os
 import sys
 
 from rq_jax import checkpoint, cli
-from rq_jax.calibrate.allocate import OPTIONS, Schedule, allocate, measure_kl, save_schedule
+from rq_jax.calibrate.allocate import OPTIONS, MeasuredKL, allocate, measure_kl, paper_rule, save_schedule
 from rq_jax.calibrate.data import calibration_set
 from rq_jax.data import TASKS
 
@@ -89,23 +89,14 @@ def main(argv=None):
         settings["tasks"] = list(tasks)
     if args.kl_on != "all":
         settings["kl_on"] = args.kl_on
-    measured = {}
-    if os.path.exists(record):
-        with open(record) as f:
-            saved = json.load(f)
-        if saved.get("settings") != settings:
-            p.error(f"argument --out: {record} holds measurements of other settings ({saved.get('settings')}); "
-                    f"use another --out or delete it")
-        measured = saved["kl"]
-
-    def report(label, kl):
-        with open(record, "w") as f:
-            json.dump(dict(settings=settings, kl=measured), f, indent=1)
-        if not args.quiet:
-            print(f"  measured {label}: KL {kl:.3e} ({len(measured)} so far)", file=sys.stderr, flush=True)
+    try:
+        measured = MeasuredKL(record, settings, log=lambda line: args.quiet or print(line, file=sys.stderr, flush=True))
+    except ValueError as err:
+        p.error(f"argument --out: {err}")
 
     try:
-        allocs = allocate(model, rows, args.budget, options=options, measured=measured, progress=report, **kwargs)
+        allocs = allocate(model, rows, args.budget, options=options, measured=measured, progress=measured.add,
+                          **kwargs)
     except ValueError as err:
         p.error(f"--budget: {err}")
     print(f"{loops} loops, {args.rows} calib rows ({args.tasks}) of {args.seq_len} tokens ({args.prefix} prefilled), "
@@ -114,14 +105,11 @@ def main(argv=None):
           "|---|---|---|---|---|---|---|---|")
     written = []
     for alloc in allocs:
-        side = ((2, 32),) * 3 + ((4 if alloc.budget >= 3.09375 else 2, 32),)
-        rule = Schedule(side, side).format()  # [2,2,2,4] g32, or residual INT2 g32 below its bits
+        rule = paper_rule(alloc.budget)
         rule_bits = float(rule.bits_per_element(loops, model.config.head_dim))
         label = f"rule {rule.schedule_name(loops)}"
         if label not in measured:
-            measured[label] = measure_kl(model, rule, rows, args.prefix, args.batch, mask=mask,
-                                         num_loops=loops)
-            report(label, measured[label])
+            measured.add(label, measure_kl(model, rule, rows, args.prefix, args.batch, mask=mask, num_loops=loops))
         rule_kl = measured[label]
         path = f"{args.out}-{alloc.budget:g}.json"
         save_schedule(path, alloc.schedule, {}, dict(

@@ -30,12 +30,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import time
 from fractions import Fraction
 from typing import Callable, Sequence
 
 import numpy as np
 
+from rq_jax import report
 from rq_jax.cache.base import get_format
 from rq_jax.cache.loop_quant import LoopQuant
 from rq_jax import scoring
@@ -213,6 +215,37 @@ def allocate(model, tokens: np.ndarray, budgets: Sequence[float], *, num_loops: 
         out.append(Allocation(budget, choice, float(bits(choice)), chosen_kl, ref_kl + predicted, ref, ref_kl, named,
                               shared + time.perf_counter() - start))
     return out
+
+
+class MeasuredKL(dict):
+    """Every KL measured for a run's settings, by schedule label, kept in a JSON record at `path`
+    ({"settings": ..., "kl": {label: KL}}) that `add` rewrites after each measurement, so a rerun with
+    the same settings measures only what is missing. Raises `report.SettingsMismatch` when the record
+    holds measurements of other settings. `log(line)` hears of each measurement."""
+
+    def __init__(self, path: str, settings: dict, log: Callable[[str], None] = lambda line: None):
+        super().__init__()
+        self.path, self.settings, self.log = path, settings, log
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if saved.get("settings") != settings:
+                raise report.SettingsMismatch(f"{path} holds measurements of other settings "
+                                              f"({saved.get('settings')}); use another --out or delete it")
+            self.update(saved["kl"])
+
+    def add(self, label: str, kl: float) -> None:
+        """Record (and log) a measurement: `allocate`'s `progress`, which has already stored it in `self`."""
+        self[label] = kl
+        report.write_text(self.path, json.dumps(dict(settings=self.settings, kl=dict(self)), indent=1))
+        self.log(f"  measured {label}: KL {kl:.3e} ({len(self)} so far)")
+
+
+def paper_rule(budget: float) -> LoopQuant:
+    """The paper's fixed rule at about `budget` bits, beside which an allocation is measured: [2,2,2,4]
+    g32 from its 3.09 bits (at 4 loops) up, residual INT2 g32 below."""
+    side = ((2, 32),) * 3 + ((4 if budget >= 3.09375 else 2, 32),)
+    return Schedule(side, side).format()
 
 
 def save_schedule(path: str, schedule: Schedule, policy: dict, meta: dict) -> None:

@@ -113,3 +113,24 @@ def test_allocate_script_refuses_a_0_bit_reference(tmp_path):
     assert run.code == 2 and run.err.count("\n") == 1, run.err
     assert "argument --options: 2g32,0g32: the last option is the reference every slot starts from and cannot be " \
            "0 bits" in run.err
+
+
+def test_measured_kl_record_resumes_and_refuses_other_settings(tmp_path):
+    from rq_jax import report
+    from rq_jax.calibrate.allocate import MeasuredKL
+
+    path, lines = str(tmp_path / "m.json"), []
+    first = MeasuredKL(path, dict(rows=16), log=lines.append)
+    first.add("a", 0.5)
+    assert lines == ["  measured a: KL 5.000e-01 (1 so far)"]
+    assert MeasuredKL(path, dict(rows=16)) == {"a": 0.5}
+    with pytest.raises(report.SettingsMismatch, match="holds measurements of other settings"):
+        MeasuredKL(path, dict(rows=8))
+
+
+def test_paper_rule_keeps_the_int4_anchor_from_its_bits():
+    from rq_jax.cache import get_format
+    from rq_jax.calibrate.allocate import paper_rule
+
+    assert paper_rule(3.1).bits == (2, 2, 2, 4) and paper_rule(3.0).bits == (2, 2, 2, 2)
+    assert paper_rule(3.1).schedule_name(4) == get_format("residual", group_size=32).schedule_name(4)
