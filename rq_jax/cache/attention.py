@@ -4,10 +4,16 @@ implementations and a logged reason on every fallback.
 A format registers, per implementation name, a function computing its softmax `Partial` (`DecodeOp`);
 `attend_impl` (a policy field of the formats) names the one to try first:
 
-    "auto"     the platform's kernel, then XLA: "pallas" (the Triton kernels) on a GPU, "native" (the C++
-               kernels of `cpu_kernels`, through the XLA FFI) on a CPU, XLA alone elsewhere
+    "auto"     the kernel of the platform the program is lowered for, then XLA: "pallas" (the Triton
+               kernels) on a CUDA GPU, "pallas-tpu" (the Mosaic kernels) on a TPU, "native" (the C++ kernels
+               of `cpu_kernels`, through the XLA FFI) on a CPU, XLA alone elsewhere
     "xla"      the jnp implementation (always there; every other one falls back to it)
     NAME       that implementation, then XLA
+
+"auto" follows the lowering platform, not the host's default backend (`jax.lax.platform_dependent`): each
+platform's chain is traced, and only the one of the platform being compiled for is lowered, so a TPU
+program compiled on a CPU host (`pallas_kernels.tpu_deviceless`) inlines the TPU kernel. While a chain is
+traced, `target()` names its platform (a kernel compiles for it, or runs in interpret mode off it).
 
 A kernel (any implementation but XLA) is differentiated as the XLA implementation (`base.with_gradient_of`).
 An implementation raises NotImplementedError (at trace time) for what it does not cover — a head dim, bit
@@ -18,6 +24,9 @@ the op logs the reason (once per op, implementation and reason under "auto") and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import logging
 from typing import Callable
 
@@ -27,9 +36,31 @@ from rq_jax.cache import base
 
 log = logging.getLogger(__name__)
 
-#: Implementation names in the order "auto" considers them, with the platform each needs (None: any).
-IMPLEMENTATIONS = {"pallas": "gpu", "native": "cpu", "xla": None}
+#: Implementation names in the order "auto" considers them, with the lowering platform each needs (None: any).
+IMPLEMENTATIONS = {"pallas": "cuda", "pallas-tpu": "tpu", "native": "cpu", "xla": None}
 _WARNED: set[tuple[str, str, str]] = set()
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("rq_jax_attention_target", default=None)
+
+
+def host_platform() -> str:
+    """The default backend as a lowering platform name ("cpu", "cuda", "tpu")."""
+    backend = jax.default_backend()
+    return "cuda" if backend == "gpu" else backend
+
+
+def target() -> str:
+    """The platform the implementation being traced is for: an "auto" chain's platform while it is traced,
+    else the host's (`host_platform`)."""
+    return _TARGET.get() or host_platform()
+
+
+@contextlib.contextmanager
+def _targeting(platform: str):
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 def check_impl(name: str, impl: str) -> None:
@@ -39,9 +70,9 @@ def check_impl(name: str, impl: str) -> None:
 
 
 def order(impl: str, platform: str | None = None) -> tuple[str, ...]:
-    """The implementations to try for `impl`, first to last ("xla" always last); `platform` defaults to
-    JAX's default backend."""
-    platform = platform or jax.default_backend()
+    """The implementations to try for `impl` on lowering platform `platform` (default: the host's), first
+    to last ("xla" always last)."""
+    platform = platform or host_platform()
     if impl == "auto":
         first = [name for name, needs in IMPLEMENTATIONS.items() if needs == platform]
     else:
@@ -67,23 +98,37 @@ class DecodeOp:
 
     def __call__(self, impl: str, *args, who: str = "") -> base.Partial:
         """The first implementation of `order(impl)` this op has that covers `args`; every one that raises
-        NotImplementedError is logged (with its reason) and passed over. `who` names the caller in the log."""
-        tried = order(impl)
-        for name in tried:
-            fn = self.impls.get(name)
-            if fn is None:
-                continue
-            try:
-                if name == "xla":
-                    return fn(*args)
-                return base.with_gradient_of(self.impls["xla"], fn, *args)  # kernels differentiate as XLA
-            except NotImplementedError as why:
-                if name == tried[-1]:
-                    raise
-                key = (self.name, name, str(why))
-                if impl != "auto" or key not in _WARNED:
-                    _WARNED.add(key)
-                    log.warning("%s attend_impl=%r does not cover this slot (%s); using %s", who or self.name,
+        NotImplementedError is logged (with its reason) and passed over. Under "auto", one such chain per
+        platform with a kernel here, picked by the platform the program is lowered for. `who` names the
+        caller in the log."""
+        if impl != "auto":
+            return self._first(order(impl), impl, who, *args)
+        chains = {platform: functools.partial(self._first, order(impl, platform), impl, who, *args, platform=platform)
+                  for name, platform in IMPLEMENTATIONS.items() if platform and name in self.impls}
+        xla = functools.partial(self._first, ("xla",), impl, who, *args)
+        return jax.lax.platform_dependent(**chains, default=xla) if chains else xla()
+
+    def _first(self, tried: tuple[str, ...], impl: str, who: str, *args, platform: str | None = None):
+        """The partial of the first implementation of `tried` that covers `args`, traced for `platform`
+        (`target()`); a fallback is logged as a warning for the host's platform, at info level for another
+        (a chain that may never be lowered)."""
+        with _targeting(platform or host_platform()):
+            for name in tried:
+                fn = self.impls.get(name)
+                if fn is None:
+                    continue
+                try:
+                    if name == "xla":
+                        return fn(*args)
+                    return base.with_gradient_of(self.impls["xla"], fn, *args)  # kernels differentiate as XLA
+                except NotImplementedError as why:
+                    if name == tried[-1]:
+                        raise
+                    key = (self.name, name, str(why))
+                    if impl != "auto" or key not in _WARNED:
+                        _WARNED.add(key)
+                        level = logging.WARNING if target() == host_platform() else logging.INFO
+                        log.log(level, "%s attend_impl=%r does not cover this slot (%s); using %s", who or self.name,
                                 name, why, tried[tried.index(name) + 1])
         raise NotImplementedError(f"{self.name}: no implementation of {tried} is registered")
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 from pallas_kernels import dense_decode_attention
+from pallas_kernels.tpu_dense_attention import tpu_dense_decode_attention
 
 from rq_jax.cache import attention, base
 from rq_jax.quant import ste
@@ -116,4 +117,10 @@ def _attend_native(fmt, slot, index, q, lengths, calib) -> base.Partial:
 @attention.DENSE.register("pallas")
 def _attend_pallas(fmt, slot, index, q, lengths, calib) -> base.Partial:
     """The dense Pallas kernel (`pallas_kernels.dense_decode_attention`; interpret mode off a GPU)."""
-    return _kernel_partial(dense_decode_attention, slot, index, q, lengths, interpret=jax.default_backend() != "gpu")
+    return _kernel_partial(dense_decode_attention, slot, index, q, lengths, interpret=attention.target() != "cuda")
+
+
+@attention.DENSE.register("pallas-tpu")
+def _attend_pallas_tpu(fmt, slot, index, q, lengths, calib) -> base.Partial:
+    """The dense Mosaic kernel (`pallas_kernels.tpu_dense_attention`; TPU interpret mode off a TPU)."""
+    return _kernel_partial(tpu_dense_decode_attention, slot, index, q, lengths, interpret=attention.target() != "tpu")

@@ -170,7 +170,7 @@ def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: 
     """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
     compiled for Triton on a GPU, run in interpret mode elsewhere. Raises NotImplementedError (at
     trace time) for configurations the kernel does not cover."""
-    return _kernel_partial(residual_decode_attention, q_rot, ops, lengths, interpret=jax.default_backend() != "gpu")
+    return _kernel_partial(residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "cuda")
 
 
 @attention.PACKED.register("native")
