@@ -38,7 +38,10 @@ from typing import Any, Callable, ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Int
+
+from rq_jax.shapes import (Attended, GroupedQueries, HeadStats, Lengths, LoopKV, NumNew, PastMask, Queries,
+                           Scores, SegmentKV, SegmentPast, SlotKV, Visible)
 
 
 _NEG = -1e30  # finite "minus infinity": fully masked rows keep m finite and l = 0, never NaN.
@@ -49,7 +52,7 @@ TOKEN_AXIS = 4  # of every state leaf: [G, N, B, K, S, ...]
 #: tokens, so that a loop iteration does enough work to hide its overhead on a CPU (about 10 µs).
 TILE_ELEMENTS = 2**21
 MIN_TILE = 16
-Index = tuple[Int[Array, ""], Int[Array, ""]]  # (group, layer) of a slot within a segment
+Index = tuple[int | Int[Array, ""], int | Int[Array, ""]]  # (group, layer) of a slot in a segment: ints or traced
 
 
 class Segment(NamedTuple):
@@ -88,9 +91,9 @@ class Partial(NamedTuple):
     acc: [B, T, H, D] float32, Σ_s exp(score_s − m)·v_s.  m: [B, T, H] running max.  l: [B, T, H] Σ exp.
     """
 
-    acc: Float[Array, "b t h d"]
-    m: Float[Array, "b t h"]
-    l: Float[Array, "b t h"]
+    acc: Attended
+    m: HeadStats
+    l: HeadStats
 
 
 def merge(a: Partial, b: Partial) -> Partial:
@@ -100,7 +103,7 @@ def merge(a: Partial, b: Partial) -> Partial:
     return Partial(a.acc * wa[..., None] + b.acc * wb[..., None], m, a.l * wa + b.l * wb)
 
 
-def finalize(p: Partial) -> Float[Array, "b t h d"]:
+def finalize(p: Partial) -> Attended:
     """Normalise a partial into attention output [B, T, H, D]; rows that saw no key give 0."""
     l = p.l[..., None]
     return jnp.where(l > 0, p.acc / jnp.where(l > 0, l, 1.0), 0.0)
@@ -114,9 +117,9 @@ def empty_partial(b: int, t: int, h: int, d: int) -> Partial:
 
 
 def softmax_partial(
-    scores: Float[Array, "b t h s"],
-    mask: Bool[Array, "b t s"],
-) -> tuple[Float[Array, "b t h s"], Float[Array, "b t h"], Float[Array, "b t h"]]:
+    scores: Scores,
+    mask: PastMask,
+) -> tuple[Scores, HeadStats, HeadStats]:
     """Masked, max-shifted probabilities p = exp(s − m), with m and l = Σp, all float32 (float64 for
     float64 scores)."""
     mask = mask[:, :, None, :]
@@ -126,17 +129,17 @@ def softmax_partial(
     return p, m, jnp.sum(p, axis=-1)
 
 
-def group_queries(q: Float[Array, "b t h d"], num_kv_heads: int) -> Float[Array, "b t k g d"]:
+def group_queries(q: Queries, num_kv_heads: int) -> GroupedQueries:
     """Split H query heads into K groups of H // K sharing one kv head (GQA)."""
     b, t, h, d = q.shape
     return q.reshape(b, t, num_kv_heads, h // num_kv_heads, d)
 
 
 def dense_partial(
-    q: Float[Array, "b t h d"],
-    k: Float[Array, "b k s d"],
-    v: Float[Array, "b k s d"],
-    mask: Bool[Array, "b t s"],
+    q: Queries,
+    k: SlotKV,
+    v: SlotKV,
+    mask: PastMask,
 ) -> Partial:
     """Softmax partial of queries over explicit keys/values (GQA by head grouping), f32 accumulation
     (f64 for float64 queries: a float64 run stays float64).
@@ -152,12 +155,12 @@ def dense_partial(
     return Partial(acc.reshape(b, t, h, d), m, l)
 
 
-def valid_tokens(lengths: Int[Array, "b"], max_len: int) -> Bool[Array, "b s"]:
+def valid_tokens(lengths: Lengths, max_len: int) -> Visible:
     """Whether stored position s of row b holds a token: s < lengths[b]."""
     return jnp.arange(max_len)[None, :] < lengths[:, None]
 
 
-def past_mask(lengths: Int[Array, "b"], num_queries: int, max_len: int) -> Bool[Array, "b t s"]:
+def past_mask(lengths: Lengths, num_queries: int, max_len: int) -> PastMask:
     """Mask of stored positions s < lengths[b], the same for every query of the call."""
     valid = valid_tokens(lengths, max_len)
     return jnp.broadcast_to(valid[:, None, :], (lengths.shape[0], num_queries, max_len))
@@ -225,9 +228,9 @@ def _read_on_bits(read: Callable[[Array, Array], Array], tree: Any, where: Array
     return tree_values(jax.tree_util.tree_map(lambda b: read(b, where), bits), dtypes)
 
 
-def tiled_partial(part: Callable[[Any, Int[Array, ""], Bool[Array, "b s"]], Partial], stored: Any,
-                  shape: tuple[int, int, int, int], lengths: Int[Array, "b"], max_len: int, tile: int,
-                  visible: Bool[Array, "b s"] | None = None) -> Partial:
+def tiled_partial(part: Callable[[Any, Int[Array, ""], Visible], Partial], stored: Any,
+                  shape: tuple[int, int, int, int], lengths: Lengths, max_len: int, tile: int,
+                  visible: Visible | None = None) -> Partial:
     """The partial over stored positions s < lengths[b] (and `visible[b, s]`), one context tile at a time.
 
     `part(stored, start, valid)` is the partial over positions start .. start + tile − 1 where `valid`
@@ -270,7 +273,7 @@ class Written(NamedTuple):
     out_of_range: Int[Array, "b"]
 
 
-def nothing_lost(lengths: Int[Array, "b"]) -> Int[Array, "b"]:
+def nothing_lost(lengths: Lengths) -> Int[Array, "b"]:
     """`Written.out_of_range` of a format that stores every value it is given: zeros [B]."""
     return jnp.zeros_like(lengths)
 
@@ -320,19 +323,19 @@ class CacheFormat:
         """An empty segment state: `seg.size` slot pytrees, leaves [G, N, B, K, S, ...]."""
         raise NotImplementedError
 
-    def write(self, state: tuple[Any, ...], k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: Any) -> Written:
+    def write(self, state: tuple[Any, ...], k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew,
+              calib: Any) -> Written:
         """Encode a segment's new tokens t < num_new[b] at positions lengths[b] + t: the new state and
         the values of those tokens it could not store faithfully, per row."""
         raise NotImplementedError
 
-    def reconstruct(self, state: tuple[Any, ...], index: Index, loop: int, lengths: Int[Array, "b"],
-                    calib: Any) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
+    def reconstruct(self, state: tuple[Any, ...], index: Index, loop: int, lengths: Lengths,
+                    calib: Any) -> tuple[SlotKV, SlotKV]:
         """The stored K and V of a slot decoded to float32 (0 at s ≥ lengths[b]): the semantic reference."""
         raise NotImplementedError
 
-    def attend(self, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
-               lengths: Int[Array, "b"], calib: Any, visible: Bool[Array, "b s"] | None = None) -> Partial:
+    def attend(self, state: tuple[Any, ...], index: Index, loop: int, q: Queries,
+               lengths: Lengths, calib: Any, visible: Visible | None = None) -> Partial:
         """Partial attention to the stored tokens s < lengths[b] of slot `index`, group position `loop`,
         that `visible` [B, S] (None: all) shows; equal to `reference_attend`. Default: `tiled_attend`
         (each context tile decoded by `reconstruct`, then dense attention), for a state whose every leaf
@@ -345,8 +348,7 @@ class CacheFormat:
         """The data-free calibration of a segment (leading [G, N]), or None when none is needed."""
         return None
 
-    def calibrate(self, seg: Segment, k: Float[Array, "g p n b k s d"], v: Float[Array, "g p n b k s d"],
-                  lengths: Int[Array, "b"]) -> Any:
+    def calibrate(self, seg: Segment, k: SegmentPast, v: SegmentPast, lengths: Lengths) -> Any:
         """The calibration of a segment fitted on dense K/V (tokens s < lengths[b]); default: `default_calib`."""
         return self.default_calib(seg, k.shape[2], k.shape[4], k.shape[6])
 
@@ -362,8 +364,7 @@ class CacheFormat:
 
     # ---- training --------------------------------------------------------------------------------
 
-    def fake_quant(self, k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
-                   calib: Any) -> tuple[Array, Array]:
+    def fake_quant(self, k: SegmentKV, v: SegmentKV, calib: Any) -> tuple[Array, Array]:
         """What `write` then `reconstruct` give for a segment's K/V, float32, with straight-through
         gradients to k and v — for quantization-aware training. Raises NotImplementedError for a format
         without one."""
@@ -388,8 +389,7 @@ class CacheFormat:
 
 
 def reference_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int,
-                     q: Float[Array, "b t h d"], lengths: Int[Array, "b"], calib: Any,
-                     visible: Bool[Array, "b s"] | None = None) -> Partial:
+                     q: Queries, lengths: Lengths, calib: Any, visible: Visible | None = None) -> Partial:
     """"Decode the stored slot, then dense attention": the reference every format's `attend` must equal.
     `visible` further hides stored positions (e.g. steps a token skipped, `KVCache.steps`)."""
     k, v = fmt.reconstruct(state, index, loop, lengths, calib)
@@ -397,8 +397,8 @@ def reference_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loo
     return dense_partial(q, k, v, mask if visible is None else mask & visible[:, None, :])
 
 
-def tiled_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int, q: Float[Array, "b t h d"],
-                 lengths: Int[Array, "b"], calib: Any, visible: Bool[Array, "b s"] | None = None) -> Partial:
+def tiled_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int, q: Queries,
+                 lengths: Lengths, calib: Any, visible: Visible | None = None) -> Partial:
     """`reference_attend` one context tile at a time (`tiled_partial`): every state leaf sliced on its
     token axis to a tile (`slot_tile`), decoded by `fmt.reconstruct` as a one-slot cache of `tile`
     positions, then dense attention. For states whose leaves all have one entry per stored position."""
@@ -454,7 +454,7 @@ def policy_fields(name: str) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(fmt) if f.init and f.name != "name")
 
 
-def scatter_tokens(store: Any, new: Any, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Any:
+def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew) -> Any:
     """Write every leaf of `new` into the same leaf of `store` along the token axis, in place.
 
     Leaves are laid out [G, N, B, K, S, ...] (`new` has T in place of S). Token t of row b goes to
@@ -494,7 +494,7 @@ def with_gradient_of(reference: Callable[..., Any], fn: Callable[..., Any], *arg
     return call(*(leaves[i] for i in live))
 
 
-def _scatter(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
+def _scatter(old: Array, val: Array, lengths: Lengths, num_new: NumNew) -> Array:
     """`scatter_tokens` of one leaf as one scatter."""
     b, t, s = val.shape[2], val.shape[TOKEN_AXIS], old.shape[TOKEN_AXIS]
     steps = jnp.arange(t)[None, :]
@@ -515,7 +515,7 @@ def on_bits(update, old: Array, new: Array) -> Array:
     return values_of(update(bits_of(old), bits_of(new)), old.dtype)
 
 
-def _write_rows(old: Array, val: Array, lengths: Int[Array, "b"], num_new: Int[Array, "b"]) -> Array:
+def _write_rows(old: Array, val: Array, lengths: Lengths, num_new: NumNew) -> Array:
     """`scatter_tokens` of one leaf as one dynamic-update-slice per row: row b's block of T positions
     from min(lengths[b], S − T), its new tokens merged into what the block held (read, for all rows at
     once, before the first write). All of it runs on the values' bits (`on_bits`): XLA:CPU widens float
@@ -558,8 +558,7 @@ def tree_nbytes(tree: Any) -> int:
     return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
 
 
-def fake_quant_loops(fmt: CacheFormat, k: Float[Array, "l n b k t d"], v: Float[Array, "l n b k t d"],
-                     calib: tuple[Any, ...] | None) -> tuple[Array, Array]:
+def fake_quant_loops(fmt: CacheFormat, k: LoopKV, v: LoopKV, calib: tuple[Any, ...] | None) -> tuple[Array, Array]:
     """K/V of a loop stack [L, N, B, K, T, D] as `fmt` stores and reconstructs them (float32, straight-
     through gradients), segment by segment (`calib`: one entry per segment of `fmt`'s grouping of L)."""
     segs = segments(k.shape[0], fmt.group_len)

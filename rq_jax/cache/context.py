@@ -15,26 +15,26 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Int
 
 from rq_jax.cache import base
 from rq_jax.cache.calib import CacheCalib
 from rq_jax.cache.kv import KV, Group, KVCache
+from rq_jax.shapes import Attended, CallMask, Lengths, NewKV, NumNew, Positions, Queries
 
 
 class CallContext(Protocol):
     """One forward call's view of its past. `num_new[b]` of the call's T tokens of row b are real;
     `positions` [B, T] are their absolute positions."""
 
-    num_new: Int[Array, "b"]
-    positions: Int[Array, "b t"]
+    num_new: NumNew
+    positions: Positions
 
     def segments(self, group: Group, num_loops: int) -> tuple[base.Segment, ...]:
         """How the call's loops are grouped into segments (the model scans a segment's groups)."""
 
-    def attend(self, group: Group, seg: int, index: base.Index, loop: int, q: Float[Array, "b t h d"],
-               k: Float[Array, "b k t d"], v: Float[Array, "b k t d"],
-               skipped: Bool[Array, "b t"] | None = None) -> Float[Array, "b t h d"]:
+    def attend(self, group: Group, seg: int, index: base.Index, loop: int, q: Queries,
+               k: NewKV, v: NewKV, skipped: Bool[Array, "b t"] | None = None) -> Attended:
         """Attention of q over slot (segment `seg`, `index`, group position `loop`)'s past and this
         call's own K/V (k, v), merged exactly."""
 
@@ -48,7 +48,7 @@ class CallContext(Protocol):
 class ContextSource(Protocol):
     """A past that is not a `KVCache` (passed as a model's `context`): it builds the call's context."""
 
-    def call_context(self, num_new: Int[Array, "b"], num_tokens: int, num_loops: int) -> CallContext:
+    def call_context(self, num_new: NumNew, num_tokens: int, num_loops: int) -> CallContext:
         """The context of a call of `num_tokens` tokens (`num_new[b]` real) running `num_loops` loops."""
 
 
@@ -65,7 +65,7 @@ class SelfMask(NamedTuple):
     that is real (s < num_new[b]) and, where `hidden` [B, T] marks it, only as itself (a token that
     skipped this loop, `KVCache.steps`)."""
 
-    num_new: Int[Array, "b"]
+    num_new: NumNew
     hidden: Bool[Array, "b t"] | None = None
 
     def block(self, q0: Int[Array, ""] | int, tq: int, k0: Int[Array, ""] | int, tk: int) -> Bool[Array, "b tq tk"]:
@@ -78,13 +78,13 @@ class SelfMask(NamedTuple):
         return mask
 
 
-def causal_mask(num_new: Int[Array, "b"], num_tokens: int) -> Bool[Array, "b t t"]:
+def causal_mask(num_new: NumNew, num_tokens: int) -> CallMask:
     """Query t may see in-flight key s ≤ t when s is a real token (s < num_new[b])."""
     return SelfMask(num_new).block(0, num_tokens, 0, num_tokens)
 
 
-def attend_with_past(q: Float[Array, "b t h d"], k: Float[Array, "b k t d"], v: Float[Array, "b k t d"],
-                     self_mask: Bool[Array, "b t t"] | SelfMask, past: base.Partial | None) -> Float[Array, "b t h d"]:
+def attend_with_past(q: Queries, k: NewKV, v: NewKV, self_mask: CallMask | SelfMask,
+                     past: base.Partial | None) -> Attended:
     """Attention output of q over the in-flight K/V (under `self_mask`) merged exactly with the softmax
     partial over the stored past (None: no past), in q's dtype. A `SelfMask` over more than `SELF_TILE`
     tokens is attended tile by tile (`_tiled_self`)."""
@@ -99,8 +99,7 @@ def attend_with_past(q: Float[Array, "b t h d"], k: Float[Array, "b k t d"], v: 
     return base.finalize(out).astype(q.dtype)
 
 
-def _tiled_self(q: Float[Array, "b t h d"], k: Float[Array, "b k t d"], v: Float[Array, "b k t d"], mask: SelfMask,
-                past: base.Partial | None, tile: int) -> Float[Array, "b t h d"]:
+def _tiled_self(q: Queries, k: NewKV, v: NewKV, mask: SelfMask, past: base.Partial | None, tile: int) -> Attended:
     """`attend_with_past` over query tiles × key tiles (tile ≤ T): each query tile folds in the key
     tiles at or below the diagonal (the others are skipped by a `lax.cond`), then its rows of `past`.
     The last tile of a call that `tile` does not divide ends at T (its rows are computed twice, and an
@@ -131,8 +130,8 @@ def _tiled_self(q: Float[Array, "b t h d"], k: Float[Array, "b k t d"], v: Float
     return jax.lax.scan(query_tile, jnp.zeros_like(q), jnp.arange(count))[0]
 
 
-def write_in_chunks(fmt: base.CacheFormat, state: tuple[Any, ...], kv: tuple[KV, ...], lengths: Int[Array, "b"],
-                    num_new: Int[Array, "b"], calib: Any, chunk: int = WRITE_CHUNK) -> base.Written:
+def write_in_chunks(fmt: base.CacheFormat, state: tuple[Any, ...], kv: tuple[KV, ...], lengths: Lengths,
+                    num_new: NumNew, calib: Any, chunk: int = WRITE_CHUNK) -> base.Written:
     """`fmt.write` of a call's K/V, given per group position (`kv`: (k, v) [G, N, B, K, T, D] each),
     `chunk` tokens at a time (a loop over the full chunks, then the rest): each chunk's positions are
     stacked [G, p, N, B, K, chunk, D] and encoded, so neither the stacking nor the encoder ever holds
@@ -178,12 +177,12 @@ class CacheContext(NamedTuple):
 
     cache: KVCache | None
     calib: CacheCalib
-    num_new: Int[Array, "b"]
+    num_new: NumNew
     self_mask: SelfMask
-    positions: Int[Array, "b t"]
+    positions: Positions
 
     @classmethod
-    def build(cls, cache: KVCache | None, num_new: Int[Array, "b"], num_tokens: int,
+    def build(cls, cache: KVCache | None, num_new: NumNew, num_tokens: int,
               calib: CacheCalib | None) -> "CacheContext":
         """The context of a call of `num_tokens` tokens."""
         start = cache.lengths if cache is not None else jnp.zeros_like(num_new)
@@ -196,9 +195,8 @@ class CacheContext(NamedTuple):
             return base.segments(num_loops, 1)
         return self.cache.schedule(group)[1]
 
-    def attend(self, group: Group, seg: int, index: base.Index, loop: int, q: Float[Array, "b t h d"],
-               k: Float[Array, "b k t d"], v: Float[Array, "b k t d"],
-               skipped: Bool[Array, "b t"] | None = None) -> Float[Array, "b t h d"]:
+    def attend(self, group: Group, seg: int, index: base.Index, loop: int, q: Queries,
+               k: NewKV, v: NewKV, skipped: Bool[Array, "b t"] | None = None) -> Attended:
         """Attention of q over slot (segment `seg`, `index`, group position `loop`)'s past and this
         call's own K/V (k, v), merged exactly.
 

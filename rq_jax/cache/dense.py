@@ -9,12 +9,13 @@ from typing import NamedTuple
 import cpu_kernels
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 from pallas_kernels import dense_decode_attention
 from pallas_kernels.tpu_dense_attention import tpu_dense_decode_attention
 
 from rq_jax.cache import attention, base
 from rq_jax.quant import ste
+from rq_jax.shapes import Lengths, NumNew, Queries, SegmentKV, SlotKV, Visible
 
 
 class DenseSlot(NamedTuple):
@@ -48,24 +49,25 @@ class Dense(base.CacheFormat):
         shape = (seg.groups, num_layers, batch, num_kv_heads, max_len, head_dim)
         return (DenseSlot(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)),)
 
-    def write(self, state, k, v, lengths, num_new, calib) -> base.Written:
+    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib) -> base.Written:
         """Store new K/V [G, 1, N, B, K, T, D] at positions lengths[b] + t, t < num_new[b]."""
         new = base.scatter_tokens(state[0], DenseSlot(k[:, 0], v[:, 0]), lengths, num_new)
         return base.Written((new,), base.nothing_lost(lengths))
 
-    def reconstruct(self, state, index, loop, lengths, calib):
+    def reconstruct(self, state, index, loop, lengths: Lengths, calib) -> tuple[SlotKV, SlotKV]:
         """The stored K, V of slot `index` as float32 [B, K, S, D] (positions s ≥ lengths[b] are 0 already)."""
         slot = base.at(state[loop], index)
         return slot.k.astype(jnp.float32), slot.v.astype(jnp.float32)
 
-    def attend(self, state, index, loop, q, lengths, calib, visible=None) -> base.Partial:
+    def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib, visible: Visible | None = None
+               ) -> base.Partial:
         """Attention to slot `index`'s stored K/V through the decode-attention op (XLA's tiled attention
         under a `visible` mask, which the kernels do not take)."""
         if visible is not None:
             return base.tiled_attend(self, state, index, loop, q, lengths, calib, visible)
         return attention.DENSE(self.attend_impl, self, state[loop], index, q, lengths, calib, who=self.name)
 
-    def fake_quant(self, k, v, calib) -> tuple[Array, Array]:
+    def fake_quant(self, k: SegmentKV, v: SegmentKV, calib) -> tuple[Array, Array]:
         """K/V rounded to the storage dtype (float32 values), gradients passed straight through."""
         def cast(x):
             x = x.astype(jnp.float32)
@@ -82,14 +84,14 @@ class Dense(base.CacheFormat):
 
 
 @attention.DENSE.register("xla")
-def _attend_xla(fmt: Dense, slot: DenseSlot, index: base.Index, q: Float[Array, "b t h d"], lengths: Int[Array, "b"],
+def _attend_xla(fmt: Dense, slot: DenseSlot, index: base.Index, q: Queries, lengths: Lengths,
                 calib) -> base.Partial:
     """XLA's tiled attention to the slot (`base.tiled_attend`)."""
     return base.tiled_attend(fmt, (slot,), index, 0, q, lengths, calib)
 
 
-def _kernel_partial(kernel, slot: DenseSlot, index: base.Index, q: Float[Array, "b t h d"],
-                    lengths: Int[Array, "b"], flat: bool = True, **kw) -> base.Partial:
+def _kernel_partial(kernel, slot: DenseSlot, index: base.Index, q: Queries,
+                    lengths: Lengths, flat: bool = True, **kw) -> base.Partial:
     """The partial through a kernel of `pallas_kernels.dense_decode_attention`'s signature: queries as
     [B, K, T·H/K, D] rows, K/V over the [G·N] slots (flattened when `flat`, else stacked [G, N, ...] for a
     kernel that takes leading slot axes)."""

@@ -53,11 +53,12 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, UInt8
+from jaxtyping import Array, Float, Int, UInt8
 
 from rq_jax.cache import base
 from rq_jax.quant import affine, packing
 from rq_jax.quant import bits as qbits
+from rq_jax.shapes import Lengths, NumNew, Queries, SlotKV, Visible
 
 _RESIDUAL_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -82,7 +83,7 @@ def _take_tokens(x: Array, index: Int[Array, "b m"]) -> Array:
     return jnp.take_along_axis(x, idx, axis=4)
 
 
-def _ring_positions(lengths: Int[Array, "b"], slots: int, period: int) -> Int[Array, "b w"]:
+def _ring_positions(lengths: Lengths, slots: int, period: int) -> Int[Array, "b w"]:
     """Position held by ring slot i of a row of `lengths[b]` tokens: the newest p < length with
     p ≡ i (mod period); negative when there is none."""
     last = lengths[:, None] - 1
@@ -194,7 +195,7 @@ class Kivi(base.CacheFormat):
             v_full=jnp.zeros((*lead, wv, head_dim), res)),)
 
     def write(self, state: tuple[KiviState], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib) -> base.Written:
+              lengths: Lengths, num_new: NumNew, calib) -> base.Written:
         """Store new K/V [G, 1, N, B, K, T, D], tokens t < num_new[b] at positions lengths[b] + t.
 
         Keys join the row's full-precision buffer; every R-block this fills — up to ⌈T / R⌉ of them — is
@@ -253,8 +254,8 @@ class Kivi(base.CacheFormat):
         v_full = jnp.where((held >= 0)[None, None, :, None, :, None], v_full, 0)
         return KiviState(k_codes, k_scale, k_offset, k_full, v_codes, v_scale, v_offset, v_full)
 
-    def attend(self, state: tuple[KiviState], index: base.Index, loop: int, q: Float[Array, "b t h d"],
-               lengths: Int[Array, "b"], calib, visible: Bool[Array, "b s"] | None = None) -> base.Partial:
+    def attend(self, state: tuple[KiviState], index: base.Index, loop: int, q: Queries,
+               lengths: Lengths, calib, visible: Visible | None = None) -> base.Partial:
         """Partial attention (float32) of q [B, T, H, D] to the stored tokens s < lengths[b] of a slot
         (those `visible` [B, S] shows), one context tile at a time (`base.tiled_partial`): each tile's
         keys and values decoded at its positions (`_decode_at`), then dense attention."""
@@ -269,8 +270,8 @@ class Kivi(base.CacheFormat):
 
         return base.tiled_partial(part, state, (b, t, h, d), lengths, max_len, tile, visible)
 
-    def reconstruct(self, state: tuple[KiviState], index: base.Index, loop: int, lengths: Int[Array, "b"], calib
-                    ) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
+    def reconstruct(self, state: tuple[KiviState], index: base.Index, loop: int, lengths: Lengths, calib
+                    ) -> tuple[SlotKV, SlotKV]:
         """The stored K, V of slot (loop, layer) as float32 [B, K, S, D] (`_decode_at` every position),
         zero past each row's length."""
         st = state[0]
@@ -278,7 +279,7 @@ class Kivi(base.CacheFormat):
         valid = base.valid_tokens(lengths, max_len)[:, None, :, None]
         return tuple(jnp.where(valid, x, 0.0) for x in self._decode_at(state, index, lengths, jnp.arange(max_len)))
 
-    def _decode_at(self, state: tuple[KiviState], index: base.Index, lengths: Int[Array, "b"],
+    def _decode_at(self, state: tuple[KiviState], index: base.Index, lengths: Lengths,
                    pos: Int[Array, "m"]) -> tuple[Float[Array, "b k m d"], Float[Array, "b k m d"]]:
         """K and V of slot `index` at positions `pos` [M] (each < S) as float32 [B, K, M, D]: dequantized
         keys at p < L − L mod R and values at p < L − R, the full-precision tokens for the rest (what a

@@ -13,21 +13,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
 
 from rq_jax.cache import base
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.kv import init_cache
 from rq_jax.cache.schemes import kv_error_labels, pick
+from rq_jax.shapes import LoopPast, Tokens
 
 
-def dense_kv(model, tokens: Int[Array, "b t"], num_loops: int, **model_kwargs):
+def dense_kv(model, tokens: Tokens, num_loops: int, **model_kwargs):
     """The looped slots' K and V [L, N, B, K, T, D] (float32) after a prefill of `tokens`."""
     cache = init_cache(model.config, tokens.shape[0], tokens.shape[1], Dense("float32"), num_loops=num_loops)
     return model(tokens, cache, num_loops=num_loops, **model_kwargs).cache.dense_kv()
 
 
-def reconstruction_error(fmt: base.CacheFormat, k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"],
+def reconstruction_error(fmt: base.CacheFormat, k: LoopPast, v: LoopPast,
                          calib: tuple[Any, ...] | None = None) -> dict[str, np.ndarray]:
     """Normalised squared error ‖X̂ − X‖² / ‖X‖² of K and V [L, N, B, K, S, D].
 
@@ -51,7 +51,7 @@ def reconstruction_error(fmt: base.CacheFormat, k: Float[Array, "l n b k s d"], 
 
 
 
-def scheme_errors(k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"], group_size: int,
+def scheme_errors(k: LoopPast, v: LoopPast, group_size: int,
                   log=print) -> list[dict]:
     """`reconstruction_error` of every scheme of the K/V error report (`schemes.kv_error_labels` at
     `group_size`) on K/V [L, N, B, K, S, D]: rows of scheme, bits (per element at these loops and head
@@ -93,7 +93,7 @@ def _segment_errors(fmt: base.CacheFormat, seg: base.Segment, ks, vs, lengths, c
     return tuple(jnp.stack([o[i] for o in out], axis=1) for i in (0, 1))
 
 
-def loop_similarity(k: Float[Array, "l n b k s d"], v: Float[Array, "l n b k s d"], group_len: int
+def loop_similarity(k: LoopPast, v: LoopPast, group_len: int
                     ) -> dict[str, np.ndarray]:
     """How close each loop's K/V [L, N, B, K, S, D] are to their group's last loop (the anchor a
     ResidualQuant cache with groups of `group_len` loops codes the others against), per (loop, layer):

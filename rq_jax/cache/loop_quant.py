@@ -48,12 +48,13 @@ import cpu_kernels
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float
 from pallas_kernels import QuantStream, residual_decode_attention
 
 from rq_jax.cache import attention, base
 from rq_jax.quant import affine, bits as qbits, residual, rotation, ste
 from rq_jax.quant.packing import PackedCodes
+from rq_jax.shapes import GroupedQueries, Lengths, NumNew, Queries, SegmentKV, SegmentPast, SlotKV, Visible
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -92,8 +93,8 @@ class LoopOperands(NamedTuple):
     k_mean: tuple[Array | None, ...]
 
 
-def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"],
-                   visible: Bool[Array, "b s"] | None = None) -> base.Partial:
+def attend_rotated(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
+                   visible: Visible | None = None) -> base.Partial:
     """Softmax partial of rotated queries over a slot's stored tokens s < lengths[b] that `visible`
     (None: all) shows (XLA), one context tile at a time (`base.tiled_partial`): only a tile's codes,
     metadata and α are read out of the stacked state and dequantized.
@@ -112,9 +113,9 @@ def attend_rotated(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths:
     return base.tiled_partial(part, stored, (b, t, heads * per_kv, d), lengths, max_len, tile, visible)
 
 
-def _rotated_partial(q_rot: Float[Array, "b t k g d"], k: tuple[PackedCodes, ...], v: tuple[PackedCodes, ...],
+def _rotated_partial(q_rot: GroupedQueries, k: tuple[PackedCodes, ...], v: tuple[PackedCodes, ...],
                      k_alpha: tuple[Array | None, ...], v_alpha: tuple[Array | None, ...],
-                     k_mean: tuple[Array | None, ...], valid: Bool[Array, "b s"]) -> base.Partial:
+                     k_mean: tuple[Array | None, ...], valid: Visible) -> base.Partial:
     """`attend_rotated` over one tile: the chain's codes [B, K, S, ...] and α [B, K, S] (`LoopOperands`'
     order), positions where `valid` [B, S]."""
     b, t, heads, per_kv, d = q_rot.shape
@@ -138,7 +139,7 @@ def _rotated_partial(q_rot: Float[Array, "b t k g d"], k: tuple[PackedCodes, ...
     return base.Partial(acc.reshape(b, t, heads * per_kv, d), m, l)
 
 
-def _kernel_partial(kernel, q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"],
+def _kernel_partial(kernel, q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
                     flat: bool = True, **kw) -> base.Partial:
     """`attend_rotated` through a decode kernel of `pallas_kernels.residual_decode_attention`'s signature
     (the Pallas kernel, or the native CPU kernel): queries as [B, K, T·H/K, D] rows, the chain's streams
@@ -166,7 +167,7 @@ def _kernel_partial(kernel, q_rot: Float[Array, "b t k g d"], ops: LoopOperands,
 
 
 @attention.PACKED.register("pallas")
-def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
+def attend_pallas(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths) -> base.Partial:
     """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
     compiled for Triton on a GPU, run in interpret mode elsewhere. Raises NotImplementedError (at
     trace time) for configurations the kernel does not cover."""
@@ -174,7 +175,7 @@ def attend_pallas(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: 
 
 
 @attention.PACKED.register("native")
-def attend_native(q_rot: Float[Array, "b t k g d"], ops: LoopOperands, lengths: Int[Array, "b"]) -> base.Partial:
+def attend_native(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths) -> base.Partial:
     """`attend_rotated` through the native CPU kernel (`cpu_kernels.residual_decode_attention`, XLA FFI),
     reading the codes where they lie. Raises NotImplementedError (at trace time) for configurations it
     does not cover, or when the kernels cannot be built here."""
@@ -201,9 +202,9 @@ class LoopQuant(base.CacheFormat):
     whole vector) and counted by `out_of_range`.
     """
 
-    bits: tuple[int, ...] = (2, 2, 2, 4)
+    bits: int | tuple[int, ...] = (2, 2, 2, 4)
     group_size: int | tuple[int, ...] = 32
-    bits_v: tuple[int, ...] | None = None
+    bits_v: int | tuple[int, ...] | None = None
     group_size_v: int | tuple[int, ...] | None = None
     meta_dtype: str = "float8_e4m3fn"
     rotation: str = "hadamard"
@@ -311,7 +312,7 @@ class LoopQuant(base.CacheFormat):
         u = jnp.broadcast_to(rotation.make_rotation(self.rotation, head_dim), shape)
         return RotationCalib(u, u)
 
-    def calibrate(self, seg, k, v, lengths) -> RotationCalib:
+    def calibrate(self, seg, k: SegmentPast, v: SegmentPast, lengths: Lengths) -> RotationCalib:
         """The default rotations, plus, when `key_means`, the key means fitted for them
         (`fit_key_means`). k, v: [G, p, N, B, K, S, D]."""
         calib = self.default_calib(seg, k.shape[2], k.shape[4], k.shape[6])
@@ -334,7 +335,7 @@ class LoopQuant(base.CacheFormat):
         keys, values = spell(*self.schedule("k")), spell(*self.schedule("v"))
         return f"{self.name}-{keys}" + ("" if values == keys else f"-v{values}") + f"-L{num_loops}"
 
-    def fit_key_means(self, k: Float[Array, "g p n b k s d"], lengths: Int[Array, "b"],
+    def fit_key_means(self, k: SegmentPast, lengths: Lengths,
                       key_rot: Float[Array, "g n k d d"]) -> Float[Array, "g n p k d"]:
         """Per-(loop, layer, kv head) key means [G, N, p, K, D] for the key rotations `key_rot`: the mean
         over tokens s < lengths[b] of each loop's quantization target in the rotated basis (the anchor's
@@ -369,7 +370,8 @@ class LoopQuant(base.CacheFormat):
             enc[kind] = e._replace(out_of_range=e.out_of_range + jnp.sum(~finite, axis=(1, -1)))  # [G, N, B, K, T]
         return enc
 
-    def write(self, state, k, v, lengths, num_new, calib: RotationCalib) -> base.Written:
+    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib: RotationCalib
+              ) -> base.Written:
         """Rotate and encode every group of K/V [G, p, N, B, K, T, D]; store at lengths[b] + t. Per row,
         the new tokens' (t < num_new[b]) metadata values the metadata dtype could not hold (saturated or
         flushed to zero) plus their non-finite entries, summed over slots, are the out-of-range count."""
@@ -397,8 +399,7 @@ class LoopQuant(base.CacheFormat):
         return residual.ResidualConfig(cfg.bits[r : r + 1], cfg.group_sizes[r : r + 1], meta_dtype=cfg.meta_dtype,
                                        super_scale=cfg.super_scale)
 
-    def fake_quant(self, k: Float[Array, "g p n b k t d"], v: Float[Array, "g p n b k t d"],
-                   calib: RotationCalib) -> tuple[Array, Array]:
+    def fake_quant(self, k: SegmentKV, v: SegmentKV, calib: RotationCalib) -> tuple[Array, Array]:
         """What `write` then `reconstruct` give for K/V [G, p, N, B, K, T, D], float32, with straight-
         through gradients to k and v (references stopped) — for quantization-aware training."""
         out = []
@@ -427,7 +428,8 @@ class LoopQuant(base.CacheFormat):
             tuple(state[r].k_alpha for r in links[:-1]), tuple(state[r].v_alpha for r in links[:-1]),
             tuple(None if means is None else means[r] for r in links))
 
-    def attend(self, state, index, loop, q, lengths, calib: RotationCalib, visible=None) -> base.Partial:
+    def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib: RotationCalib,
+               visible: Visible | None = None) -> base.Partial:
         """Rotate the queries, run `attend_impl` on the slot's operands (XLA fallback; XLA too under a
         `visible` mask), un-rotate."""
         b, t, h, d = q.shape
@@ -443,7 +445,7 @@ class LoopQuant(base.CacheFormat):
         acc = jnp.einsum("btkqe,ked->btkqd", acc, value_rot, precision=_HI)
         return part._replace(acc=acc.reshape(b, t, h, d))
 
-    def reconstruct(self, state, index, loop, lengths, calib: RotationCalib):
+    def reconstruct(self, state, index, loop, lengths: Lengths, calib: RotationCalib) -> tuple[SlotKV, SlotKV]:
         """Decode slot `index` at position `loop` with the toolbox, then un-rotate: [B, K, S, D] each."""
         mean = None if calib.key_mean is None else calib.key_mean[index][:, None, :, None, :]  # [p, 1, K, 1, D]
         out = []

@@ -53,10 +53,11 @@ from typing import ClassVar, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, UInt8
+from jaxtyping import Array, Float, Int, UInt8
 
 from rq_jax.cache import base
 from rq_jax.quant import bits, rvq
+from rq_jax.shapes import Lengths, NumNew, Queries, SlotKV, Visible
 
 _PATHS = ("auto", "lut", "decode")
 _NIBBLE = 16  # codes per stage addressable by a 4-bit index
@@ -94,7 +95,7 @@ def _encode_slots(x: Float[Array, "g n b k t d"], books: rvq.RVQCodebooks) -> UI
     return jax.vmap(jax.vmap(one))(x, books.c1, books.c2, books.scale)
 
 
-def calib_token_index(lengths: Int[Array, "b"], max_len: int, count: int) -> Int[Array, "m"]:
+def calib_token_index(lengths: Lengths, max_len: int, count: int) -> Int[Array, "m"]:
     """`count` flat indices into [B, max_len], evenly spaced over the valid tokens s < lengths[b].
 
     Valid tokens are taken in (row, position) order; index i picks valid token
@@ -161,7 +162,7 @@ class ResidualVQ(base.CacheFormat):
             "without calib, which fits the codebooks on each batch's prompt")
 
     def calibrate(self, seg, k: Float[Array, "g 1 n b k s d"], v: Float[Array, "g 1 n b k s d"],
-                  lengths: Int[Array, "b"]) -> RVQCalib:
+                  lengths: Lengths) -> RVQCalib:
         """Fit per-slot codebooks [G, N, n_codes, group] and scales [G, N, K, D] on tokens s < lengths[b].
 
         Jit-able (fixed shapes); slots are fitted one after another (`lax.map`) to bound memory.
@@ -187,15 +188,15 @@ class ResidualVQ(base.CacheFormat):
         books = jax.tree_util.tree_map(lambda a: a.reshape(2, num_loops, num_layers, *a.shape[1:]), books)
         return RVQCalib(*(jax.tree_util.tree_map(lambda a, i=i: a[i], books) for i in (0, 1)))
 
-    def reconstruct(self, state: tuple[RVQSlot], index: base.Index, loop: int, lengths: Int[Array, "b"],
-                    calib: RVQCalib) -> tuple[Float[Array, "b k s d"], Float[Array, "b k s d"]]:
+    def reconstruct(self, state: tuple[RVQSlot], index: base.Index, loop: int, lengths: Lengths,
+                    calib: RVQCalib) -> tuple[SlotKV, SlotKV]:
         """The stored K, V of slot `index` decoded to float32 [B, K, S, D] (0 at s ≥ lengths[b])."""
         slot, valid = base.at(state[0], index), base.valid_tokens(lengths, state[0].k.shape[base.TOKEN_AXIS])
         return tuple(jnp.where(valid[:, None, :, None], rvq.decode(codes, _slot_books(books, index)), 0.0)
                      for codes, books in ((slot.k, calib.k), (slot.v, calib.v)))
 
-    def attend(self, state: tuple[RVQSlot], index: base.Index, loop: int, q: Float[Array, "b t h d"],
-               lengths: Int[Array, "b"], calib: RVQCalib, visible: Bool[Array, "b s"] | None = None) -> base.Partial:
+    def attend(self, state: tuple[RVQSlot], index: base.Index, loop: int, q: Queries,
+               lengths: Lengths, calib: RVQCalib, visible: Visible | None = None) -> base.Partial:
         """Partial attention of q [B, T, H, D] to the stored tokens s < lengths[b] of slot `index` (those
         `visible` [B, S] shows), one context tile at a time (`base.tiled_partial`).
 
@@ -231,7 +232,7 @@ class ResidualVQ(base.CacheFormat):
         return base.tiled_partial(part, state, (b, t, h, d), lengths, max_len, tile, visible)
 
     def write(self, state: tuple[RVQSlot], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
-              lengths: Int[Array, "b"], num_new: Int[Array, "b"], calib: RVQCalib) -> base.Written:
+              lengths: Lengths, num_new: NumNew, calib: RVQCalib) -> base.Written:
         """Encode the new K/V [G, 1, N, B, K, T, D] of every slot at once; store t < num_new[b] at lengths[b] + t."""
         new = RVQSlot(_encode_slots(k[:, 0], calib.k), _encode_slots(v[:, 0], calib.v))
         return base.Written((base.scatter_tokens(state[0], new, lengths, num_new),), base.nothing_lost(lengths))

@@ -47,6 +47,7 @@ from jaxtyping import Array, Float
 from rq_jax.cache import attention, base
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.loop_quant import LoopQuant
+from rq_jax.shapes import Lengths, NumNew, Queries, SegmentKV, SegmentPast, SlotKV, Visible
 
 #: What a `share` group stores for all its loops: its last loop's K/V, the mean over its loops, its first's.
 SOURCES = ("last", "mean", "first")
@@ -107,7 +108,7 @@ class _Stored(base.CacheFormat):
         """The anchor's segment: the same groups, one loop each."""
         return base.Segment(seg.start, seg.groups, 1)
 
-    def stored(self, x: Float[Array, "g p n b k t d"], slot: int) -> Float[Array, "g 1 n b k t d"]:
+    def stored(self, x: SegmentKV, slot: int) -> Float[Array, "g 1 n b k t d"]:
         """What stored slot `slot` of a group of loops [G, p, ...] holds: [G, 1, ...] (a mean in float32)."""
         loops = self.writers(x.shape[1])[slot]
         if len(loops) == 1:
@@ -122,7 +123,7 @@ class _Stored(base.CacheFormat):
         return tuple(self.anchor.init(self._one(seg), num_layers, batch, max_len, num_kv_heads, head_dim)[0]
                      for _ in self.writers(seg.size))
 
-    def write(self, state, k, v, lengths, num_new, calib) -> base.Written:
+    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib) -> base.Written:
         """Store every slot's K/V (`stored` of K/V [G, p, N, B, K, T, D]) through the anchor."""
         new, lost = [], base.nothing_lost(lengths)
         for j in range(len(self.writers(k.shape[1]))):
@@ -131,11 +132,12 @@ class _Stored(base.CacheFormat):
             lost = lost + written.out_of_range
         return base.Written(tuple(new), lost)
 
-    def reconstruct(self, state, index, loop, lengths, calib):
+    def reconstruct(self, state, index, loop, lengths: Lengths, calib) -> tuple[SlotKV, SlotKV]:
         """Loop `loop`'s K/V: its slot's, decoded by the anchor ([B, K, S, D] each)."""
         return self.anchor.reconstruct((state[self.slot_of(loop)],), index, 0, lengths, calib)
 
-    def attend(self, state, index, loop, q, lengths, calib, visible=None) -> base.Partial:
+    def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib, visible: Visible | None = None
+               ) -> base.Partial:
         """Attention to loop `loop`'s slot through the anchor's attention."""
         return self.anchor.attend((state[self.slot_of(loop)],), index, 0, q, lengths, calib, visible)
 
@@ -143,7 +145,7 @@ class _Stored(base.CacheFormat):
         """The anchor's data-free calibration (rotations for a `rotated` anchor, else None)."""
         return self.anchor.default_calib(self._one(seg), num_layers, num_kv_heads, head_dim)
 
-    def calibrate(self, seg, k, v, lengths):
+    def calibrate(self, seg, k: SegmentPast, v: SegmentPast, lengths: Lengths):
         """The anchor's calibration fitted on the K/V of the first stored slot."""
         return self.anchor.calibrate(self._one(seg), self.stored(k, 0), self.stored(v, 0), lengths)
 
@@ -151,7 +153,7 @@ class _Stored(base.CacheFormat):
         """The anchor's calibration leaves for one loop per group."""
         return self.anchor.calib_shapes(self._one(seg), num_layers, num_kv_heads, head_dim)
 
-    def fake_quant(self, k, v, calib) -> tuple[Array, Array]:
+    def fake_quant(self, k: SegmentKV, v: SegmentKV, calib) -> tuple[Array, Array]:
         """Every loop's read of the anchor's fake quantization of its slot (K/V [G, p, N, B, K, T, D]):
         gradients reach the loops the slots are made of."""
         slots = [self.anchor.fake_quant(self.stored(k, j), self.stored(v, j), calib)

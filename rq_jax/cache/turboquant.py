@@ -44,6 +44,7 @@ from jaxtyping import Array, Float, UInt8
 
 from rq_jax.cache import base
 from rq_jax.quant import affine, rotation
+from rq_jax.shapes import Lengths, NumNew, SegmentKV, SlotKV
 
 _HI = jax.lax.Precision.HIGHEST
 #: vLLM's presets (`TQ_PRESETS`, without the "turboquant_" prefix): key bits (8: FP8 keys), value bits,
@@ -216,7 +217,7 @@ class TurboQuant(base.CacheFormat):
                           jnp.zeros(lead + (head_dim * self.value_bits // 8,), jnp.uint8),
                           jnp.zeros(lead, jnp.float16), jnp.zeros(lead, jnp.float16)),)
 
-    def write(self, state, k, v, lengths, num_new, calib) -> base.Written:
+    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib) -> base.Written:
         """Encode new K/V [G, 1, N, B, K, T, D] and store them at lengths[b] + t, t < num_new[b]. Per row,
         the new tokens' non-finite entries (stored as 0) and keys outside FP8's range (k8v4: clamped to
         ±448) are the out-of-range count."""
@@ -230,7 +231,7 @@ class TurboQuant(base.CacheFormat):
         lost = jnp.sum(jnp.where(fresh[:, None], lost, 0), axis=(0, 1, 3, 4))
         return base.Written((base.scatter_tokens(state[0], new, lengths, num_new),), lost.astype(lengths.dtype))
 
-    def reconstruct(self, state, index, loop, lengths, calib):
+    def reconstruct(self, state, index, loop, lengths: Lengths, calib) -> tuple[SlotKV, SlotKV]:
         """The stored K, V of slot `index` decoded to float32 [B, K, S, D] (0 past each row's length)."""
         slot = base.at(state[loop], index)
         d = slot.v_codes.shape[-1] * 8 // self.value_bits

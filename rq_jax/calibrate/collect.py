@@ -25,14 +25,15 @@ from jaxtyping import Array, Float, Int
 from rq_jax.cache.context import CacheContext
 from rq_jax.nn import common
 from rq_jax.nn.layers import rope_angles
+from rq_jax.shapes import LoopKV
 
 
 class Activations(NamedTuple):
     """One stack's attention inputs: q [L, N, B, T, H, D], k and v [L, N, B, K, T, D] (float32)."""
 
     q: Float[Array, "l n b t h d"]
-    k: Float[Array, "l n b k t d"]
-    v: Float[Array, "l n b k t d"]
+    k: LoopKV
+    v: LoopKV
 
 
 class ModelActivations(NamedTuple):

@@ -34,10 +34,10 @@ _NEG = -1e30
 class SlotData(NamedTuple):
     """One slot's (or, with a leading S axis, several slots') calibration activations and metric."""
 
-    q: Float[Array, "p b t k g d"]
+    q: Float[Array, "p b t k r d"]
     k: Float[Array, "p b k t d"]
     v: Float[Array, "p b k t d"]
-    m: Float[Array, "k g d d"]
+    m: Float[Array, "k r d d"]
 
 
 def reconstruct(fmt: LoopQuant, x: Float[Array, "p b k t d"], u: Float[Array, "k d d"],
@@ -49,7 +49,7 @@ def reconstruct(fmt: LoopQuant, x: Float[Array, "p b k t d"], u: Float[Array, "k
     return (k_hat if kind == "k" else v_hat)[0, :, 0]
 
 
-def log_probs(q: Float[Array, "p b t k g d"], k: Float[Array, "p b k s d"]) -> Float[Array, "p b k g t s"]:
+def log_probs(q: Float[Array, "p b t k r d"], k: Float[Array, "p b k s d"]) -> Float[Array, "p b k r t s"]:
     """Causal attention log-probabilities of the last t positions of each row over all s keys."""
     t, s = q.shape[2], k.shape[3]
     scores = jnp.einsum("pbtkgd,pbksd->pbkgts", q, k, precision=_HI) * q.shape[-1] ** -0.5
@@ -57,7 +57,7 @@ def log_probs(q: Float[Array, "p b t k g d"], k: Float[Array, "p b k s d"]) -> F
     return jax.nn.log_softmax(jnp.where(mask, scores, _NEG), axis=-1)
 
 
-def _output_error(delta: Float[Array, "p b k g t d"], m: Float[Array, "k g d d"], d_model: int) -> Float[Array, "k"]:
+def _output_error(delta: Float[Array, "p b k r t d"], m: Float[Array, "k r d d"], d_model: int) -> Float[Array, "k"]:
     """E(Δ) per kv head: Σ tr(Δ M Δᵀ) / (N_q · d_model), averaged over loops and query heads."""
     p, b, _, g, t, _ = delta.shape
     err = jnp.einsum("pbkgtd,kgde,pbkgte->k", delta, m, delta, precision=_HI)

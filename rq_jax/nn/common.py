@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from rq_jax.cache import base
 from rq_jax.cache.calib import CacheCalib, check_calib
@@ -25,6 +25,7 @@ from rq_jax.cache.context import CacheContext, CallContext, ContextSource
 from rq_jax.cache.kv import KV, Group, KVCache, check_overflow, init_cache
 from rq_jax.config import ModelConfig
 from rq_jax.nn.layers import Linear, linear, matmul, wide
+from rq_jax.shapes import NumNew, Tokens
 
 #: attend(q [B, T, H, D], k [B, K, T, D], v [B, K, T, D]) -> (o [B, T, H, D], the (k, v) to store);
 #: the slot attention also takes `skipped` [B, T] (see `CacheContext.attend`).
@@ -157,7 +158,7 @@ def slot_attend(ctx: CallContext, group: Group, seg: int, index: base.Index, loo
     return lambda q, k, v, skipped=None: (ctx.attend(group, seg, index, loop, q, k, v, skipped), (k, v))
 
 
-def start_call(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Array, "b"] | None,
+def start_call(tokens: Tokens, cache: KVCache | None, num_new: NumNew | None,
                num_loops: int, calib: CacheCalib | None, context: ContextSource | None = None) -> CallContext:
     """Check a forward call's shapes, loop count and calibration (at trace time), and build its context:
     a `CacheContext` over `cache` (or none), or the one `context` builds (a past that is not a cache).
@@ -198,7 +199,7 @@ def check_cache_type(cache: Any) -> None:
                         "e.g. rq_jax.train.qat.TeacherForced, goes in context=...)")
 
 
-def check_values(tokens: Int[Array, "b t"], cache: KVCache | None, num_new: Int[Array, "b"] | None,
+def check_values(tokens: Tokens, cache: KVCache | None, num_new: NumNew | None,
                  vocab_size: int) -> None:
     """Host-side value checks of an un-jitted call: token ids inside the vocabulary, a cache that did
     not overflow earlier and no tokens past its end (inside a compiled program none of these can raise,
@@ -234,7 +235,7 @@ def _compiled(model, tokens, cache, dynamic, static):
     return model._forward(tokens, cache, **dynamic, **dict(static))
 
 
-def take_last(x: Float[Array, "... b t e"], num_new: Int[Array, "b"]) -> Float[Array, "... b e"]:
+def take_last(x: Float[Array, "... b t e"], num_new: NumNew) -> Float[Array, "... b e"]:
     """x at each row's last real token (index num_new[b] − 1, clamped at 0)."""
     idx = jnp.maximum(num_new - 1, 0).reshape((1,) * (x.ndim - 3) + (-1, 1, 1))
     return jnp.take_along_axis(x, idx, axis=-2)[..., 0, :]

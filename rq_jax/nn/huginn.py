@@ -38,6 +38,7 @@ from rq_jax.cache.kv import KV, KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_interleaved, wide
+from rq_jax.shapes import NumNew, Tokens
 
 
 #: The reference's default ("auto") threshold of each criterion (seal-rg/recurrent-pretraining
@@ -128,7 +129,7 @@ class _ExitTracker(NamedTuple):
 
 def _exit_fires(rule: AdaptiveExit, tracker: _ExitTracker, logits: Float[Array, "b t v"],
                 s_prev: Float[Array, "b t e"], s: Float[Array, "b t e"],
-                num_new: Int[Array, "b"] | None = None) -> tuple[Bool[Array, "b t"], _ExitTracker]:
+                num_new: NumNew | None = None) -> tuple[Bool[Array, "b #t"], _ExitTracker]:
     """Whether the criterion fires after this step, and the updated criterion state: per token [B, T],
     or with `num_new` (each row's real tokens) per row [B, 1] — logits criteria on the row's last real
     token, latent-diff averaged over its real tokens (the reference's `reduce=True`)."""
@@ -269,8 +270,8 @@ class Huginn(common.LoopedModule):
         std = self.config.init_std * init_scale
         return (noise * std * self.config.embed_scale).astype(embeds.dtype)
 
-    def __call__(self, tokens: Int[Array, "b t"], cache: KVCache | None = None, *,
-                 num_new: Int[Array, "b"] | None = None, num_loops: int | None = None,
+    def __call__(self, tokens: Tokens, cache: KVCache | None = None, *,
+                 num_new: NumNew | None = None, num_loops: int | None = None,
                  num_steps: int | None = None, rng: jax.Array | None = None, init_scale: float = 1.0,
                  last_only: bool = False, calib: Any = None, adaptive: AdaptiveExit | None = None,
                  context: ContextSource | None = None) -> common.ModelOutput:

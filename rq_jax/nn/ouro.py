@@ -22,6 +22,7 @@ from rq_jax.cache.kv import KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_half
+from rq_jax.shapes import NumNew, Tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +129,8 @@ class Ouro(common.LoopedModule):
         """Output logits in float32."""
         return common.output_logits(self.embed_tokens, self.lm_head, x)
 
-    def __call__(self, tokens: Int[Array, "b t"], cache: KVCache | None = None, *,
-                 num_new: Int[Array, "b"] | None = None, num_loops: int | None = None,
+    def __call__(self, tokens: Tokens, cache: KVCache | None = None, *,
+                 num_new: NumNew | None = None, num_loops: int | None = None,
                  exit: ExitRule | None = None, last_only: bool = False, calib: Any = None,
                  rng: jax.Array | None = None, context: ContextSource | None = None) -> common.ModelOutput:
         """Run `num_loops` loops (default the config's) over tokens [B, T].

@@ -190,7 +190,7 @@ def _round(u: jax.Array, cfg: QuantConfig) -> jax.Array:
     return round_half_down(u) if cfg.rounding == "half_down" else jnp.round(u)  # jnp.round: half to even
 
 
-def exact_divisor(x: jax.Array, shape: tuple[int, ...] | None = None) -> jax.Array:
+def exact_divisor(x: jax.Array | float, shape: tuple[int, ...] | None = None) -> jax.Array:
     """``x`` (broadcast to ``shape``) as a divisor XLA cannot see into: behind an optimization barrier
     its algebraic simplifier (which runs before barriers are expanded) cannot rewrite a division by it
     into a multiply by its reciprocal."""

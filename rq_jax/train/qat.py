@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from rq_jax.cache import base
 from rq_jax.cache.calib import CacheCalib, default_calib
@@ -65,6 +65,7 @@ from rq_jax.cache.context import attend_with_past, causal_mask
 from rq_jax.cache.kv import KV, init_cache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
+from rq_jax.shapes import Attended, CallMask, NewKV, NumNew, Positions, Queries, Tokens
 
 
 class PassKV(NamedTuple):
@@ -83,17 +84,17 @@ class TeacherForcedContext(NamedTuple):
     """
 
     stored: PassKV | None
-    num_new: Int[Array, "b"]
-    self_mask: Bool[Array, "b t t"]
-    past_mask: Bool[Array, "b t t"]
-    positions: Int[Array, "b t"]
+    num_new: NumNew
+    self_mask: CallMask
+    past_mask: CallMask
+    positions: Positions
 
     def segments(self, group, num_loops: int) -> tuple[base.Segment, ...]:
         """One loop per group, so a looped slot's (group, layer) index is (loop, layer)."""
         return base.segments(num_loops, 1)
 
-    def attend(self, group, seg: int, index: base.Index, loop: int, q: Float[Array, "b t h d"],
-               k: Float[Array, "b k t d"], v: Float[Array, "b k t d"], skipped: None = None) -> Float[Array, "b t h d"]:
+    def attend(self, group, seg: int, index: base.Index, loop: int, q: Queries,
+               k: NewKV, v: NewKV, skipped: None = None) -> Attended:
         """Attention of q over the stored K/V of earlier calls and this pass's own K/V (k, v) of the
         same call, merged exactly (as a cache's context; no adaptive exit, so nothing `skipped`)."""
         _no_adaptive_exit(skipped)
@@ -130,7 +131,7 @@ class TeacherForced(NamedTuple):
     calls: Int[Array, "b t"]
     stored: PassKV | None = None
 
-    def call_context(self, num_new: Int[Array, "b"], num_tokens: int, num_loops: int) -> TeacherForcedContext:
+    def call_context(self, num_new: NumNew, num_tokens: int, num_loops: int) -> TeacherForcedContext:
         """The context the model's `common.start_call` builds for a call on this past."""
         if self.calls.shape[1] != num_tokens:
             raise ValueError(f"calls cover {self.calls.shape[1]} tokens, the model was given {num_tokens}")
@@ -193,7 +194,7 @@ class QATOutput(NamedTuple):
     pass_logits: tuple[Float[Array, "b t v"], ...]
 
 
-def fake_quant_forward(model, tokens: Int[Array, "b t"], fmt: base.CacheFormat, calib: CacheCalib, *,
+def fake_quant_forward(model, tokens: Tokens, fmt: base.CacheFormat, calib: CacheCalib, *,
                        plain_fmt: base.CacheFormat | None = None, prefix: Int[Array, "b"] | None = None,
                        passes: int = 1, **model_kwargs) -> QATOutput:
     """Teacher-forced logits of `model` on tokens [B, T] with every read of past K/V through `fmt`

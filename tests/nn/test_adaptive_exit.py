@@ -208,13 +208,13 @@ def test_joint_decision_reads_each_rows_last_real_token():
                            jnp.zeros((2, 1), jnp.int32))
     flat, peaked = np.zeros(v), np.log([0.97, 0.01, 0.01, 0.01])
     logits = jnp.asarray([[peaked, flat, peaked], [peaked, peaked, flat]], jnp.float32)  # [B=2, T=3, V]
-    num_new = jnp.array([2, 3])  # row 0's last real token is flat (KL 0), row 1's too
-    fires, _ = _exit_fires(AdaptiveExit("kl", 1e-6), uniform, logits, None, None, num_new)
-    assert fires.shape == (2, 1) and bool(fires.all())
-    fires, _ = _exit_fires(AdaptiveExit("kl", 1e-6), uniform, logits, None, None, jnp.array([3, 2]))
-    assert not bool(fires.any())
     s_prev = jnp.ones((2, 3, 2))
     s = jnp.asarray([[[1, 1], [1, 1], [9, 9]], [[1, 1], [1.1, 1.1], [1.2, 1.2]]], jnp.float32)
+    num_new = jnp.array([2, 3])  # row 0's last real token is flat (KL 0), row 1's too
+    fires, _ = _exit_fires(AdaptiveExit("kl", 1e-6), uniform, logits, s_prev, s, num_new)
+    assert fires.shape == (2, 1) and bool(fires.all())
+    fires, _ = _exit_fires(AdaptiveExit("kl", 1e-6), uniform, logits, s_prev, s, jnp.array([3, 2]))
+    assert not bool(fires.any())
     fires, _ = _exit_fires(AdaptiveExit("latent-diff", 0.1), uniform, logits, s_prev, s, jnp.array([2, 3]))
     # row 0: mean(0, 0) = 0 (its padding's 8/9 ignored); row 1: mean(0, .091, .167) = .086
     np.testing.assert_array_equal(fires[:, 0], [True, True])

@@ -240,7 +240,8 @@ def test_latent_diff_of_a_float64_state_is_float64():
         tracker = _ExitTracker(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1)), jnp.zeros((1, 1), jnp.int32),
                                jnp.zeros((1, 1), jnp.int32))
         for num_new in (None, jnp.array([1])):  # per token, and per row
-            fires, _ = _exit_fires(AdaptiveExit("latent-diff", 1e-13), tracker, None, s, s * (1 + 1e-12), num_new)
+            logits = tracker.log_probs  # not read by latent-diff
+            fires, _ = _exit_fires(AdaptiveExit("latent-diff", 1e-13), tracker, logits, s, s * (1 + 1e-12), num_new)
             assert not bool(fires[0, 0])
     finally:
         jax.config.update("jax_enable_x64", False)
