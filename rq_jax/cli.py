@@ -263,8 +263,6 @@ def compiling(what: str, *, quiet: bool = False):
     """Print "compiling WHAT (first run only) ..." before the block and how long it compiled after it
     (`rq_jax.compilation.CompileClock`), noting programs loaded from the persistent cache; `quiet`
     prints nothing (processes other than the first)."""
-
-
     cached = bool(jax.config.jax_compilation_cache_dir)
     if not quiet:
         print(f"compiling {what}" + (" (first run only; later runs load them from the compile cache)" if cached

@@ -88,7 +88,7 @@ def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
     loads its programs from there instead of compiling them. The scripts also quiet XLA's C++ logs."""
     from jax._src import compilation_cache
 
-    from rq_jax import compilation
+    from rq_jax import cli, compilation
 
     cache = tmp_path / "jax-cache"
     monkeypatch.setenv("RQ_JAX_COMPILE_CACHE", str(cache))
@@ -98,7 +98,7 @@ def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
         keep(folder)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-    monkeypatch.setattr(compilation, "use_persistent_cache", keep_every_program)
+    monkeypatch.setattr(cli, "use_persistent_cache", keep_every_program)  # the name cli.setup calls
     monkeypatch.delenv("JAX_LOGGING_LEVEL", raising=False)
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     out = tmp_path / "new" / "kv.json"
