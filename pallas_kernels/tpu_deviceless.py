@@ -28,7 +28,8 @@ import jax
 #: A topology of each generation (`1x1` is refused by libtpu: the smallest slices).
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 #: What libtpu needs in the environment off a TPU host (any accelerator type serves every topology above).
-ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
+#: A deviceless compile touches no chip, so several processes (pytest-xdist workers) may load libtpu at once.
+ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 MOSAIC_CALL = "tpu_custom_call"
 
 _CUSTOM_CALL = re.compile(r"%(\S+) = .*?custom-call\(.*?custom_call_target=\"([^\"]+)\"")
