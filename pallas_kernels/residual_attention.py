@@ -66,12 +66,14 @@ class QuantStream(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Link:
-    """Static packing of one link: `bits` per code, `group` channels per scale/offset, `dim` channels."""
+class Link:
+    """Static packing of one link: `bits` per code, `group` channels per scale/offset, `dim` channels,
+    `meta`: the dtype name of its scale and offset."""
 
     bits: int
     group: int
     dim: int
+    meta: str
 
     @property
     def nbytes(self) -> int:  # J: bytes per token = channels per plane
@@ -82,7 +84,7 @@ class _Link:
         return self.dim // self.group
 
 
-def _pieces(links: Sequence[_Link], dim: int) -> tuple[tuple[int, int], ...]:
+def _pieces(links: Sequence[Link], dim: int) -> tuple[tuple[int, int], ...]:
     """(start, width) channel pieces of the key dots: the finest link's groups, which lie inside one group
     of every link (group sizes are powers of two)."""
     width = min(ln.group for ln in links)
@@ -92,20 +94,20 @@ def _pieces(links: Sequence[_Link], dim: int) -> tuple[tuple[int, int], ...]:
 # ---- validation ----------------------------------------------------------------------------------
 
 
-def _links(streams: Sequence[QuantStream], bits: Sequence[int] | None, groups: Sequence[int] | None,
-           dim: int, what: str) -> tuple[_Link, ...]:
-    """Static link descriptions from the arrays' shapes, checked against `bits`/`groups` when given.
-    Raises NotImplementedError for what the kernel does not cover, ValueError for inconsistent input."""
-    if not streams:
-        raise ValueError(f"{what}: the chain needs at least one link")
+def chain_links(streams: Sequence[QuantStream], bits: Sequence[int] | None, groups: Sequence[int] | None,
+                dim: int, what: str, supported_bits: tuple[int, ...]) -> tuple[Link, ...]:
+    """Static link descriptions of a chain from the arrays' shapes, checked against `bits`/`groups` when
+    given: the checks every packed decode kernel shares (its own limits come after). Raises
+    NotImplementedError for codes that are not uint8 or of a width outside `supported_bits`, ValueError for
+    inconsistent input."""
     if bits is not None and len(bits) != len(streams) or groups is not None and len(groups) != len(streams):
         raise ValueError(f"{what}: {len(streams)} links but bits={bits}, group sizes={groups}")
     out = []
     for i, st in enumerate(streams):
         nbytes, ngroups = st.codes.shape[-1], st.scale.shape[-1]
         b = 8 * nbytes // dim if bits is None else int(bits[i])
-        if b not in SUPPORTED_BITS:
-            raise NotImplementedError(f"{what} link {i}: {b}-bit codes (kernel covers {SUPPORTED_BITS})")
+        if b not in supported_bits:
+            raise NotImplementedError(f"{what} link {i}: {b}-bit codes (kernel covers {supported_bits})")
         if nbytes * 8 != dim * b:
             raise ValueError(f"{what} link {i}: codes last dim {nbytes} != {dim} * {b} / 8")
         if st.codes.dtype != jnp.uint8:
@@ -115,26 +117,35 @@ def _links(streams: Sequence[QuantStream], bits: Sequence[int] | None, groups: S
         g = dim // ngroups if groups is None else int(groups[i])
         if g * ngroups != dim:
             raise ValueError(f"{what} link {i}: scale last dim {ngroups} != {dim} / {g}")
-        if g < 16 or g & (g - 1):
-            raise NotImplementedError(f"{what} link {i}: group size {g} (kernel covers powers of two >= 16)")
-        for arr in (st.scale, st.offset):
-            if arr.dtype not in [jnp.dtype(t) for t in SUPPORTED_META]:
-                raise NotImplementedError(f"{what} link {i}: metadata dtype {arr.dtype}")
         if st.offset.shape != st.scale.shape or st.scale.shape[:-1] != st.codes.shape[:-1]:
             raise ValueError(f"{what} link {i}: codes {st.codes.shape}, scale {st.scale.shape}, "
                              f"offset {st.offset.shape} disagree")
-        out.append(_Link(b, g, dim))
+        out.append(Link(b, g, dim, jnp.dtype(st.scale.dtype).name))
     return tuple(out)
 
 
-def _check_common(q, lengths, keys, k_alpha, v_alpha, values, mean_scores):
+def _links(streams: Sequence[QuantStream], bits: Sequence[int] | None, groups: Sequence[int] | None,
+           dim: int, what: str) -> tuple[Link, ...]:
+    """`chain_links`, and what this kernel does not cover: group sizes other than powers of two >= 16,
+    metadata dtypes outside SUPPORTED_META."""
+    links = chain_links(streams, bits, groups, dim, what, SUPPORTED_BITS)
+    for i, (st, ln) in enumerate(zip(streams, links)):
+        if ln.group < 16 or ln.group & (ln.group - 1):
+            raise NotImplementedError(f"{what} link {i}: group size {ln.group} (kernel covers powers of two >= 16)")
+        for arr in (st.scale, st.offset):
+            if arr.dtype not in [jnp.dtype(t) for t in SUPPORTED_META]:
+                raise NotImplementedError(f"{what} link {i}: metadata dtype {arr.dtype}")
+    return links
+
+
+def check_chain(q, lengths, keys, values, k_alpha, v_alpha, mean_scores) -> None:
+    """ValueError for the operands of a packed decode kernel (`residual_decode_attention`'s signature) that
+    disagree: q [B, K, R, D], every link [M, B, K, S, ...], α [M, B, K, S], mean scores [B, K, R] (one
+    entry per link), lengths [B]."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, K, R, D], got {q.shape}")
-    if q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise NotImplementedError(f"query dtype {q.dtype} (kernel covers float32 and bfloat16)")
-    b, k, r, d = q.shape
-    if d % 16 or d > MAX_HEAD_DIM:
-        raise NotImplementedError(f"head dim {d} (kernel covers multiples of 16 up to {MAX_HEAD_DIM})")
+    if not keys:
+        raise ValueError("the chain needs at least one link")
     if len(values) != len(keys):
         raise ValueError(f"{len(keys)} key links but {len(values)} value links")
     for name, alphas in (("k_alpha", k_alpha), ("v_alpha", v_alpha)):
@@ -142,17 +153,29 @@ def _check_common(q, lengths, keys, k_alpha, v_alpha, values, mean_scores):
             raise ValueError(f"{name}: {len(alphas)} entries for a chain of {len(keys)} links")
     if mean_scores is not None and len(mean_scores) != len(keys):
         raise ValueError(f"mean_scores: {len(mean_scores)} entries for a chain of {len(keys)} links")
+    b, k, r, _ = q.shape
     lead = keys[0].codes.shape[:4]
     if lead[1:3] != (b, k):
         raise ValueError(f"cache batch/heads {lead[1:3]} != queries' {(b, k)}")
     for st in (*keys, *values):
-        if st.codes.shape[:4] != lead:
-            raise ValueError(f"every link must share [M, B, K, S] = {lead}, got {st.codes.shape[:4]}")
+        if st.codes.ndim != 5 or st.codes.shape[:4] != lead:
+            raise ValueError(f"every link must be [M, B, K, S, ...] with [M, B, K, S] = {lead}, got {st.codes.shape}")
     for a in (*k_alpha, *v_alpha):
         if a is not None and a.shape != lead:
             raise ValueError(f"alpha shape {a.shape} != {lead}")
+    for mu in mean_scores or ():
+        if mu is not None and mu.shape != (b, k, r):
+            raise ValueError(f"mean score shape {mu.shape} != {(b, k, r)}")
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be [{b}], got {lengths.shape}")
+
+
+def _check_dtypes(q) -> None:
+    """NotImplementedError for queries this kernel does not cover."""
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise NotImplementedError(f"query dtype {q.dtype} (kernel covers float32 and bfloat16)")
+    if q.shape[-1] % 16 or q.shape[-1] > MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dim {q.shape[-1]} (kernel covers multiples of 16 up to {MAX_HEAD_DIM})")
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
@@ -210,7 +233,7 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha,
         def vec(ref, *idx):  # a per-token vector [bs] as float32 (α, or one group's metadata)
             return _f32(dc.load(ref.at[(slot, tile, *idx)], mask=tok_ok, other=_zero(ref)))
 
-        def codes(c_ref, link: _Link, start: int, width: int):
+        def codes(c_ref, link: Link, start: int, width: int):
             """Codes of channels [start, start + width) [bs, width] as float32 (exact; 0 past the head dim)."""
             plane, last = start // link.nbytes, (start + width - 1) // link.nbytes
             if plane == last:  # one plane: a slice of the byte row, one shift
@@ -226,7 +249,7 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha,
                 raw = (raw >> shift) & ((1 << link.bits) - 1)
             return raw.astype(jnp.float32)
 
-        def dequantized(refs, link: _Link):  # D(c) [bs, dpad] float32 (0 past the head dim)
+        def dequantized(refs, link: Link):  # D(c) [bs, dpad] float32 (0 past the head dim)
             c_ref, s_ref, o_ref = refs
             n = dpad // link.group
             mask = tok_ok[:, None] & (jnp.arange(n) < link.ngroups)[None, :]
@@ -338,7 +361,8 @@ def residual_decode_attention(
     parameters left unset come from `pallas_kernels.launch` (the split count from `plan_decode`).
     """
     keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
-    _check_common(q, lengths, keys, k_alpha, v_alpha, values, mean_scores)
+    check_chain(q, lengths, keys, values, k_alpha, v_alpha, mean_scores)
+    _check_dtypes(q)
     b, k, r, d = q.shape
     m_slots, s = keys[0].codes.shape[0], keys[0].codes.shape[3]
     k_links = _links(keys, k_bits, k_group_sizes, d, "keys")
@@ -369,7 +393,7 @@ def residual_decode_attention(
     def rows_spec(n):
         return pl.BlockSpec((None, None, br, n), lambda b, k, r, j: (b, k, r, 0))
 
-    def stream_specs(link: _Link):
+    def stream_specs(link: Link):
         codes = pl.BlockSpec((m_slots, None, None, sl, dc.next_pow2(link.nbytes)), lambda b, k, r, j: (0, b, k, j, 0))
         meta = pl.BlockSpec((m_slots, None, None, sl, max(dpad // link.group, dc.next_pow2(link.ngroups))),
                             lambda b, k, r, j: (0, b, k, j, 0))

@@ -48,11 +48,11 @@ MAX_HEAD_DIM = 256
 SUBLANES = {"float32": 8, "bfloat16": 16}
 LANES = 128
 _STATIC = ("block_s", "generation", "interpret")
-_NT = (((1,), (1,)), ((), ()))  # a [m, k] x b [n, k] -> [m, n]
-_NN = (((1,), (0,)), ((), ()))  # a [m, k] x b [k, n] -> [m, n]
+NT = (((1,), (1,)), ((), ()))  # dot_general dims: a [m, k] x b [n, k] -> [m, n]
+NN = (((1,), (0,)), ((), ()))  # a [m, k] x b [k, n] -> [m, n]
 
 
-def _dot(a, b, dims) -> jax.Array:
+def split_dot(a, b, dims) -> jax.Array:
     """float32 a·b for split operands (`dc.split_bf16`): bf16 dots with float32 accumulation, hi·hi + lo·hi
     + hi·lo."""
     (a_hi, a_lo), (b_hi, b_lo) = a, b
@@ -68,23 +68,26 @@ def _dot(a, b, dims) -> jax.Array:
     return out
 
 
+def reset_partial(acc_sc, m_sc, l_sc) -> None:
+    """Start an online softmax in VMEM scratch: m = NEG, l = 0, acc = 0."""
+    m_sc[...] = jnp.full(m_sc.shape, dc.NEG, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+
 def _kernel(slot_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, acc_sc, m_sc, l_sc, *,
             block_s: int, sm_scale: float, transposed: bool):
     del slot_ref, table_ref  # read by the index maps
     b, j = pl.program_id(0), pl.program_id(2)
     length = len_ref[b]
 
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, dc.NEG, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    pl.when(j == 0)(functools.partial(reset_partial, acc_sc, m_sc, l_sc))
 
     @pl.when(j * block_s < length)
     def _step():
         start = j * block_s
         # k, v tiles: [bs, D], or [D, bs] when `transposed`
-        score = _dot(dc.split_bf16(q_ref[...]), dc.split_bf16(k_ref[...]), _NN if transposed else _NT) * sm_scale
+        score = split_dot(dc.split_bf16(q_ref[...]), dc.split_bf16(k_ref[...]), NN if transposed else NT) * sm_scale
         tok = start + jax.lax.broadcasted_iota(jnp.int32, score.shape, 1)
         score = jnp.where(tok < length, score, -jnp.inf)
         m_prev = m_sc[...]  # [R, 1]
@@ -98,7 +101,7 @@ def _kernel(slot_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l
         # NaN included: zero them, since p = 0 does not cancel a NaN.
         v_tok = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 1 if transposed else 0)
         v = jnp.where(v_tok < length, v, jnp.zeros_like(v))
-        acc_sc[...] = corr * acc_sc[...] + _dot(dc.split_bf16(p), dc.split_bf16(v), _NT if transposed else _NN)
+        acc_sc[...] = corr * acc_sc[...] + split_dot(dc.split_bf16(p), dc.split_bf16(v), NT if transposed else NN)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _store():

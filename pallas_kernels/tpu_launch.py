@@ -42,6 +42,14 @@ TABLE: dict[tuple[str, str], TpuLaunch] = {
     ("v5p", "dense-float32"): TpuLaunch(512, 16 * MIB),
     ("v6e", "dense-bfloat16"): TpuLaunch(2048, 32 * MIB),
     ("v6e", "dense-float32"): TpuLaunch(1024, 32 * MIB),
+    # The packed chains (tpu_residual_attention): a step's DMA is small (head dim 128, [2, 4]: 96 code bytes
+    # and 16 metadata bytes per token and stream), its VMEM is the float32 [D, block] tiles the chain is
+    # reconstructed into (a few per link: 1 MiB each at head dim 256 and 1024 tokens), so the block is the
+    # dense bf16 one capped at 1024.
+    ("v4", "residual"): TpuLaunch(512, 12 * MIB),
+    ("v5e", "residual"): TpuLaunch(1024, 16 * MIB),
+    ("v5p", "residual"): TpuLaunch(1024, 16 * MIB),
+    ("v6e", "residual"): TpuLaunch(1024, 32 * MIB),
 }
 
 #: `device_kind` strings of TPU devices (as jax reports them, real or from a topology) -> generation.
@@ -66,7 +74,7 @@ def default_generation() -> str:
 
 
 def lookup(generation: str, kernel: str) -> TpuLaunch:
-    """The launch entry of `kernel` ("dense-bfloat16", "dense-float32") on `generation`; ValueError when the
+    """The launch entry of `kernel` ("dense-bfloat16", "dense-float32", "residual") on `generation`; ValueError when the
     table has none."""
     try:
         return TABLE[(generation, kernel)]

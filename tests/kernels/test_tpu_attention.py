@@ -78,23 +78,32 @@ CASES = (
 )
 
 
+def page_table(rng: np.random.Generator, lengths: np.ndarray, page: int, n: int, paged: bool):
+    """(block table [B, n] int32, used [B·n pages, page] bool): a random permutation of the B·n pages with
+    -1 past each row's valid pages when `paged`, else the identity; `used` marks the physical positions
+    some row's valid prefix reads."""
+    b = len(lengths)
+    if paged:
+        table = rng.permutation(b * n).reshape(b, n).astype(np.int32)
+        for row, length in enumerate(lengths):
+            table[row, -(-length // page):] = -1
+    else:
+        table = np.arange(b * n, dtype=np.int32).reshape(b, n)
+    used = np.zeros((b * n, page), bool)
+    for row, length in enumerate(lengths):
+        t = np.arange(length)
+        used[table[row, t // page], t % page] = True
+    return table, used
+
+
 def make_inputs(case: Case, rng: np.random.Generator):
     """(q, k, v, lengths, slot, block_table) with every position no row may read set to NaN."""
     b, n = len(case.lengths), -(-case.s // case.page)
     q = rng.standard_normal((b, case.heads, case.rows, case.dim))
     kv = rng.standard_normal((2, 2, b, case.heads, n * case.page, case.dim))
     lengths = np.asarray(case.lengths, np.int32)
-    if case.paged:
-        table = rng.permutation(b * n).reshape(b, n).astype(np.int32)
-        for row, length in enumerate(lengths):
-            table[row, -(-length // case.page):] = -1
-    else:
-        table = np.arange(b * n, dtype=np.int32).reshape(b, n)
-    used = np.zeros((b * n, case.page), bool)
-    for row, length in enumerate(lengths):
-        t = np.arange(length)
-        used[table[row, t // case.page], t % case.page] = True
-    used = used.reshape(b, n, case.page).reshape(b, 1, n * case.page, 1)
+    table, used = page_table(rng, lengths, case.page, n, case.paged)
+    used = used.reshape(b, 1, n * case.page, 1)
     kv[:, 1] = np.where(used, kv[:, 1], np.nan)
     kv[:, 0] = np.nan
     k, v = (jnp.asarray(x[:, :, :, :case.s], case.kv_dtype) for x in kv)
