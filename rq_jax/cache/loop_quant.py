@@ -24,8 +24,8 @@ State (the layout of `rq_jax.cache.base`): per group position a `LoopSlot` of pa
 
 `attend` is split at the kernel seam: `operands` selects what slot (group, layer) and its reference
 chain store — packed codes, metadata, α, key means — without unpacking anything, and an attention
-implementation of the decode-attention op (`attention.PACKED`: XLA, the Pallas kernel, the native CPU
-kernel; the policy's `attend_impl` picks) computes the partial from the
+implementation of the decode-attention op (`attention.PACKED`: XLA, the Pallas (Triton) kernel, the Mosaic
+TPU kernel, the native CPU kernel; the policy's `attend_impl` picks) computes the partial from the
 rotated queries: s_r = α_r·s_p(r) + q̃·D(c_r) + q̃·μ_r (recursively down to the anchor), and values
 through the same recursion, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated basis. The
 caller rotates the queries and un-rotates the output once. The XLA implementation does this one
@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 from pallas_kernels import QuantStream, residual_decode_attention
+from pallas_kernels.tpu_residual_attention import tpu_residual_decode_attention
 
 from rq_jax.cache import attention, base
 from rq_jax.quant import affine, bits as qbits, residual, rotation, ste
@@ -184,6 +185,14 @@ def attend_native(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths) ->
     return _kernel_partial(cpu_kernels.residual_decode_attention, q_rot, ops, lengths, flat=False)
 
 
+@attention.PACKED.register("pallas-tpu")
+def attend_pallas_tpu(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths) -> base.Partial:
+    """`attend_rotated` through the Mosaic kernel (`pallas_kernels.tpu_residual_attention`): compiled for
+    the TPU a program is lowered for, run in TPU interpret mode elsewhere. Raises NotImplementedError (at
+    trace time) for configurations the kernel does not cover."""
+    return _kernel_partial(tpu_residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "tpu")
+
+
 attention.PACKED.register("xla")(attend_rotated)
 
 
@@ -196,7 +205,8 @@ class LoopQuant(base.CacheFormat):
     style; 16 more bits per vector, counted) instead of plain FP8, which saturates at 448 and flushes
     below 2**-9. Either way `out_of_range` counts the metadata values the dtype could not hold.
     `attend_impl`: an implementation of the decode-attention op (`rq_jax.cache.attention`: "auto" is the
-    Pallas kernel on a GPU, the native kernel on a CPU, XLA elsewhere; "xla", "native", "pallas").
+    kernel of the platform lowered for: Pallas on a GPU, Mosaic on a TPU, native on a CPU; "xla", "native",
+    "pallas", "pallas-tpu").
 
     Non-finite K/V entries are stored as 0 (before the rotation, which would spread them over the
     whole vector) and counted by `out_of_range`.
