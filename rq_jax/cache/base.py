@@ -459,12 +459,16 @@ def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew) -> A
 
     Leaves are laid out [G, N, B, K, S, ...] (`new` has T in place of S). Token t of row b goes to
     position lengths[b] + t when t < num_new[b]; the rest, and anything past S, are dropped — never
-    wrapped around. On a CPU each row is one read-merge-write of a T-token block (`_write_rows`):
-    XLA:CPU widens a bfloat16 or fp8 scatter to float32, copying the whole leaf twice; a
-    dynamic-update-slice is done in place. Elsewhere it is one scatter.
+    wrapped around. In a program lowered for a CPU each row is one read-merge-write of a T-token block
+    (`_write_rows`): XLA:CPU widens a bfloat16 or fp8 scatter to float32, copying the whole leaf twice; a
+    dynamic-update-slice is done in place. For other platforms it is one scatter (`_scatter`): on a TPU
+    the per-row blocks would be gathered by a transpose of the whole leaf. The choice follows the platform
+    lowered for (`jax.lax.platform_dependent`), not the host's backend.
     """
-    write = _write_rows if jax.default_backend() == "cpu" else _scatter
-    return jax.tree_util.tree_map(lambda old, val: write(old, val, lengths, num_new), store, new)
+    def write(old, val):
+        return jax.lax.platform_dependent(old, val, lengths, num_new, cpu=_write_rows, default=_scatter)
+
+    return jax.tree_util.tree_map(write, store, new)
 
 
 def with_gradient_of(reference: Callable[..., Any], fn: Callable[..., Any], *args) -> Any:
@@ -495,14 +499,16 @@ def with_gradient_of(reference: Callable[..., Any], fn: Callable[..., Any], *arg
 
 
 def _scatter(old: Array, val: Array, lengths: Lengths, num_new: NumNew) -> Array:
-    """`scatter_tokens` of one leaf as one scatter."""
-    b, t, s = val.shape[2], val.shape[TOKEN_AXIS], old.shape[TOKEN_AXIS]
+    """`scatter_tokens` of one leaf as one scatter, every axis up to the token axis indexed so that each
+    update is one token's trailing [...] vector: with slot, row or head axes left as window dims, XLA:TPU
+    lays the whole leaf out with them beside the channels and copies it there and back around the write
+    (and the decode kernels read the stored layout)."""
+    t, s = val.shape[TOKEN_AXIS], old.shape[TOKEN_AXIS]
     steps = jnp.arange(t)[None, :]
-    pos = jnp.where(steps < num_new[:, None], lengths[:, None] + steps, s)
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    index = (slice(None), slice(None), rows, slice(None), pos)
-    # The two advanced indices are split by a slice, so their [B, T] dims lead the update.
-    return old.at[index].set(jnp.moveaxis(val, (2, TOKEN_AXIS), (0, 1)).astype(old.dtype), mode="drop")
+    pos = jnp.where(steps < num_new[:, None], lengths[:, None] + steps, s)  # [B, T]; S is dropped
+    lead = val.shape[:TOKEN_AXIS + 1]  # [G, N, B, K, T]
+    index = jnp.meshgrid(*map(jnp.arange, lead[:TOKEN_AXIS]), jnp.arange(t), indexing="ij")[:TOKEN_AXIS]
+    return old.at[(*index, jnp.broadcast_to(pos[:, None, :], lead))].set(val.astype(old.dtype), mode="drop")
 
 
 def on_bits(update, old: Array, new: Array) -> Array:

@@ -150,17 +150,23 @@ def test_chunked_write_equals_one_write(label):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "uint8", "float32"])
 @pytest.mark.parametrize("t", [1, 5, 12])
-def test_row_writes_equal_the_scatter(dtype, t):
-    """The CPU's per-row block writes drop exactly what the scatter drops: padding tokens, tokens past S
-    (a row near the end, where the block is moved back), and keep every other stored value."""
+def test_row_writes_and_the_scatter_write_by_hand(dtype, t):
+    """The CPU's per-row block writes and the other platforms' scatter both store what a loop over rows and
+    tokens stores: token t of row b at lengths[b] + t when t < num_new[b] and inside S; padding tokens and
+    tokens past S (a row near the end, where the block is moved back) dropped, every other value kept."""
     rng = np.random.default_rng(3)
     s = 10
     old = jnp.asarray(rng.normal(size=(2, 3, 4, 2, s, 3)) * 4).astype(dtype)
     new = jnp.asarray(rng.normal(size=(2, 3, 4, 2, t, 3)) * 4, jnp.float32)
-    lengths, num_new = jnp.asarray([0, 3, 8, 10]), jnp.asarray([t, 1, t, t])
-    rows = jax.jit(base._write_rows)(old, new, lengths, num_new)
-    scattered = jax.jit(base._scatter)(old, new, lengths, num_new)
-    np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(scattered, np.float32))
+    lengths, num_new = [0, 3, 8, 10], [t, 1, t, t]
+    want = np.asarray(old, np.float32).copy()
+    cast = np.asarray(new.astype(dtype), np.float32)
+    for b, (start, n) in enumerate(zip(lengths, num_new)):
+        for i in range(min(n, s - start)):
+            want[:, :, b, :, start + i] = cast[:, :, b, :, i]
+    for write in (base._write_rows, base._scatter):
+        got = jax.jit(write)(old, new, jnp.asarray(lengths), jnp.asarray(num_new))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=write.__name__)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32", "uint8", "bool"])
