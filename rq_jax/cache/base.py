@@ -499,16 +499,16 @@ def with_gradient_of(reference: Callable[..., Any], fn: Callable[..., Any], *arg
 
 
 def _scatter(old: Array, val: Array, lengths: Lengths, num_new: NumNew) -> Array:
-    """`scatter_tokens` of one leaf as one scatter, every axis up to the token axis indexed so that each
-    update is one token's trailing [...] vector: with slot, row or head axes left as window dims, XLA:TPU
-    lays the whole leaf out with them beside the channels and copies it there and back around the write
-    (and the decode kernels read the stored layout)."""
+    """`scatter_tokens` of one leaf as one scatter of single elements, every axis indexed: with the slot,
+    row, head or channel axes left as window dims, XLA:TPU lays the whole leaf out with those axes minor
+    (the token-minor codes and metadata padded to 128 lanes) and copies it there and back around the write."""
     t, s = val.shape[TOKEN_AXIS], old.shape[TOKEN_AXIS]
     steps = jnp.arange(t)[None, :]
     pos = jnp.where(steps < num_new[:, None], lengths[:, None] + steps, s)  # [B, T]; S is dropped
-    lead = val.shape[:TOKEN_AXIS + 1]  # [G, N, B, K, T]
-    index = jnp.meshgrid(*map(jnp.arange, lead[:TOKEN_AXIS]), jnp.arange(t), indexing="ij")[:TOKEN_AXIS]
-    return old.at[(*index, jnp.broadcast_to(pos[:, None, :], lead))].set(val.astype(old.dtype), mode="drop")
+    index = jnp.meshgrid(*map(jnp.arange, val.shape), indexing="ij")
+    index[TOKEN_AXIS] = jnp.broadcast_to(pos.reshape(pos.shape[0], 1, t, *(1,) * (val.ndim - TOKEN_AXIS - 1)),
+                                         val.shape)
+    return old.at[tuple(index)].set(val.astype(old.dtype), mode="drop")
 
 
 def on_bits(update, old: Array, new: Array) -> Array:
