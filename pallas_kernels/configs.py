@@ -4,8 +4,10 @@ A `KernelConfig` names one call of a decode kernel by what decides its compiled 
 rows (GQA group x tokens per step), the chain of (bits, group size) links and their metadata dtype, α,
 key means — or, for the dense kernel, the K/V dtype. `config.call()` gives the jitted function and
 ShapeDtypeStruct arguments, so it can be lowered (and compiled without a GPU, `pallas_kernels.deviceless`)
-without allocating anything. Sequence length, batch and kv heads only change the split count, which is
-a loop bound, so every config uses Ouro's 16 kv heads at S = 4096 and batch 1.
+without allocating anything; `config.tpu_call(generation)` is the same call of the TPU (Mosaic) kernel
+(compiled without a TPU by `pallas_kernels.tpu_deviceless`). Sequence length, batch and kv heads only
+change the split count, which is a loop bound, so every config uses Ouro's 16 kv heads at S = 4096 and
+batch 1.
 
 `MATRIX` holds every configuration of the shipped policies that changes the kernel's code:
 
@@ -38,6 +40,8 @@ import jax.numpy as jnp
 from pallas_kernels import dense_attention as da
 from pallas_kernels import deviceless, launch
 from pallas_kernels import residual_attention as ra
+from pallas_kernels import tpu_dense_attention as tda
+from pallas_kernels import tpu_residual_attention as tra
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,14 @@ class KernelConfig:
                                v_group_sizes=tuple(g for _, g in v_links))
         return fn, (q, keys, values, alphas, alphas, means, lengths, slot)
 
+    def tpu_call(self, generation: str):
+        """(fn, args): `call()` for the TPU (Mosaic) kernel of `generation` ("v5e", ...: its `tpu_launch`
+        entry), the same ShapeDtypeStruct inputs and chain arguments, contiguous (no block table). Tracing
+        it raises NotImplementedError for what the TPU kernel declines."""
+        fn, args = self.call()
+        tpu = tra.tpu_residual_decode_attention if self.links else tda.tpu_dense_decode_attention
+        return functools.partial(tpu, generation=generation, **getattr(fn, "keywords", {})), args
+
 
 def chain_name(links) -> str:
     return "-".join(f"int{b}g{g}" for b, g in links)
@@ -187,3 +199,11 @@ BY_NAME = {c.name: c for c in MATRIX}
 CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + ("d128-r1-int8g32", "dense-d96-r64-float32kv",
                                                  "d128-r1-int2g16-int2g16-int2g16-int4g16",
                                                  "d96-r1-int2g16-int2g16-int2g16-int4g16")
+
+#: Compiled for v5e and v6e on every test run where libtpu is installed (tests/kernels/test_tpu_report.py):
+#: Ouro's loop and anchor, the 3-link chain, Huginn's head dim, the 4-link g16 chain that takes the most
+#: VMEM, dense bf16 and f32 K/V, and one configuration of each kind the TPU kernel declines (INT8 codes at
+#: head dim 128, float16 metadata). `scripts/kernel_report.py --tpu` compiles the rest of MATRIX.
+TPU_CI_SUBSET = ("ouro-loop-d128-int2g32-int4g32", "ouro-anchor-d128-int4g32", "chain3-d128-int2g32-int2g32-int4g32",
+                 "huginn-d96-int2g16-int4g16", "d96-r1-int2g16-int2g16-int2g16-int4g16", "dense-d128-bfloat16kv",
+                 "dense-d128-float32kv", "d128-r1-int8g32", "d64-r1-int2g32-int4g32-float16meta")

@@ -9,7 +9,7 @@ wants TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES when no TPU is present; `top
 already set) before its first call.
 
     res = compile_for(fn, [jax.ShapeDtypeStruct(...), ...], "v5e")   # TpuCompile, never raises on a refusal
-    res.ok, res.error, res.custom_calls, res.vmem_limits, res.generated_code_bytes, res.temp_bytes
+    res.ok, res.error, res.custom_calls, res.vmem_limits, res.vmem_used, res.generated_code_bytes, res.temp_bytes
 
 `libtpu` is looked up lazily, only here: the kernels and their interpret mode do not need it.
 """
@@ -27,6 +27,8 @@ import jax
 
 #: A topology of each generation (`1x1` is refused by libtpu: the smallest slices).
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+#: HBM per chip, GiB, as Google's TPU pages give it: what a whole program compiled for one chip may take.
+HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 #: What libtpu needs in the environment off a TPU host (any accelerator type serves every topology above).
 #: A deviceless compile touches no chip, so several processes (pytest-xdist workers) may load libtpu at once.
 ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
@@ -34,6 +36,7 @@ MOSAIC_CALL = "tpu_custom_call"
 
 _CUSTOM_CALL = re.compile(r"%(\S+) = .*?custom-call\(.*?custom_call_target=\"([^\"]+)\"")
 _SCOPED = re.compile(r"\"scoped_memory_configs\":\[\{[^\]]*?\"size\":\"(\d+)\"")
+_USED = re.compile(r"\"used_scoped_memory_configs\":\[\{[^\]]*?\"size\":\"(\d+)\"")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +46,10 @@ class TpuCompile:
     ok: both compilers accepted it; error: the first lines of their refusal ("" when ok); custom_calls:
     (HLO op name, call target) of every custom call in the compiled HLO (a Pallas kernel: its `name`, and
     target "tpu_custom_call"); vmem_limits: the scoped VMEM limit (bytes) of each Mosaic call, from its
-    backend config; generated_code_bytes, temp_bytes, argument_bytes, output_bytes: the compiled program's
-    `memory_analysis()` (HBM; -1 when not ok); seconds: lower + compile time.
+    backend config; vmem_used: the scoped VMEM (bytes) each Mosaic call's compiled kernel takes of that
+    limit (the backend config's used_scoped_memory_configs); generated_code_bytes, temp_bytes,
+    argument_bytes, output_bytes: the compiled program's `memory_analysis()` (HBM; -1 when not ok);
+    seconds: lower + compile time.
     """
 
     generation: str
@@ -53,6 +58,7 @@ class TpuCompile:
     error: str
     custom_calls: tuple[tuple[str, str], ...]
     vmem_limits: tuple[int, ...]
+    vmem_used: tuple[int, ...]
     generated_code_bytes: int
     temp_bytes: int
     argument_bytes: int
@@ -65,6 +71,16 @@ class TpuCompile:
     def kernels(self) -> tuple[str, ...]:
         """Op names of the Mosaic kernels (custom calls to "tpu_custom_call") in the compiled HLO."""
         return tuple(name for name, target in self.custom_calls if target == MOSAIC_CALL)
+
+
+def custom_calls(hlo: str) -> tuple[tuple[str, str], ...]:
+    """(HLO op name, call target) of every custom call in an HLO module's text."""
+    return tuple(_CUSTOM_CALL.findall(hlo))
+
+
+def mosaic_calls(hlo: str) -> tuple[str, ...]:
+    """Op names of the Mosaic kernels (custom calls to "tpu_custom_call") in an HLO module's text."""
+    return tuple(name for name, target in custom_calls(hlo) if target == MOSAIC_CALL)
 
 
 @functools.cache
@@ -114,14 +130,15 @@ def compile_for(fn, args, generation: str) -> TpuCompile:
     try:
         compiled = lowered.compile()
     except Exception as e:  # libtpu raises XlaRuntimeError (RESOURCE_EXHAUSTED, Mosaic failures) and others
-        return TpuCompile(generation, TOPOLOGIES[generation], False, _summary(e), (), (), -1, -1, -1, -1,
+        return TpuCompile(generation, TOPOLOGIES[generation], False, _summary(e), (), (), (), -1, -1, -1, -1,
                           round(time.perf_counter() - start, 3))
     seconds = round(time.perf_counter() - start, 3)
     hlo = compiled.as_text()
-    calls = tuple(_CUSTOM_CALL.findall(hlo))
-    limits = tuple(int(x) for line in hlo.splitlines() if f'custom_call_target="{MOSAIC_CALL}"' in line
-                   for x in _SCOPED.findall(line))
+    calls = custom_calls(hlo)
+    mosaic = [line for line in hlo.splitlines() if f'custom_call_target="{MOSAIC_CALL}"' in line]
+    limits = tuple(int(x) for line in mosaic for x in _SCOPED.findall(line))
+    used = tuple(int(x) for line in mosaic for x in _USED.findall(line))
     mem = compiled.memory_analysis()
-    return TpuCompile(generation, TOPOLOGIES[generation], True, "", calls, limits,
+    return TpuCompile(generation, TOPOLOGIES[generation], True, "", calls, limits, used,
                       int(mem.generated_code_size_in_bytes), int(mem.temp_size_in_bytes),
                       int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes), seconds)
