@@ -4,10 +4,14 @@ a memory budget holds; prints Markdown tables and writes PREFIX.md + PREFIX.json
     python scripts/bench_decode.py --out bench_decode      # CPU default (below): ~8 min on 2 shared cores
     python scripts/bench_decode.py --models ouro-1.4b huginn-0125 --context 1024 2048 4096 8192 16384 \\
         --batch 1 4 16 --memory-gb 32 --out sweep          # the full sweep (the default on a GPU)
+    python scripts/bench_decode.py --tpu v5e:2x2 --no-run --out tpu   # a v5e's capacity, compiled here (libtpu)
 
 Defaults on a CPU: Ouro-1.4B's widths, heads and vocabulary at 2 of its 24 layers, context 4096, batch 1,
 float32 compute, a 2.5 GiB budget. On a GPU: both models as released, contexts 1k-16k, batches 1/4/16,
-bf16 compute, 32 GiB. `--models NAME[:field=value,...]` takes a preset of `rq_jax.config` with
+bf16 compute, 32 GiB. With `--tpu GEN` (v4, v5e, v5p, v6e; `v5e:2x2` names the same chip) every program is
+compiled for that TPU by libtpu on this host and nothing runs: both models as released, contexts 4k and 16k,
+bf16 compute, the chip's HBM as the budget, the decode-attention op's Mosaic kernels (`--no-run` implied).
+`--models NAME[:field=value,...]` takes a preset of `rq_jax.config` with
 `ModelConfig` fields changed (Huginn at a CPU's scale: `CPU_HUGINN`) and `--layers N` sets every model's
 looped layers; the tables name every change. Huginn's positions are raised past its 4096 when a context
 needs it (shapes only: the trained model never saw them).
@@ -17,11 +21,13 @@ What is timed and measured, the columns, the budget search and the ratios: `rq_j
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
 import jax
 
+from pallas_kernels import tpu_deviceless
 from rq_jax import cli, report
 from rq_jax.cache.schemes import BENCH_DECODE, catalog
 from rq_jax.perf import attention as pa
@@ -29,9 +35,24 @@ from rq_jax.perf import decode_report
 from rq_jax.sampling import PREFILL_CHUNK
 
 
+def tpu_generation(text: str) -> str:
+    """A TPU generation (`tpu_deviceless.TOPOLOGIES`), also spelled as its topology ("v5e:2x2")."""
+    generation = text.split(":")[0]
+    if generation not in tpu_deviceless.TOPOLOGIES or text not in (generation, tpu_deviceless.TOPOLOGIES[generation]):
+        choices = ", ".join(f"{g} ({t})" for g, t in tpu_deviceless.TOPOLOGIES.items())
+        raise argparse.ArgumentTypeError(f"unknown TPU {text!r}: choose from {choices}")
+    return generation
+
+
 def main(argv=None):
-    on_gpu = jax.default_backend() == "gpu"
+    first = argparse.ArgumentParser(add_help=False)  # --tpu sets the defaults; the parser below checks it
+    first.add_argument("--tpu", default="")
+    tpu = first.parse_known_args(argv)[0].tpu.split(":")[0]
+    on_gpu = jax.default_backend() in ("gpu", "tpu") or bool(tpu)  # an accelerator's defaults
     p = cli.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--tpu", type=tpu_generation, metavar="GEN",
+                   help="compile every program for this TPU (v4, v5e, v5p, v6e, or its topology, e.g. v5e:2x2) "
+                        "with libtpu on this host, and run nothing")
     p.add_argument("--models", nargs="+", default=decode_report.GPU_MODELS if on_gpu else decode_report.CPU_MODELS,
                    help=f"NAME[:field=value,...]: a preset with ModelConfig fields changed (Huginn at a CPU's "
                         f"scale: {decode_report.CPU_HUGINN})")
@@ -44,15 +65,17 @@ def main(argv=None):
                    metavar="IMPL", help="attend_impl of every format, one row per impl (xla, native; on a GPU the "
                                         "default is the formats' own 'auto')")
     p.add_argument("--context", type=cli.positive_int, nargs="+",
-                   default=[1024, 2048, 4096, 8192, 16384] if on_gpu else [4096], help="tokens already cached")
+                   default=[4096, 16384] if tpu else [1024, 2048, 4096, 8192, 16384] if on_gpu else [4096],
+                   help="tokens already cached")
     p.add_argument("--batch", type=cli.positive_int, nargs="+", default=[1, 4, 16] if on_gpu else [1],
                    help="rows per step")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16" if on_gpu else "float32",
                    help="compute dtype")
     p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights' dtype")
-    p.add_argument("--memory-gb", type=cli.nonnegative_float, default=32.0 if on_gpu else None,
+    p.add_argument("--memory-gb", type=cli.nonnegative_float,
+                   default=float(tpu_deviceless.HBM_GIB.get(tpu, 16)) if tpu else 32.0 if on_gpu else None,
                    help="one memory budget in GiB for every largest-batch search (0: skip the search; default "
-                        "on a CPU: --budget-rows)")
+                        "on a CPU: --budget-rows; with --tpu: the chip's HBM)")
     p.add_argument("--budget-rows", type=cli.positive_int, default=4,
                    help="without --memory-gb: each (model, context)'s budget is the 'dense bf16' step's memory at "
                         "this batch, so dense fits exactly that many rows")
@@ -75,6 +98,12 @@ def main(argv=None):
                    help="MiB summed (jit(jnp.sum), float32) to measure the read bandwidth")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
     args = p.parse_args(argv)
+    if args.tpu:
+        if not tpu_deviceless.libtpu_available():
+            sys.exit(f'--tpu needs libtpu: pip install "jax[tpu]=={jax.__version__}"')
+        if "native" in args.impls:
+            p.error("--tpu compiles the TPU's kernels: --impls native runs on a CPU")
+        args.no_run = True
     if args.memory_gb is None and decode_report.DENSE not in args.formats:
         p.error(f"--budget-rows needs '{decode_report.DENSE}' among --formats (or give --memory-gb)")
     impls, dropped = pa.usable_impls(list(dict.fromkeys(args.impls)))

@@ -50,7 +50,7 @@ def filled_cache(config: ModelConfig, fmt: base.CacheFormat, batch: int, context
     """(a cache of `batch` rows holding `context` random tokens written by `fmt`, its calibration). The cache
     is held as bits (`KVCache.as_bits`), as the Sampler, the eval loops and the engine hold theirs."""
     calib = default_calib(jax.eval_shape(lambda: init_cache(config, 1, 1, fmt)))
-    return repeat_rows(filled_row(config, fmt, calib, context, seed), batch, context).as_bits(), calib
+    return repeat_rows(filled_row(config, fmt, calib, context, seed=seed), batch, context).as_bits(), calib
 
 
 def bytes_read(fmt: base.CacheFormat, config: ModelConfig, batch: int, context: int) -> int:

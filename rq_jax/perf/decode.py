@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import tpu_deviceless
 from rq_jax import memory
 from rq_jax.cache import base, schemes
 from rq_jax.cache.calib import default_calib
@@ -36,6 +37,8 @@ GiB = 2**30
 #: none when XLA_FLAGS already sets the level (the test suite does), so searches and runs share programs.
 SEARCH_OPTIONS = None if "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "") else {
     "xla_backend_optimization_level": 0}
+#: A cache compiled for a TPU holds a multiple of this many positions (the module docstring says why).
+TPU_POSITIONS = 128
 
 
 def greedy_step(graphdef):
@@ -77,14 +80,17 @@ def _scheme_format(label: str, impl: str = "auto") -> base.CacheFormat:
 class DecodeBench:
     """One model's random weights, its decode step, and the measurements at (scheme, context, batch).
 
-    `args` carries the run's settings: dtype, weight_dtype, warmup, repeats, machine_gb, prefill_chunk (see
-    `scripts/bench_decode.py`). Schemes are the catalog's (`rq_jax.cache.schemes`), by label, each on an
+    `args` carries the run's settings: dtype, weight_dtype, warmup, repeats, machine_gb, prefill_chunk, tpu
+    (see `scripts/bench_decode.py`; tpu: compile for that TPU generation, never run). Schemes are the
+    catalog's (`rq_jax.cache.schemes`), by label, each on an
     implementation `impl` of the decode-attention op (its `attend_impl`, `rq_jax.perf.attention.with_impl`;
     default "auto"); `fallbacks[(label, impl)]` holds the op's fallback warnings logged while compiling
     its steps (the kernel did not cover a slot and XLA ran instead)."""
 
     def __init__(self, label: str, config: ModelConfig, args, run: bool):
         self.label, self.config, self.args = label, config, args
+        self.tpu = args.tpu
+        run = run and self.tpu is None
         make = functools.partial(init_model, config, dtype=jnp.dtype(args.dtype),
                                  param_dtype=jnp.dtype(args.weight_dtype))
         graphdef, self.param_shapes = nnx.split(nnx.eval_shape(make))
@@ -95,6 +101,34 @@ class DecodeBench:
         self.rng = jax.random.key(0)
         self.calibs, self.compiled, self.compile_seconds, self.filled = {}, {}, 0.0, (None, None)
         self.fallbacks: dict[tuple[str, str], list[str]] = {}
+        self.tpu_kernels: dict[tuple, int] = {}
+
+    def positions(self, tokens: int) -> int:
+        """Cache positions for `tokens` tokens: as many; on a TPU rounded up to `TPU_POSITIONS` (XLA:TPU tiles
+        the token axis by 8 sublanes and lays an unaligned cache out head-minor, copying it every step)."""
+        on_tpu = self.tpu or jax.default_backend() == "tpu"
+        return -(-tokens // TPU_POSITIONS) * TPU_POSITIONS if on_tpu else tokens
+
+    def held(self, cache):
+        """The cache as the step takes it: held as bits (`KVCache.as_bits`: XLA:CPU then writes it in place);
+        as values on a TPU, where XLA:TPU materialises the bits' bitcast for the kernels (a copy of the cache)."""
+        return cache if self.tpu or jax.default_backend() == "tpu" else cache.as_bits()
+
+    def cache_shapes(self, batch: int, tokens: int, fmt: base.CacheFormat):
+        """The abstract cache of `batch` rows holding up to `tokens` tokens, as the step takes it."""
+        return jax.eval_shape(lambda: self.held(init_cache(self.config, batch, self.positions(tokens), fmt)))
+
+    def _inputs(self, *args):
+        """`args` as the compiled program's inputs: on the TPU's first device when compiling for one."""
+        return tpu_deviceless.place(args, self.tpu) if self.tpu else args
+
+    def _compile(self, lowered, search: bool):
+        """lowered.compile(), with LLVM optimisation off for a search on a CPU; its seconds counted."""
+        options = SEARCH_OPTIONS if search and not self.tpu and jax.default_backend() == "cpu" else None
+        start = time.perf_counter()
+        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+        self.compile_seconds += time.perf_counter() - start
+        return compiled
 
     def calib(self, label: str):
         """The format's data-free calibration (independent of batch, length and impl), built once."""
@@ -117,35 +151,32 @@ class DecodeBench:
         return lowered
 
     def compile(self, label: str, context: int, batch: int, search: bool = False, impl: str = "auto"):
-        """(compiled step for abstract inputs, its memory dict, the cache's bytes), kept for reuse. A
-        search compiles with LLVM optimisation off on a CPU (same buffers, faster to compile)."""
-        options = SEARCH_OPTIONS if search and jax.default_backend() == "cpu" else None
-        key = (label, impl, context, batch, tuple(sorted((options or {}).items())))
+        """(compiled step for abstract inputs, its memory dict, the cache's bytes), kept for reuse; the
+        number of Mosaic kernels in it in `tpu_kernels` when compiled for a TPU."""
+        key = (label, impl, context, batch, search and not self.tpu)
         if key not in self.compiled:
             fmt = self.fmt(label, impl)
-            cache = jax.eval_shape(lambda: init_cache(self.config, batch, context + 1, fmt).as_bits())
+            cache = self.cache_shapes(batch, context + 1, fmt)
             nbytes = cache_nbytes(cache)
-            lowered = self._lower(self.step, label, impl, self.param_shapes,
-                                  jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache, self.calib(label), self.rng)
-            start = time.perf_counter()
-            compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
-            self.compile_seconds += time.perf_counter() - start
+            lowered = self._lower(self.step, label, impl, *self._inputs(
+                self.param_shapes, jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache, self.calib(label), self.rng))
+            compiled = self._compile(lowered, search)
+            if self.tpu:
+                self.tpu_kernels[key[:4]] = len(tpu_deviceless.mosaic_calls(compiled.as_text()))
             self.compiled[key] = compiled, memory.step_memory(compiled, self.weights, nbytes), nbytes
         return self.compiled[key]
 
     def prefill_memory(self, label: str, tokens: int, impl: str = "auto") -> dict:
         """The memory of the prefill (`prefill_step`: chunks of `args.prefill_chunk` tokens) of a `tokens`-token
         prompt (batch 1) into an empty cache of `tokens + 1` positions, compiled for abstract inputs (with
-        LLVM optimisation off on a CPU, as a search)."""
+        LLVM optimisation off on a CPU, as a search); on a TPU with `tpu_kernels`, its Mosaic kernels."""
         fmt = self.fmt(label, impl)
-        cache = jax.eval_shape(lambda: init_cache(self.config, 1, tokens + 1, fmt).as_bits())
-        lowered = self._lower(self.prefill, label, impl, self.param_shapes,
-                              jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache, self.calib(label), self.rng)
-        start = time.perf_counter()
-        options = SEARCH_OPTIONS if jax.default_backend() == "cpu" else None
-        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
-        self.compile_seconds += time.perf_counter() - start
-        return memory.step_memory(compiled, self.weights, cache_nbytes(cache))
+        cache = self.cache_shapes(1, tokens + 1, fmt)
+        lowered = self._lower(self.prefill, label, impl, *self._inputs(
+            self.param_shapes, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache, self.calib(label), self.rng))
+        compiled = self._compile(lowered, search=True)
+        mem = memory.step_memory(compiled, self.weights, cache_nbytes(cache))
+        return {**mem, "tpu_kernels": len(tpu_deviceless.mosaic_calls(compiled.as_text()))} if self.tpu else mem
 
     def memory(self, label: str, context: int, batch: int, impl: str = "auto") -> dict:
         """The step's memory at a batch: from a program already compiled for a run, else a search compile."""
@@ -156,6 +187,8 @@ class DecodeBench:
         """Bytes a step may still take beyond the resident weights on this machine."""
         if self.args.machine_gb:
             return int(self.args.machine_gb * GiB) - self.weights
+        if self.tpu:
+            return None
         device = jax.devices()[0]
         if device.platform != "cpu":
             stats = device.memory_stats() or {}
@@ -182,7 +215,8 @@ class DecodeBench:
         if self.params is None or not run:  # compile only: a search's program has the same buffers
             mem = self.memory(label, context, batch, impl)
             return {**row, "cache_nbytes": mem["cache"], "memory": mem, "run": "not run (compile only)",
-                    "fallback": list(self.fallbacks.get((label, impl), ())) or None}
+                    "fallback": list(self.fallbacks.get((label, impl), ())) or None,
+                    **({"tpu_kernels": self.tpu_kernels[(label, impl, context, batch)]} if self.tpu else {})}
         compiled, mem, nbytes = self.compile(label, context, batch, impl=impl)
         row.update(cache_nbytes=nbytes, memory=mem, fallback=list(self.fallbacks.get((label, impl), ())) or None)
         room = self.room()
@@ -193,8 +227,9 @@ class DecodeBench:
         start = time.perf_counter()
         if self.filled[0] != (label, context):  # one filled row kept: a format's batches and impls share it
             self.filled = (label, context), None
-            self.filled = (label, context), filled_row(self.config, self.fmt(label), self.calib(label), context)
-        cache = jax.block_until_ready(repeat_rows(self.filled[1], batch, context).as_bits())
+            self.filled = (label, context), filled_row(self.config, self.fmt(label), self.calib(label), context,
+                                                       self.positions(context + 1))
+        cache = jax.block_until_ready(self.held(repeat_rows(self.filled[1], batch, context)))
         cache = cache.replace(fmt=fmt, plain_fmt=fmt)  # the same state on this impl (init_cache: plain_fmt = fmt)
         kept = {x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(self.filled[1])}
         if any(x.unsafe_buffer_pointer() in kept for x in jax.tree_util.tree_leaves(cache)):
@@ -220,17 +255,25 @@ class DecodeBench:
         return row
 
     def largest_batch(self, label: str, context: int, budget: int, cap: int, impl: str = "auto") -> dict:
-        """The largest batch whose compiled step fits `budget` bytes, with its memory and b + 1's."""
+        """The largest batch whose compiled step fits `budget` bytes, with its memory and b + 1's (None, and
+        counted as twice the budget, where the TPU compiler refuses the program as over the chip's HBM)."""
         memories = {}
 
         def total(b):
-            memories[b] = self.memory(label, context, b, impl)
+            try:
+                memories[b] = self.memory(label, context, b, impl)
+            except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program over the chip's HBM
+                if not self.tpu or "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                memories[b] = None
+                return 2 * budget
             return memories[b]["total"]
 
         best, seen = memory.largest_fitting(total, budget, cap)
         at, after = memories.get(best), memories.get(best + 1)
+        kernels = {"tpu_kernels": self.tpu_kernels.get((label, impl, context, best))} if self.tpu else {}
         return dict(model=self.label, context=context, format=label, impl=impl, budget=budget, max_batch=best,
-                    memory=at, next_batch=best + 1 if best + 1 in seen else None, next_memory=after,
+                    **kernels, memory=at, next_batch=best + 1 if best + 1 in seen else None, next_memory=after,
                     totals={b: seen[b] for b in sorted(seen)},
                     per_row=None if at is None or after is None else after["total"] - at["total"],
                     cache_per_row=None if at is None else at["cache"] / best,
@@ -238,8 +281,11 @@ class DecodeBench:
                     **memory.byte_limits(self.fmt(label, impl), self.config, context))
 
 
-def describe_device() -> str:
-    """The device in words: the CPU's model name and core count, or the accelerator's kind."""
+def describe_device(tpu: str | None = None) -> str:
+    """The device in words: the CPU's model name and core count, or the accelerator's kind; with `tpu`
+    (a generation compiled for) that TPU's chip."""
+    if tpu:
+        return f"TPU {tpu} (one chip of {tpu_deviceless.TOPOLOGIES[tpu]}, {tpu_deviceless.HBM_GIB[tpu]} GiB HBM)"
     device = jax.devices()[0]
     if device.platform != "cpu":
         return f"{device.device_kind} ({device.platform}, {jax.device_count()} device(s))"

@@ -59,6 +59,7 @@ and reads 6.47). KIVI's bits are its own accounting at the row's context.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 import time
 
@@ -70,7 +71,7 @@ from rq_jax.cache import base
 from rq_jax.cache.context import SELF_TILE
 from rq_jax.config import ModelConfig, changes_from, parse_preset
 from rq_jax.perf import attention as pa
-from rq_jax.perf.decode import DecodeBench, describe_device
+from rq_jax.perf.decode import TPU_POSITIONS, DecodeBench, describe_device
 
 GiB = 2**30
 MiB = 2**20
@@ -120,8 +121,11 @@ def budget_words(memory_gb: float | None, budget_rows: int) -> str:
 def header(args, models, impls: list[str], read_bw: float, run_contexts: set[int], command: str) -> list[str]:
     """The run's settings in lines (the Markdown page's list, the JSON's `header`)."""
     return [
-        f"device: {describe_device()}; jax {jax.__version__}; read bandwidth {read_bw / 1e9:.1f} GB/s "
-        f"(jit(jnp.sum) of {args.read_mb} MiB float32, median of {args.repeats})",
+        f"device: {describe_device(args.tpu)}; jax {jax.__version__}; " + (
+            f"read bandwidth {read_bw / 1e9:.1f} GB/s (jit(jnp.sum) of {args.read_mb} MiB float32, median of "
+            f"{args.repeats})" if read_bw else "compiled on this host by libtpu "
+            f"{importlib.metadata.version('libtpu')}, not run; each cache's positions rounded up to "
+            f"{TPU_POSITIONS}; 'Mosaic kernels': the compiled step's custom calls to them"),
         "attention impl: " + pa.describe_impls(impls) + " (each format's attend_impl, one row per format and impl; a "
         "format without attend_impl: xla only; '→xla': the op fell back to XLA for some slot)",
         f"dtypes: weights {args.weight_dtype}, compute {args.dtype}, cache as each format's label says",
@@ -172,7 +176,7 @@ def run(args, impls: list[str], command: str) -> dict:
     fixed_budget = None if args.memory_gb is None else int(args.memory_gb * GiB)
     search = fixed_budget != 0
     runs = impl_runs(args.formats, impls)
-    read_bw = pa.read_bandwidth(args.read_mb << 20, args.repeats)
+    read_bw = None if args.tpu else pa.read_bandwidth(args.read_mb << 20, args.repeats)
     head = header(args, models, impls, read_bw, run_contexts, command)
     for line in head:
         print(line)
@@ -198,7 +202,7 @@ def run(args, impls: list[str], command: str) -> dict:
                                    + (f"{row['ms']:.1f} ms, {row['tok_s']:.2f} tok/s" if row["ms"] else row["run"])
                                    + f", cache {row['cache_nbytes'] / MiB:.1f} MiB, temp "
                                    f"{row['memory']['temp'] / MiB:.1f} MiB, step "
-                                   f"{row['memory']['total'] / GiB:.2f} GiB")
+                                   f"{row['memory']['total'] / GiB:.2f} GiB" + kernels_words(row))
                     for message in bench.fallbacks.get((fmt, impl), []):
                         if (label, message) not in said:
                             said.add((label, message))
@@ -212,7 +216,8 @@ def run(args, impls: list[str], command: str) -> dict:
                     budget_rows.append(found)
                     tqdm.write(f"  {label} ctx {context} {fmt} {impl}: largest batch {found['max_batch']} in "
                                f"{budgets[impl] / GiB:.2f} GiB ({len(found['totals'])} programs compiled), peak "
-                               + (f"{found['peak_tok_s']:.2f} tok/s" if found["peak_tok_s"] else found["peak_run"]))
+                               + (f"{found['peak_tok_s']:.2f} tok/s" if found["peak_tok_s"] else found["peak_run"])
+                               + kernels_words(found))
         for tokens in args.prefill:
             for fmt in args.formats:
                 for impl in runs[fmt]:
@@ -228,7 +233,8 @@ def run(args, impls: list[str], command: str) -> dict:
                 + ", ".join(f"{label} {secs:.0f} s" for label, secs in compile_s.items()))
     add_reads(rows, {label: c for label, c, _ in models}, read_bw)
     add_ratios(rows, budget_rows)
-    return dict(header=head, device=describe_device(), platform=jax.default_backend(), jax=jax.__version__,
+    return dict(header=head, device=describe_device(args.tpu), platform="tpu" if args.tpu else jax.default_backend(),
+                jax=jax.__version__,
                 read_bandwidth=read_bw, impls=impls, args=vars(args), budget=fixed_budget, wall_s=wall,
                 compile_s=compile_s, models={label: dict(config=vars(c), changed=d) for label, c, d in models},
                 rows=rows, budget_rows=budget_rows, prefill_rows=prefill_rows)
@@ -281,6 +287,18 @@ def _mib(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / MiB:.1f}"
 
 
+def kernels_words(r: dict) -> str:
+    """", N Mosaic kernels" for a row compiled for a TPU, else ""."""
+    return f", {r['tpu_kernels']} Mosaic kernels" if r.get("tpu_kernels") is not None else ""
+
+
+def _kernel_cells(rows: list[dict], cols: tuple, cells: list[tuple]) -> tuple[tuple, list[tuple]]:
+    """The columns and cells with a "Mosaic kernels" column when the rows were compiled for a TPU."""
+    if not any("tpu_kernels" in r for r in rows):
+        return cols, cells
+    return (*cols, "Mosaic kernels"), [(*c, r.get("tpu_kernels", "-")) for r, c in zip(rows, cells)]
+
+
 def impl_label(r: dict) -> str:
     """The row's impl, "→xla" added when the decode-attention op fell back to XLA for some slot."""
     return r["impl"] + ("→xla" if r.get("fallback") else "")
@@ -303,7 +321,7 @@ def step_table(rows: list[dict]) -> list[str]:
                       _mib(r["cache_nbytes"]), _ratio(r["bytes_x_dense"], r["storage_limit"]),
                       f"{_mib(r['memory']['temp'])} ({_mib(r['memory']['temp'] / r['batch'])})",
                       _gib(r["memory"]), filled))
-    return report.table(cols, cells)
+    return report.table(*_kernel_cells(rows, cols, cells))
 
 
 def budget_table(rows: list[dict]) -> list[str]:
@@ -323,7 +341,7 @@ def budget_table(rows: list[dict]) -> list[str]:
                       per_row, _ratio(r["batch_x_dense"], r["storage_limit"]),
                       f"{r['peak_tok_s']:.2f}" if r["peak_tok_s"] else r["peak_run"],
                       _ratio(r["peak_x_dense"], r["storage_limit"])))
-    return report.table(cols, cells)
+    return report.table(*_kernel_cells(rows, cols, cells))
 
 
 def prefill_table(rows: list[dict]) -> list[str]:

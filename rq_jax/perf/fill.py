@@ -48,10 +48,10 @@ def repeat_rows(cache, batch: int, context: int):
     return rows.replace(looped=looped, plain=plain, lengths=jnp.full((batch,), context, jnp.int32))
 
 
-def filled_row(config: ModelConfig, fmt, calib, context: int, seed: int = 0):
-    """A one-row cache of `context + 1` positions whose first `context` hold random K/V written by
-    `fmt.write` in chunks of tokens (`repeat_rows` makes a batch of it)."""
-    row = jax.jit(lambda: init_cache(config, 1, context + 1, fmt))()
+def filled_row(config: ModelConfig, fmt, calib, context: int, positions: int | None = None, seed: int = 0):
+    """A one-row cache of `positions` (default `context + 1`) positions whose first `context` hold random K/V
+    written by `fmt.write` in chunks of tokens (`repeat_rows` makes a batch of it)."""
+    row = jax.jit(lambda: init_cache(config, 1, positions or context + 1, fmt))()
     per_token = config.num_loops * config.num_layers * config.num_kv_heads * config.head_dim
     chunk = max(64, min(2048, 2 ** int(math.log2(max(FILL_ELEMENTS // per_token, 1)))))
     key = jax.random.key(seed)

@@ -131,6 +131,8 @@ def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
     ("bench_compile", ["--formats", "dense,nope"], "argument --formats: nope; the formats are"),
     ("bench_decode", ["--prefill-chunk", "-1"], "argument --prefill-chunk: must be ≥ 0, got -1"),
     ("bench_decode", ["--formats", "direct INT2 g32"], "--budget-rows needs 'dense bf16' among --formats"),
+    ("bench_decode", ["--tpu", "v3"], "argument --tpu: unknown TPU 'v3': choose from v4 (v4:2x2x1), v5e (v5e:2x2)"),
+    ("bench_decode", ["--tpu", "v5e:4x4"], "argument --tpu: unknown TPU 'v5e:4x4'"),
     ("train_tiny", ["--model", "ouro", "--run-dir", "/proc/nope/run"], "argument --run-dir: cannot create /proc/nope"),
     ("train_tiny", ["--model", "ouro", "--run-dir", "RUN", "--hidden", "100"],
      "argument --hidden: 100 is not a multiple of 64"),
@@ -169,6 +171,39 @@ def test_bench_decode_says_native_is_unavailable(monkeypatch):
     assert run.code == 1, run.err
     assert "native is unavailable (not built in this test): its rows are dropped" in run.out
     assert "no --impls left to run" in run.err
+
+
+def test_bench_decode_on_a_tpu_compiled_here(tmp_path, monkeypatch):
+    """--tpu: every program compiled for a v5e by libtpu (skipped without it), nothing run: the decode-attention
+    op's Mosaic kernels in each compiled step, the cache at a multiple of 128 positions (201 -> 256), the
+    header naming the chip; without libtpu one line names the install."""
+    from pallas_kernels import tpu_deviceless
+    from rq_jax.cache import cache_nbytes, init_cache
+    from rq_jax.config import ModelConfig
+    from rq_jax.perf.decode import DecodeBench
+
+    installed = tpu_deviceless.libtpu_available()
+    monkeypatch.setattr(tpu_deviceless, "libtpu_available", lambda: False)
+    run = run_script("bench_decode", "--tpu", "v5e")
+    assert run.code == 1 and run.err.strip() == f'--tpu needs libtpu: pip install "jax[tpu]=={jax.__version__}"'
+    monkeypatch.undo()
+    if not installed:
+        pytest.skip("libtpu not installed: pip install 'jax[tpu]' pinned to the jaxlib in use")
+    tiny = ("ouro-1.4b:num_layers=1,hidden_size=256,num_heads=2,num_kv_heads=2,head_dim=128,intermediate_size=256,"
+            "vocab_size=256")
+    out = tmp_path / "tpu"
+    run_ok("bench_decode", "--tpu", "v5e:2x2", "--models", tiny, "--formats", "dense bf16", "[2,2,2,4] g32",
+           "--context", "200", "--batch", "2", "--memory-gb", "0.01", "--max-batch", "8", "--out", out)
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["platform"] == "tpu" and data["read_bandwidth"] is None and data["args"]["no_run"]
+    assert "one chip of v5e:2x2, 16 GiB HBM" in data["device"] and "by libtpu" in data["header"][0]
+    config = ModelConfig(**data["models"]["ouro-1.4b"]["config"])
+    for r in data["rows"] + data["budget_rows"]:
+        assert r["tpu_kernels"] >= 1 and r["fallback"] is None, r
+    for r in data["rows"]:
+        fmt = DecodeBench.fmt(r["format"])
+        assert r["ms"] is None and r["cache_nbytes"] == cache_nbytes(init_cache(config, 2, 256, fmt)), r
+    assert "| Mosaic kernels |" in out.with_suffix(".md").read_text()
 
 
 def test_bench_decode_help_shows_defaults():
