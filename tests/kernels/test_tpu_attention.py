@@ -34,14 +34,24 @@ from pallas_kernels.tpu_dense_attention import (
     tpu_dense_decode_attention_reference,
 )
 
+from . import _base
 from ._base import TOL, assert_partial_close, seeded
 
-#: Race detection across two simulated TensorCores: the parallel grid axes are split between them.
-INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+def interpret(races: bool = True):
+    """The kernels' `interpret` argument: TPU interpret mode, with `races` detected across two simulated
+    TensorCores (the parallel grid axes split between them); with RQ_PALLAS_INTERPRET=0
+    (scripts/tpu_check.sh) False, the kernels compiled, and the test skipped off a TPU."""
+    if not _base.INTERPRET:
+        if jax.default_backend() != "tpu":
+            pytest.skip("RQ_PALLAS_INTERPRET=0 needs a TPU")
+        return False
+    return pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2) if races else pltpu.InterpretParams()
 
 
 def races_found() -> bool:
-    """Whether the last interpreted kernel raced (the detector's state lives in jax._src)."""
+    """Whether the last interpreted kernel raced (the detector's state lives in jax._src); False compiled."""
+    if not _base.INTERPRET:
+        return False
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # platform: interpret mode's race state
 
     return bool(interpret_pallas_call.races and interpret_pallas_call.races.races_found)
@@ -116,7 +126,7 @@ def test_interpret_matches_reference(tpu_case):
     case = tpu_case
     args = make_inputs(case, seeded(case.name))
     kw = {} if case.paged else {"block_s": case.page}
-    out = tpu_dense_decode_attention(*args, **kw, interpret=INTERPRET)
+    out = tpu_dense_decode_attention(*args, **kw, interpret=interpret())
     jax.block_until_ready(out)
     assert not races_found()
     ref = tpu_dense_decode_attention_reference(*args)

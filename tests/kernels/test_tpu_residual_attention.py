@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import configs
 from pallas_kernels import tpu_deviceless as td
@@ -33,9 +32,8 @@ from pallas_kernels import tpu_launch
 from pallas_kernels import tpu_residual_attention as tra
 
 from ._base import TOL, allocated_configs, assert_partial_close, seeded
-from .test_tpu_attention import page_table, races_found
+from .test_tpu_attention import interpret, page_table, races_found
 
-INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
 PAPER = ((2, 32),) * 3 + ((4, 32),)  # Ouro's [2,2,2,4] g32 reference chain
 
 
@@ -133,10 +131,10 @@ CHAIN_CASES = tuple(_tiny("catalog-" + configs.chain_name(links), links) for lin
     _tiny(name, cfg.links, cfg.v_links) for name, cfg in sorted(allocated_configs().items()))
 
 
-def _check_case(case, interpret=INTERPRET):
+def _check_case(case, races: bool = True):
     args, kw = make_inputs(case, seeded(case.name))
     block = {} if case.paged else {"block_s": case.page}
-    out = tra.tpu_residual_decode_attention(*args, **kw, **block, interpret=interpret)
+    out = tra.tpu_residual_decode_attention(*args, **kw, **block, interpret=interpret(races))
     jax.block_until_ready(out)
     assert not races_found()
     ref = tra.tpu_residual_decode_attention_reference(*args, **kw)
@@ -151,7 +149,7 @@ def test_interpret_matches_reference(tpu_case):
 @pytest.mark.parametrize("tpu_case", CHAIN_CASES, ids=[c.name for c in CHAIN_CASES])
 def test_shipped_chains_match_reference(tpu_case):
     """Race detection is left to CASES (the grid and DMAs do not change with the chain) and halves the time."""
-    _check_case(tpu_case, interpret=pltpu.InterpretParams())
+    _check_case(tpu_case, races=False)
 
 
 def test_reference_reads_through_the_table():
