@@ -102,6 +102,7 @@ class DecodeBench:
         self.calibs, self.compiled, self.compile_seconds, self.filled = {}, {}, 0.0, (None, None)
         self.fallbacks: dict[tuple[str, str], list[str]] = {}
         self.tpu_kernels: dict[tuple, int] = {}
+        self.refused: dict[tuple, str] = {}
 
     def positions(self, tokens: int) -> int:
         """Cache positions for `tokens` tokens: as many; on a TPU rounded up to `TPU_POSITIONS` (XLA:TPU tiles
@@ -178,10 +179,20 @@ class DecodeBench:
         mem = memory.step_memory(compiled, self.weights, cache_nbytes(cache))
         return {**mem, "tpu_kernels": len(tpu_deviceless.mosaic_calls(compiled.as_text()))} if self.tpu else mem
 
-    def memory(self, label: str, context: int, batch: int, impl: str = "auto") -> dict:
-        """The step's memory at a batch: from a program already compiled for a run, else a search compile."""
-        done = [v for k, v in self.compiled.items() if k[:4] == (label, impl, context, batch)]
-        return done[0][1] if done else self.compile(label, context, batch, search=True, impl=impl)[1]
+    def memory(self, label: str, context: int, batch: int, impl: str = "auto") -> dict | None:
+        """The step's memory at a batch: from a program already compiled for a run, else a search compile;
+        None where the TPU compiler refuses the program as over the chip's HBM (its words in `refused`)."""
+        key = (label, impl, context, batch)
+        done = [v for k, v in self.compiled.items() if k[:4] == key]
+        if done or key in self.refused:
+            return done[0][1] if done else None
+        try:
+            return self.compile(label, context, batch, search=True, impl=impl)[1]
+        except jax.errors.JaxRuntimeError as e:
+            if not self.tpu or "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            self.refused[key] = str(e).splitlines()[0][:300]
+            return None
 
     def room(self) -> int | None:
         """Bytes a step may still take beyond the resident weights on this machine."""
@@ -214,9 +225,11 @@ class DecodeBench:
                    **memory.byte_limits(fmt, self.config, context))
         if self.params is None or not run:  # compile only: a search's program has the same buffers
             mem = self.memory(label, context, batch, impl)
-            return {**row, "cache_nbytes": mem["cache"], "memory": mem, "run": "not run (compile only)",
+            refused = self.refused.get((label, impl, context, batch))
+            return {**row, "cache_nbytes": cache_nbytes(self.cache_shapes(batch, context + 1, fmt)), "memory": mem,
+                    "run": f"refused by the TPU compiler: {refused}" if refused else "not run (compile only)",
                     "fallback": list(self.fallbacks.get((label, impl), ())) or None,
-                    **({"tpu_kernels": self.tpu_kernels[(label, impl, context, batch)]} if self.tpu else {})}
+                    **({"tpu_kernels": self.tpu_kernels.get((label, impl, context, batch))} if self.tpu else {})}
         compiled, mem, nbytes = self.compile(label, context, batch, impl=impl)
         row.update(cache_nbytes=nbytes, memory=mem, fallback=list(self.fallbacks.get((label, impl), ())) or None)
         room = self.room()
@@ -260,14 +273,8 @@ class DecodeBench:
         memories = {}
 
         def total(b):
-            try:
-                memories[b] = self.memory(label, context, b, impl)
-            except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program over the chip's HBM
-                if not self.tpu or "RESOURCE_EXHAUSTED" not in str(e):
-                    raise
-                memories[b] = None
-                return 2 * budget
-            return memories[b]["total"]
+            memories[b] = self.memory(label, context, b, impl)
+            return 2 * budget if memories[b] is None else memories[b]["total"]
 
         best, seen = memory.largest_fitting(total, budget, cap)
         at, after = memories.get(best), memories.get(best + 1)

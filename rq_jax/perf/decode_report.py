@@ -200,9 +200,9 @@ def run(args, impls: list[str], command: str) -> dict:
                         bar.update()
                         tqdm.write(f"  {label} ctx {context} b{batch} {fmt} {impl_label(row)}: "
                                    + (f"{row['ms']:.1f} ms, {row['tok_s']:.2f} tok/s" if row["ms"] else row["run"])
-                                   + f", cache {row['cache_nbytes'] / MiB:.1f} MiB, temp "
-                                   f"{row['memory']['temp'] / MiB:.1f} MiB, step "
-                                   f"{row['memory']['total'] / GiB:.2f} GiB" + kernels_words(row))
+                                   + f", cache {row['cache_nbytes'] / MiB:.1f} MiB"
+                                   + ("" if row["memory"] is None else f", temp {row['memory']['temp'] / MiB:.1f} MiB, "
+                                      f"step {row['memory']['total'] / GiB:.2f} GiB") + kernels_words(row))
                     for message in bench.fallbacks.get((fmt, impl), []):
                         if (label, message) not in said:
                             said.add((label, message))
@@ -319,6 +319,7 @@ def step_table(rows: list[dict]) -> list[str]:
                       _ratio(r["tok_s_x_dense"], r["read_limit"]), _mib(r["attn_bytes"]),
                       "-" if r["read_fraction"] is None else f"{100 * r['read_fraction']:.0f}%",
                       _mib(r["cache_nbytes"]), _ratio(r["bytes_x_dense"], r["storage_limit"]),
+                      "-" if r["memory"] is None else
                       f"{_mib(r['memory']['temp'])} ({_mib(r['memory']['temp'] / r['batch'])})",
                       _gib(r["memory"]), filled))
     return report.table(*_kernel_cells(rows, cols, cells))

@@ -176,7 +176,8 @@ def test_bench_decode_says_native_is_unavailable(monkeypatch):
 def test_bench_decode_on_a_tpu_compiled_here(tmp_path, monkeypatch):
     """--tpu: every program compiled for a v5e by libtpu (skipped without it), nothing run: the decode-attention
     op's Mosaic kernels in each compiled step, the cache at a multiple of 128 positions (201 -> 256), the
-    header naming the chip; without libtpu one line names the install."""
+    header naming the chip, a batch over the chip's HBM refused in its row; without libtpu one line names
+    the install."""
     from pallas_kernels import tpu_deviceless
     from rq_jax.cache import cache_nbytes, init_cache
     from rq_jax.config import ModelConfig
@@ -193,16 +194,20 @@ def test_bench_decode_on_a_tpu_compiled_here(tmp_path, monkeypatch):
             "vocab_size=256")
     out = tmp_path / "tpu"
     run_ok("bench_decode", "--tpu", "v5e:2x2", "--models", tiny, "--formats", "dense bf16", "[2,2,2,4] g32",
-           "--context", "200", "--batch", "2", "--memory-gb", "0.01", "--max-batch", "8", "--out", out)
+           "--context", "200", "--batch", "2", "100000", "--memory-gb", "0.01", "--max-batch", "8", "--out", out)
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["platform"] == "tpu" and data["read_bandwidth"] is None and data["args"]["no_run"]
     assert "one chip of v5e:2x2, 16 GiB HBM" in data["device"] and "by libtpu" in data["header"][0]
     config = ModelConfig(**data["models"]["ouro-1.4b"]["config"])
-    for r in data["rows"] + data["budget_rows"]:
+    rows = [r for r in data["rows"] if r["batch"] == 2]
+    for r in rows + data["budget_rows"]:
         assert r["tpu_kernels"] >= 1 and r["fallback"] is None, r
-    for r in data["rows"]:
+    for r in rows:
         fmt = DecodeBench.fmt(r["format"])
         assert r["ms"] is None and r["cache_nbytes"] == cache_nbytes(init_cache(config, 2, 256, fmt)), r
+    for r in data["rows"]:  # 100k rows of a ~1 MiB cache each: more than a v5e's HBM, which its compiler says
+        if r["batch"] == 100000:
+            assert r["memory"] is None and r["run"].startswith("refused by the TPU compiler: RESOURCE_EXHAUSTED"), r
     assert "| Mosaic kernels |" in out.with_suffix(".md").read_text()
 
 
