@@ -5,8 +5,9 @@ run on a CPU host for a named topology.
 arguments placed on one of them (`ShapeDtypeStruct(..., sharding=SingleDeviceSharding(dev))`) make
 `jax.jit(f).lower(...).compile()` run libtpu's compilers, which refuse what the chip would: a kernel over its
 scoped VMEM limit fails with RESOURCE_EXHAUSTED, a block that breaks the tiling rules fails in Mosaic. libtpu
-wants TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES when no TPU is present; `topology` sets them (unless
-already set) before its first call.
+wants TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES when no TPU is present; `quiet_libtpu` sets them (unless
+already set) when `pallas_kernels` is imported on a host with libtpu and no TPU, so that jax's backend probe
+passes over the TPU silently (libtpu would print errors to stderr) and these compiles work.
 
     res = compile_for(fn, [jax.ShapeDtypeStruct(...), ...], "v5e")   # TpuCompile, never raises on a refusal
     res.ok, res.error, res.custom_calls, res.vmem_limits, res.vmem_used, res.generated_code_bytes, res.temp_bytes
@@ -22,6 +23,7 @@ import importlib.util
 import os
 import re
 import time
+from pathlib import Path
 
 import jax
 
@@ -33,6 +35,8 @@ HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 #: A deviceless compile touches no chip, so several processes (pytest-xdist workers) may load libtpu at once.
 ENV = {"TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 MOSAIC_CALL = "tpu_custom_call"
+#: The PCI vendor id of Google's TPU chips (what jax's own hardware_utils looks for in sysfs).
+GOOGLE_PCI_VENDOR = "0x1ae0"
 
 _CUSTOM_CALL = re.compile(r"%(\S+) = .*?custom-call\(.*?custom_call_target=\"([^\"]+)\"")
 _SCOPED = re.compile(r"\"scoped_memory_configs\":\[\{[^\]]*?\"size\":\"(\d+)\"")
@@ -89,6 +93,25 @@ def libtpu_available() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
+def tpu_attached() -> bool:
+    """Whether a TPU chip is on this host's PCI bus (Linux sysfs; False where there is none)."""
+    for vendor in Path("/sys/bus/pci/devices").glob("*/vendor"):
+        try:
+            if vendor.read_text().strip() == GOOGLE_PCI_VENDOR:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def quiet_libtpu() -> None:
+    """Set ENV (each unless already set) where libtpu is installed and no TPU is attached: jax's backend probe
+    then finds no TPU without libtpu printing errors to stderr, and `topology` works. A no-op elsewhere."""
+    if libtpu_available() and not tpu_attached():
+        for name, value in ENV.items():
+            os.environ.setdefault(name, value)
+
+
 @functools.cache
 def topology(generation: str):
     """The `TopologyDescription` of `generation` ("v4", "v5e", "v5p", "v6e"; TOPOLOGIES), ENV set first.
@@ -99,8 +122,7 @@ def topology(generation: str):
         raise RuntimeError("libtpu is not installed (pip install 'jax[tpu]' pinned to the jaxlib in use)")
     from jax.experimental import topologies
 
-    for name, value in ENV.items():
-        os.environ.setdefault(name, value)
+    quiet_libtpu()
     try:
         return topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[generation])
     except Exception as e:  # libtpu's plugin raises XlaRuntimeError / RuntimeError / ValueError

@@ -5,6 +5,8 @@ its one-line error without libtpu."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import pytest
 
@@ -81,3 +83,18 @@ def test_refusals(monkeypatch, argv, message):
     run = run_script("kernel_report", *argv)
     assert run.code == 2 and message in run.err and run.out == "", run
     assert len(run.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("libtpu, attached, set_here",
+                         [(True, False, True), (True, True, False), (False, False, False)])
+def test_libtpu_is_quieted_only_without_a_tpu(monkeypatch, libtpu, attached, set_here):
+    """quiet_libtpu sets libtpu's no-TPU settings where libtpu is installed and no chip is attached, and never
+    overrides a value already set."""
+    monkeypatch.setattr(td, "libtpu_available", lambda: libtpu)
+    monkeypatch.setattr(td, "tpu_attached", lambda: attached)
+    for name in td.ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-8")
+    td.quiet_libtpu()
+    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v6e-8"
+    assert (os.environ.get("TPU_WORKER_HOSTNAMES") == "localhost") == set_here
