@@ -210,8 +210,9 @@ def test_adaptive_decode_spread_at_32_steps(prompts, logits):
     """64 decode tokens (16 prompts × 4; 72% exit, after 7 to 28 steps): float32 through a float32 dense
     cache against float64 throughout, per token max |Δ| median 3.7e-6, worst 1.6e-5 (an AVX-512 host; 4.2e-6
     and 3.2e-5 where XLA:CPU emits AVX2 code, an EPYC without AVX-512) — the transcription's own float32
-    spread at 32 steps (median 6.7e-6, worst 1.6e-5 over the prompts) — with the same tokens and steps. The float64 adaptive run failed before: its criterion state and kept logits were float32
-    carries of a float64 loop."""
+    spread at 32 steps (median 6.7e-6, worst 1.6e-5 over the prompts) — with the same tokens and steps.
+    The float64 adaptive run failed before: its criterion state and kept logits were float32 carries of a
+    float64 loop."""
     folder = fixture_dir("huginn-tiny")
     model, _ = load_model(folder)
     max_len = prompts.shape[1] + NEW_TOKENS
