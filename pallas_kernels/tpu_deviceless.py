@@ -74,7 +74,7 @@ class TpuCompile:
 
     def kernels(self) -> tuple[str, ...]:
         """Op names of the Mosaic kernels (custom calls to "tpu_custom_call") in the compiled HLO."""
-        return tuple(name for name, target in self.custom_calls if target == MOSAIC_CALL)
+        return _mosaic(self.custom_calls)
 
 
 def custom_calls(hlo: str) -> tuple[tuple[str, str], ...]:
@@ -84,7 +84,12 @@ def custom_calls(hlo: str) -> tuple[tuple[str, str], ...]:
 
 def mosaic_calls(hlo: str) -> tuple[str, ...]:
     """Op names of the Mosaic kernels (custom calls to "tpu_custom_call") in an HLO module's text."""
-    return tuple(name for name, target in custom_calls(hlo) if target == MOSAIC_CALL)
+    return _mosaic(custom_calls(hlo))
+
+
+def _mosaic(calls) -> tuple[str, ...]:
+    """The op names of the (op name, target) custom calls whose target is MOSAIC_CALL."""
+    return tuple(name for name, target in calls if target == MOSAIC_CALL)
 
 
 @functools.cache

@@ -90,6 +90,7 @@ class DecodeBench:
     def __init__(self, label: str, config: ModelConfig, args, run: bool):
         self.label, self.config, self.args = label, config, args
         self.tpu = args.tpu
+        self.on_tpu = bool(self.tpu) or jax.default_backend() == "tpu"  # compiled for one, or run on one
         run = run and self.tpu is None
         make = functools.partial(init_model, config, dtype=jnp.dtype(args.dtype),
                                  param_dtype=jnp.dtype(args.weight_dtype))
@@ -107,13 +108,12 @@ class DecodeBench:
     def positions(self, tokens: int) -> int:
         """Cache positions for `tokens` tokens: as many; on a TPU rounded up to `TPU_POSITIONS` (XLA:TPU tiles
         the token axis by 8 sublanes and lays an unaligned cache out head-minor, copying it every step)."""
-        on_tpu = self.tpu or jax.default_backend() == "tpu"
-        return -(-tokens // TPU_POSITIONS) * TPU_POSITIONS if on_tpu else tokens
+        return -(-tokens // TPU_POSITIONS) * TPU_POSITIONS if self.on_tpu else tokens
 
     def held(self, cache):
         """The cache as the step takes it: held as bits (`KVCache.as_bits`: XLA:CPU then writes it in place);
         as values on a TPU, where XLA:TPU materialises the bits' bitcast for the kernels (a copy of the cache)."""
-        return cache if self.tpu or jax.default_backend() == "tpu" else cache.as_bits()
+        return cache if self.on_tpu else cache.as_bits()
 
     def cache_shapes(self, batch: int, tokens: int, fmt: base.CacheFormat):
         """The abstract cache of `batch` rows holding up to `tokens` tokens, as the step takes it."""
@@ -123,9 +123,13 @@ class DecodeBench:
         """`args` as the compiled program's inputs: on the TPU's first device when compiling for one."""
         return tpu_deviceless.place(args, self.tpu) if self.tpu else args
 
+    def _options(self, search: bool) -> dict | None:
+        """Compiler options: LLVM optimisation off for a search on a CPU, else none."""
+        return SEARCH_OPTIONS if search and not self.tpu and jax.default_backend() == "cpu" else None
+
     def _compile(self, lowered, search: bool):
-        """lowered.compile(), with LLVM optimisation off for a search on a CPU; its seconds counted."""
-        options = SEARCH_OPTIONS if search and not self.tpu and jax.default_backend() == "cpu" else None
+        """lowered.compile() with `_options(search)`, its seconds counted."""
+        options = self._options(search)
         start = time.perf_counter()
         compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
         self.compile_seconds += time.perf_counter() - start
@@ -154,7 +158,7 @@ class DecodeBench:
     def compile(self, label: str, context: int, batch: int, search: bool = False, impl: str = "auto"):
         """(compiled step for abstract inputs, its memory dict, the cache's bytes), kept for reuse; the
         number of Mosaic kernels in it in `tpu_kernels` when compiled for a TPU."""
-        key = (label, impl, context, batch, search and not self.tpu)
+        key = (label, impl, context, batch, tuple(sorted((self._options(search) or {}).items())))
         if key not in self.compiled:
             fmt = self.fmt(label, impl)
             cache = self.cache_shapes(batch, context + 1, fmt)
@@ -198,8 +202,6 @@ class DecodeBench:
         """Bytes a step may still take beyond the resident weights on this machine."""
         if self.args.machine_gb:
             return int(self.args.machine_gb * GiB) - self.weights
-        if self.tpu:
-            return None
         device = jax.devices()[0]
         if device.platform != "cpu":
             stats = device.memory_stats() or {}
