@@ -12,6 +12,12 @@ Stored leaves may stack their slots over several leading axes ([G, N, B, K, S, .
 holds them): the axes before B are the slots, row-major, and `slot` indexes their flattening (so a caller
 passes the state's own buffers, with no reshape between them and the kernel).
 
+Rows are read through a block table: with `block_table` [B, N] (int32) a slot's leaves are a pool of pages,
+[..., NP, K, P, ...], and row b's tokens [nP, (n+1)P) lie in page block_table[b, n] (the paged cache); left
+out, the leaves are contiguous rows [..., B, K, S, ...], which is the identity table [B, 1] over pages of
+P = S tokens. Only the pages a row's length reaches are read, and each must lie in the pool (else the call
+fails naming it); the rest of a row's table may hold anything.
+
 Each attention returns the unnormalised partial (acc [B, K, R, D], m, l [B, K, R], float32; a row with
 no stored token: m = -1e30, l = 0, acc = 0). The C++ (`src/`) reads the codes where they lie — per
 stored token each chain link's bytes unpacked plane by plane, group scales and offsets applied per
@@ -122,27 +128,39 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def _scalars(lengths, slot):
-    return lengths.astype(jnp.int32), jnp.asarray(slot, jnp.int32).reshape(())
+def _scalars(lengths, slot, block_table, stored_shape):
+    """lengths, slot and the block table as the kernels take them (the identity table when None), the table
+    checked against the stored leaves [..., NP, K, P] (a leaf's shape without its last axis)."""
+    b = lengths.shape[0]
+    if block_table is None:
+        if stored_shape[-3] != b:
+            raise ValueError(f"contiguous rows: stored leaves {list(stored_shape)} hold {stored_shape[-3]} rows, "
+                             f"q has {b} (a paged pool needs a block_table)")
+        block_table = jnp.arange(b, dtype=jnp.int32)[:, None]
+    elif block_table.ndim != 2 or block_table.shape[0] != b or not jnp.issubdtype(block_table.dtype, jnp.integer):
+        raise ValueError(f"block_table must be integer [{b}, N], got {block_table.dtype}{list(block_table.shape)}")
+    return (lengths.astype(jnp.int32), jnp.asarray(slot, jnp.int32).reshape(()),
+            block_table.astype(jnp.int32))
 
 
 def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, slot: jax.Array | int,
-                           **launch) -> tuple[jax.Array, jax.Array, jax.Array]:
+                           block_table: jax.Array | None = None, **launch) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unnormalised attention partial of q [B, K, R, D] (float32 | bfloat16) over a slot's stored keys and
-    values k = v [M, B, K, S, D] (bfloat16 | float32) at s < lengths[b] [B] int32; `slot` [] picks one of
-    the M stacked slots. Returns acc [B, K, R, D], m, l [B, K, R] (float32). Launch keywords of the Pallas
-    kernel (`block_s`, ...) are accepted and ignored."""
+    values k = v [M, B, K, S, D] (bfloat16 | float32; with `block_table` [B, N] a pool [M, NP, K, P, D]) at
+    s < lengths[b] [B] int32; `slot` [] picks one of the M stacked slots. Returns acc [B, K, R, D], m, l
+    [B, K, R] (float32). Launch keywords of the Pallas kernel (`block_s`, ...) are accepted and ignored."""
     del launch
     _check_query(q, lengths)
-    if k.ndim < 5 or v.shape != k.shape or k.shape[-4:-2] != q.shape[:2] or k.shape[-1] != q.shape[3]:
+    if k.ndim < 5 or v.shape != k.shape or k.shape[-3] != q.shape[1] or k.shape[-1] != q.shape[3]:
         raise ValueError(f"want k = v [M, B, K, S, D] for q {q.shape}; got {k.shape}, {v.shape}")
     if k.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != k.dtype:
         raise NotImplementedError(f"cache dtypes {k.dtype}/{v.dtype} (native kernel covers bfloat16 and float32)")
+    scalars = _scalars(lengths, slot, block_table, k.shape[:-1])
     _require()
     if k.shape[-2] == 0:
         return _empty(q)
     call = jax.ffi.ffi_call("rq_cpu_dense", _partial_shapes(q), vmap_method="sequential")
-    return tuple(call(q, _bits(k), _bits(v), *_scalars(lengths, slot)))
+    return tuple(call(q, _bits(k), _bits(v), *scalars))
 
 
 def _links(streams, bits, groups, dim: int, what: str) -> tuple[tuple[int, int], ...]:
@@ -180,6 +198,7 @@ def residual_decode_attention(
     mean_scores: Sequence[jax.Array | None] | None,  # per key link: q·μ_i [B, K, R] float32, or None
     lengths: jax.Array,                       # [B] int32 valid stored tokens per row
     slot: jax.Array | int,                    # [] int32: which of the M stacked slots
+    block_table: jax.Array | None = None,     # [B, N] int32 page of each row's logical page; None: contiguous
     *,
     k_bits: tuple[int, ...] | None = None,
     v_bits: tuple[int, ...] | None = None,
@@ -188,10 +207,11 @@ def residual_decode_attention(
     **launch,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unnormalised attention partial of rotated queries over a slot's packed stored tokens, the
-    signature of `pallas_kernels.residual_decode_attention_reference`: codes uint8 [M, B, K, S, D·bits/8]
-    (planar packing, bits 1/2/4/8), scale/offset [M, B, K, S, D/g] (float8_e4m3fn, bfloat16, float16 or
-    float32; any g dividing D, per link), α bf16. Returns acc [B, K, R, D] (rotated value basis), m, l
-    [B, K, R], float32. Launch keywords of the Pallas kernel are accepted and ignored."""
+    signature of `pallas_kernels.residual_decode_attention_reference` plus a block table: codes uint8
+    [M, B, K, S, D·bits/8] (planar packing, bits 1/2/4/8), scale/offset [M, B, K, S, D/g] (float8_e4m3fn,
+    bfloat16, float16 or float32; any g dividing D, per link), α bf16 (with `block_table` [B, N]: a pool of
+    pages, B → NP and S → P in every leaf). Returns acc [B, K, R, D] (rotated value basis), m, l [B, K, R],
+    float32. Launch keywords of the Pallas kernel are accepted and ignored."""
     del launch
     keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
     _check_query(q, lengths)
@@ -205,14 +225,15 @@ def residual_decode_attention(
             if a is not None and (a.dtype != jnp.bfloat16 or a.shape != chain[0].codes.shape[:-1]):
                 raise NotImplementedError(f"{name}: {a.dtype}{list(a.shape)} (native kernel reads bf16 [M, B, K, S])")
     lead = keys[0].codes.shape[:-1]
-    if len(lead) < 4 or lead[-3:-1] != q.shape[:2] or any(st.codes.shape[:-1] != lead for st in (*keys, *values)):
-        raise ValueError(f"every link must share [M, B, K, S] with B, K = {q.shape[:2]}; got {lead}")
+    if len(lead) < 4 or lead[-2] != q.shape[1] or any(st.codes.shape[:-1] != lead for st in (*keys, *values)):
+        raise ValueError(f"every link must share [M, B, K, S] with K = {q.shape[1]}; got {lead}")
     if mean_scores is not None and len(mean_scores) != len(keys):
         raise ValueError(f"mean_scores: {len(mean_scores)} entries for a chain of {len(keys)} links")
+    scalars = _scalars(lengths, slot, block_table, lead)
     _require()
     if lead[-1] == 0:
         return _empty(q)
-    args = [q, *_scalars(lengths, slot)]
+    args = [q, *scalars]
     for streams, alphas in ((keys, k_alpha), (values, v_alpha)):
         for st in streams:
             args += [st.codes, _bits(st.scale), _bits(st.offset)]

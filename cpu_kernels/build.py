@@ -3,7 +3,7 @@
 `library()` returns the path of `librq_cpu.so`, compiling it when no build for this exact input exists:
 the key hashes every file of `src/`, the compiler's `--version`, the flags and jaxlib's version (the FFI
 headers come from `jax.ffi.include_dir()`). `attention.cc` is compiled once per instruction set
-(`ISAS`: the x86-64 baseline, AVX2 + FMA, AVX-512) and the library picks one at load time by what the
+(`ISAS`: the x86-64 baseline, AVX2 + FMA + F16C, AVX-512) and the library picks one at load time by what the
 CPU supports; nothing is built with `-march=native`, so a cache folder shared between machines stays
 loadable on each. Concurrent first uses (test workers) wait on a file lock and build once.
 
@@ -31,8 +31,9 @@ FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-fno-trapping-math", 
 #: Per instruction set: the -D name attention.cc's entry point takes and the flags it is compiled with.
 ISAS = {"generic": ()}
 if platform.machine() in ("x86_64", "AMD64"):
-    ISAS.update(avx2=("-mavx2", "-mfma"),
-                avx512=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mprefer-vector-width=512"))
+    ISAS.update(avx2=("-mavx2", "-mfma", "-mf16c"),
+                avx512=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                        "-mprefer-vector-width=512"))
 
 
 class BuildError(RuntimeError):

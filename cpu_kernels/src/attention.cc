@@ -1,18 +1,24 @@
 // The work-item kernels of kernels.h, written once and compiled once per instruction set: the build
-// compiles this file with -DRQ_ISA=generic (the x86-64 baseline), avx2 (-mavx2 -mfma) and avx512
+// compiles this file with -DRQ_ISA=generic (the x86-64 baseline), avx2 (-mavx2 -mfma -mf16c) and avx512
 // (-mavx512f -mavx512bw -mavx512vl -mavx512dq), and ffi.cc picks one at load time by what the CPU
-// supports. The loops are plain C++ over contiguous channels, which the compiler vectorizes for the
-// target (reductions are reassociated: -fassociative-math, no -ffast-math).
+// supports. Vectors are GCC vector extensions as wide as the target's registers (kLanes: 16, 8 or 4 floats);
+// a few widenings use intrinsics where GCC's generic lowering goes lane by lane.
 //
-// Quantized chains (ResidualQuant, `uniform`, `rotated`): per stored token the codes of each chain link
-// are read where they lie and unpacked plane by plane into one float row (plane p of a byte row holds
-// channels [pJ, (p+1)J) in bits [p·bits, (p+1)·bits)), then
+// An item walks its tokens in chunks of up to kChunk consecutive rows of every leaf (a chunk never crosses
+// a page). Per chunk: every link's metadata is decoded to float32 (scales token-major, offsets group-
+// major), the α chains multiplied out per token, then
 //
-//   score = Σ_i (Π_{j<i} αk_j) · ( Σ_g scale_ig · (q_g · c_ig) + offset_ig · Σ_{c∈g} q_c + q·μ_i ) / √D
+//   score = Σ_i (Π_{j<i} αk_j) · ( Σ_g scale_ig · (q_g · c_ig) + Σ_g offset_ig · Σ_{c∈g} q_c + q·μ_i ) / √D
 //   acc  += Σ_i (Π_{j<i} αv_j) · p · ( scale_ig · c_ig + offset_ig )        (rotated value basis)
 //
-// with the offsets' part of acc summed per group and spread over the group's channels once at the end.
-// The softmax is online over chunks of kChunk tokens.
+// with an online softmax across chunks, and the offsets' part of acc summed per group and spread over the
+// group's channels once at the end.
+//
+// Codes are read where they lie (planar packing: byte j of a token holds channel pJ + j of every plane p,
+// J = D·bits/8). Blocked links (J and the group size multiples of the block width W <= kLanes bytes) widen
+// W bytes once and take every plane out of them with a shift and a mask: each plane is W channels of one
+// group, converted to float and multiplied into the query (keys) or the weight (values). Other shapes run
+// channel by channel over the token's unpacked codes.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -20,7 +26,7 @@
 
 #include "kernels.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -37,121 +43,453 @@ namespace {
 
 constexpr int kChunk = 64;  // tokens per online-softmax step
 
-inline float from_bf16(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+// ---- scalar conversions ---------------------------------------------------------------------------------
+
+template <class To, class From>
+inline To bits_as(From x) {
+  static_assert(sizeof(To) == sizeof(From));
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
 }
 
+inline float from_bf16(uint16_t h) { return bits_as<float>(uint32_t(h) << 16); }
+
 inline float from_f16(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
   const int exp = (h >> 10) & 0x1f;
   const uint32_t man = h & 0x3ff;
-  float f;
-  if (exp == 0) {  // zero or subnormal: man · 2^-24
-    f = std::ldexp(float(man), -24);
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    u |= sign;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-  }
-  uint32_t u = exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | (uint32_t(exp + 112) << 23) | (man << 13);
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+  if (exp == 0) return bits_as<float>(bits_as<uint32_t>(std::ldexp(float(man), -24)) | sign);  // zero, subnormal
+  return bits_as<float>(exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | (uint32_t(exp + 112) << 23) | (man << 13));
+#endif
 }
 
 // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, 0x7f / 0xff are NaN.
-struct Fp8Table {
-  float v[256];
-  Fp8Table() {
-    for (int i = 0; i < 256; ++i) {
-      const int exp = (i >> 3) & 0xf, man = i & 7;
-      float x = exp == 0 ? std::ldexp(float(man), -9) : std::ldexp(float(8 + man), exp - 10);
-      if ((i & 0x7f) == 0x7f) x = std::nanf("");
-      v[i] = (i & 0x80) ? -x : x;
-    }
-  }
-};
-const Fp8Table kFp8;
+inline float from_fp8(uint8_t x) {
+  const uint32_t mag = x & 0x7f, sign = uint32_t(x & 0x80) << 24;
+  if (mag == 0x7f) return std::nanf("");
+  const float f = mag < 8 ? float(mag) * 0x1p-9f : bits_as<float>((mag << 20) + (120u << 23));
+  return bits_as<float>(bits_as<uint32_t>(f) | sign);
+}
 
-// Metadata row `row` (n values) of a [.., n] leaf as float32.
-inline void meta_row(const void* base, int meta, int64_t row, int n, float* out) {
+// ---- vectors ----------------------------------------------------------------------------------------
+
+// Lanes of the target's float register: vectors of kLanes are the working width, and the link functions'
+// byte blocks are at most kLanes wide (wider vectors are lowered lane by lane on narrower targets).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+
+template <int W>
+struct V {
+  typedef float f __attribute__((vector_size(4 * W)));
+  typedef int32_t i __attribute__((vector_size(4 * W)));
+};
+using vf = V<kLanes>::f;
+using vi = V<kLanes>::i;
+
+template <class T>
+inline T load(const void* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <class T>
+inline void store(void* p, T v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+inline float hsum(V<4>::f v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+inline float hsum(V<8>::f v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+inline float hsum(V<16>::f v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+// W unsigned bytes (or 16-bit words) widened to int32 lanes: one instruction where the target has it (GCC's
+// generic widening goes lane by lane).
+template <int W, class T>
+inline typename V<W>::i widen(const T* p) {
+  static_assert(sizeof(T) <= 2);
+#if defined(__AVX512F__)
+  if constexpr (W == 16 && sizeof(T) == 1)
+    return (typename V<W>::i)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (W == 16 && sizeof(T) == 2)
+    return (typename V<W>::i)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
+#if defined(__AVX2__)
+  if constexpr (W == 8 && sizeof(T) == 1)
+    return (typename V<W>::i)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (W == 8 && sizeof(T) == 2)
+    return (typename V<W>::i)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  typename V<W>::i w;
+  for (int i = 0; i < W; ++i) w[i] = p[i];
+  return w;
+}
+
+// exp(x) of softmax arguments (x <= 0; NaN stays NaN): 2^n · e^r with n = round(x / ln 2), |r| <= ln 2 / 2,
+// e^r by Cephes' degree-6 polynomial (relative error ~1e-7); 0 below -87, where 2^n would leave the normal
+// floats (e^-87 ~ 1.6e-38).
+inline vf vexp(vf x) {
+  const vf k = x * 1.44269504088896341f;
+  const vi n = __builtin_convertvector(k + (k < 0 ? vf{} - 0.5f : vf{} + 0.5f), vi);
+  const vf r = x - __builtin_convertvector(n, vf) * 0.693147180559945309f;
+  vf y = vf{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const vf out = bits_as<vf>(bits_as<vi>(y) + (n << 23));
+  return x != x ? x : (x < -87.0f ? vf{} : out);
+}
+
+// ---- metadata and α -------------------------------------------------------------------------------------
+
+// kLanes float8_e4m3fn values (from_fp8, branch-free).
+inline vf fp8_block(const uint8_t* p) {
+  const vi x = widen<kLanes>(p);
+  const vi mag = x & 0x7f, sign = (x & 0x80) << 24;
+  const vi sub = bits_as<vi>(__builtin_convertvector(mag, vf) * 0x1p-9f);
+  const vi normal = (mag << 20) + (120 << 23);
+  const vi nan = vi{} + 0x7fc00000;
+  return bits_as<vf>((mag < 8 ? sub : (mag == 0x7f ? nan : normal)) | sign);
+}
+
+// `count` consecutive values of a metadata leaf from flat element `first`, as float32.
+void decode_meta(const void* base, int meta, int64_t first, int count, float* out) {
+  int i = 0;
   switch (meta) {
     case kF32:
-      std::memcpy(out, static_cast<const float*>(base) + row * n, n * sizeof(float));
-      break;
-    case kBF16: {
-      const uint16_t* p = static_cast<const uint16_t*>(base) + row * n;
-      for (int i = 0; i < n; ++i) out[i] = from_bf16(p[i]);
-      break;
+      std::memcpy(out, static_cast<const float*>(base) + first, count * sizeof(float));
+      return;
+    case kFP8: {
+      const uint8_t* p = static_cast<const uint8_t*>(base) + first;
+      for (; i + kLanes <= count; i += kLanes) store(out + i, fp8_block(p + i));
+      for (; i < count; ++i) out[i] = from_fp8(p[i]);
+      return;
     }
-    case kF16: {
-      const uint16_t* p = static_cast<const uint16_t*>(base) + row * n;
-      for (int i = 0; i < n; ++i) out[i] = from_f16(p[i]);
-      break;
+    case kBF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + first;
+      for (; i + kLanes <= count; i += kLanes) store(out + i, bits_as<vf>(widen<kLanes>(p + i) << 16));
+      for (; i < count; ++i) out[i] = from_bf16(p[i]);
+      return;
     }
     default: {
-      const uint8_t* p = static_cast<const uint8_t*>(base) + row * n;
-      for (int i = 0; i < n; ++i) out[i] = kFp8.v[p[i]];
+      const uint16_t* p = static_cast<const uint16_t*>(base) + first;
+#if defined(__F16C__)
+      for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+      for (; i < count; ++i) out[i] = from_f16(p[i]);
     }
   }
 }
 
-template <int BITS>
-inline void unpack_planes(const uint8_t* __restrict c, int d, float* __restrict out) {
-  constexpr int planes = 8 / BITS;
-  constexpr unsigned mask = (1u << BITS) - 1;
-  const int j_max = d / planes;
-  for (int p = 0; p < planes; ++p) {
-    float* __restrict o = out + p * j_max;
-    for (int j = 0; j < j_max; ++j) o[j] = float((c[j] >> (p * BITS)) & mask);
+// Per link, the metadata of a chunk's n tokens as float32, token-major [n, ng] (padded by a vector, so that a
+// token's ng <= kLanes offsets load as one).
+struct LinkMeta {
+  std::vector<float> scale, offset;
+  void decode(const Link& ln, int64_t tok0, int n) {
+    const int ng = ln.dim / ln.group;
+    scale.resize(size_t(kChunk) * ng + kLanes);
+    offset.resize(size_t(kChunk) * ng + kLanes);
+    decode_meta(ln.scale, ln.meta, tok0 * ng, n * ng, scale.data());
+    decode_meta(ln.offset, ln.meta, tok0 * ng, n * ng, offset.data());
+  }
+};
+
+// The α chain of each link over a chunk: coef[i][j] = Π_{i' < i} α_{i'}(token j).
+void chain_coefs(const Chain& c, int64_t tok0, int n, float* coef) {
+  for (int j = 0; j < n; ++j) coef[j] = 1.0f;
+  for (int i = 1; i < c.n; ++i) {
+    float* out = coef + i * kChunk;
+    const float* prev = out - kChunk;
+    if (!c.alpha[i - 1]) {
+      std::copy(prev, prev + n, out);
+      continue;
+    }
+    const uint16_t* a = c.alpha[i - 1] + tok0;
+    for (int j = 0; j < n; ++j) out[j] = prev[j] * from_bf16(a[j]);
+  }
+}
+
+// ---- link functions ---------------------------------------------------------------------------------------
+//
+// key:   scores[r][j] += coef[j] · q_r · D(c_j),   D(c) = scale_g · c + offset_g per channel group g
+// value: acc[r] += Σ_j w[r][j] · scale_jg · c_j,  offacc[r][g] += Σ_j w[r][j] · offset_jg
+// over a chunk's n tokens (w: the softmax weights × the α chain). `codes` points at the chunk's first token,
+// scale and offset are the chunk's [n, ng] (padded by kLanes), qsum [rows, kLanes·⌈ng/kLanes⌉] the query's
+// sum over each group (zero past ng: q · D(c) = Σ_g scale_g · (q_g · c_g) + offset · qsum), scores and w
+// [rows, kChunk], q and acc [rows, D], offacc [rows, offacc_stride].
+
+// A row's stride in qsum: ng rounded up to whole vectors.
+constexpr int qsum_stride(int ng) { return (ng + kLanes - 1) / kLanes * kLanes; }
+
+using KeyFn = void (*)(const Link&, const uint8_t* codes, int n, int rows, const float* q, const float* qsum,
+                       const float* scale, const float* offset, const float* coef, float* scores);
+using ValueFn = void (*)(const Link&, const uint8_t* codes, int n, int rows, const float* w, const float* scale,
+                         const float* offset, float* acc, float* offacc, int offacc_stride);
+
+// Blocks of W channels, G to a group: block (h, p) is plane p of bytes [Wh, W(h+1)), channels pJ + Wh ..
+// pJ + W(h+1) - 1, in group (pJ + Wh) / (WG). Block i = hP + p.
+template <int D, int BITS, int W, int G>
+struct Blocks {
+  static constexpr int J = D * BITS / 8, P = 8 / BITS, H = J / W, N = H * P, NG = D / (W * G);
+  static constexpr int kMask = (1 << BITS) - 1;
+  static constexpr int channel(int i) { return (i % P) * J + W * (i / P); }
+  static constexpr int group(int i) { return channel(i) / (W * G); }
+
+  // Plane p of a token's widened bytes x0 as float codes.
+  static typename V<W>::f codes(typename V<W>::i x0, int p) {
+    typename V<W>::i x = x0;
+    if constexpr (BITS < 8) {
+      if (p) x = x >> (p * BITS);
+      if (p < P - 1) x &= kMask;
+    }
+    return __builtin_convertvector(x, typename V<W>::f);
+  }
+};
+
+// A token's offsets times the query's group sums, Σ_g offset_g · qsum_g, as lanes to add before a horizontal
+// sum (lanes past NG masked: the padding may hold anything).
+template <int W, int NG>
+inline typename V<W>::f offset_lanes(const float* offset, const float* qsum) {
+  using F = typename V<W>::f;
+  F lane;
+  for (int i = 0; i < W; ++i) lane[i] = float(i);
+  F a = F{};
+  for (int g0 = 0; g0 < NG; g0 += W) {
+    F o = load<F>(offset + g0);
+    if (g0 + W > NG) o = lane < float(NG - g0) ? o : F{};
+    a += o * load<F>(qsum + g0);
+  }
+  return a;
+}
+
+template <int D, int BITS, int W, int G>
+void key_blocked(const Link&, const uint8_t* codes, int n, int rows, const float* q, const float* qsum,
+                 const float* scale, const float* offset, const float* coef, float* scores) {
+  using B = Blocks<D, BITS, W, G>;
+  using F = typename V<W>::f;
+  if (rows == 1) {
+    F qb[B::N];
+    for (int i = 0; i < B::N; ++i) qb[i] = load<F>(q + B::channel(i));
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* c = codes + j * B::J;
+      const float* s = scale + j * B::NG;
+      F part[B::NG];  // per group, q_g · c_g
+      bool first[B::NG];
+      for (int g = 0; g < B::NG; ++g) first[g] = true;
+      for (int h = 0; h < B::H; ++h) {
+        const auto x0 = widen<W>(c + W * h);
+        for (int p = 0; p < B::P; ++p) {
+          const int i = h * B::P + p, g = B::group(i);
+          const F t = B::codes(x0, p) * qb[i];
+          part[g] = first[g] ? t : part[g] + t;
+          first[g] = false;
+        }
+      }
+      F a = offset_lanes<W, B::NG>(offset + j * B::NG, qsum);
+      for (int g = 0; g < B::NG; ++g) a += part[g] * s[g];
+      scores[j] += coef[j] * hsum(a);
+    }
+    return;
+  }
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* c = codes + j * B::J;
+    const float* s = scale + j * B::NG;
+    F blk[B::N];
+    for (int h = 0; h < B::H; ++h) {
+      const auto x0 = widen<W>(c + W * h);
+      for (int p = 0; p < B::P; ++p) blk[h * B::P + p] = B::codes(x0, p) * s[B::group(h * B::P + p)];
+    }
+    for (int r = 0; r < rows; ++r) {
+      F a = offset_lanes<W, B::NG>(offset + j * B::NG, qsum + r * qsum_stride(B::NG));
+      for (int i = 0; i < B::N; ++i) a += blk[i] * load<F>(q + r * D + B::channel(i));
+      scores[r * kChunk + j] += coef[j] * hsum(a);
+    }
+  }
+}
+
+// offacc[0 .. ng) += Σ_j w[j] · offset[j][:] over a chunk, as one vector when ng <= kLanes.
+inline void add_offsets(int ng, int n, const float* w, int w_stride, const float* offset, float* offacc) {
+  if (ng <= kLanes) {
+    vf a = vf{};
+    for (int j = 0; j < n; ++j) a += w[j * w_stride] * load<vf>(offset + j * ng);
+    for (int g = 0; g < ng; ++g) offacc[g] += a[g];
+    return;
+  }
+  for (int j = 0; j < n; ++j)
+    for (int g = 0; g < ng; ++g) offacc[g] += w[j * w_stride] * offset[j * ng + g];
+}
+
+template <int D, int BITS, int W, int G>
+void value_blocked(const Link&, const uint8_t* codes, int n, int rows, const float* w, const float* scale,
+                   const float* offset, float* acc, float* offacc, int offacc_stride) {
+  using B = Blocks<D, BITS, W, G>;
+  using F = typename V<W>::f;
+  for (int r = 0; r < rows; ++r) add_offsets(B::NG, n, w + r * kChunk, 1, offset, offacc + r * offacc_stride);
+  if (rows == 1) {  // the accumulator in registers across the chunk
+    F a[B::N];
+    for (int i = 0; i < B::N; ++i) a[i] = load<F>(acc + B::channel(i));
+    for (int j = 0; j < n; ++j) {
+      const uint8_t* c = codes + j * B::J;
+      const float* s = scale + j * B::NG;
+      const float wj = w[j];
+      for (int h = 0; h < B::H; ++h) {
+        const auto x0 = widen<W>(c + W * h);
+        for (int p = 0; p < B::P; ++p) {
+          const int i = h * B::P + p;
+          a[i] += B::codes(x0, p) * (wj * s[B::group(i)]);
+        }
+      }
+    }
+    for (int i = 0; i < B::N; ++i) store(acc + B::channel(i), a[i]);
+    return;
+  }
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* c = codes + j * B::J;
+    const float* s = scale + j * B::NG;
+    F blk[B::N];
+    for (int h = 0; h < B::H; ++h) {
+      const auto x0 = widen<W>(c + W * h);
+      for (int p = 0; p < B::P; ++p) blk[h * B::P + p] = B::codes(x0, p);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const float wr = w[r * kChunk + j];
+      float* ar = acc + r * D;
+      for (int i = 0; i < B::N; ++i)
+        store(ar + B::channel(i), load<F>(ar + B::channel(i)) + blk[i] * (wr * s[B::group(i)]));
+    }
   }
 }
 
 // One token's codes [D·bits/8] as float channels [D].
-inline void unpack(const uint8_t* c, int bits, int d, float* out) {
-  switch (bits) {
-    case 1: unpack_planes<1>(c, d, out); break;
-    case 2: unpack_planes<2>(c, d, out); break;
-    case 4: unpack_planes<4>(c, d, out); break;
-    default: unpack_planes<8>(c, d, out);
+void unpack(const uint8_t* c, int bits, int d, float* out) {
+  const int planes = 8 / bits, per = d / planes;
+  const unsigned mask = (1u << bits) - 1;
+  for (int p = 0; p < planes; ++p)
+    for (int j = 0; j < per; ++j) out[p * per + j] = float((c[j] >> (p * bits)) & mask);
+}
+
+// Channel by channel, for head dims and groups the blocked functions do not cover.
+void key_any(const Link& ln, const uint8_t* codes, int n, int rows, const float* q, const float*,
+             const float* scale, const float* offset, const float* coef, float* scores) {
+  const int d = ln.dim, g = ln.group, ng = d / g, bytes = d * ln.bits / 8;
+  float cf[kMaxDim];
+  for (int j = 0; j < n; ++j) {
+    unpack(codes + j * bytes, ln.bits, d, cf);
+    for (int c = 0; c < d; ++c) cf[c] = cf[c] * scale[j * ng + c / g] + offset[j * ng + c / g];
+    for (int r = 0; r < rows; ++r) {
+      float s = 0.0f;
+      for (int c = 0; c < d; ++c) s += q[r * d + c] * cf[c];
+      scores[r * kChunk + j] += coef[j] * s;
+    }
   }
 }
 
-inline float dot(const float* __restrict a, const float* __restrict b, int n) {
-  float s = 0.0f;
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+void value_any(const Link& ln, const uint8_t* codes, int n, int rows, const float* w, const float* scale,
+               const float* offset, float* acc, float* offacc, int offacc_stride) {
+  const int d = ln.dim, g = ln.group, ng = d / g, bytes = d * ln.bits / 8;
+  for (int r = 0; r < rows; ++r) add_offsets(ng, n, w + r * kChunk, 1, offset, offacc + r * offacc_stride);
+  float cf[kMaxDim];
+  for (int j = 0; j < n; ++j) {
+    unpack(codes + j * bytes, ln.bits, d, cf);
+    for (int r = 0; r < rows; ++r)
+      for (int gi = 0; gi < ng; ++gi) {
+        const float ws = w[r * kChunk + j] * scale[j * ng + gi];
+        for (int c = gi * g; c < (gi + 1) * g; ++c) acc[r * d + c] += ws * cf[c];
+      }
+  }
 }
 
-// Row x [n] converted from float32 or bfloat16.
-inline void load_row(const void* base, bool bf16, int64_t row, int n, float* __restrict out) {
-  if (bf16) {
-    const uint16_t* p = static_cast<const uint16_t*>(base) + row * n;
-    for (int i = 0; i < n; ++i) out[i] = from_bf16(p[i]);
+template <int D, int W, int G>
+bool blocked_bits(int bits, KeyFn* kf, ValueFn* vf_) {
+  if constexpr (D % (W * G)) {
+    return false;
   } else {
-    std::memcpy(out, static_cast<const float*>(base) + row * n, n * sizeof(float));
+    switch (bits) {
+      case 1: *kf = key_blocked<D, 1, W, G>; *vf_ = value_blocked<D, 1, W, G>; return true;
+      case 2: *kf = key_blocked<D, 2, W, G>; *vf_ = value_blocked<D, 2, W, G>; return true;
+      case 4: *kf = key_blocked<D, 4, W, G>; *vf_ = value_blocked<D, 4, W, G>; return true;
+      case 8: *kf = key_blocked<D, 8, W, G>; *vf_ = value_blocked<D, 8, W, G>; return true;
+    }
+    return false;
   }
 }
 
-// The online-softmax step of a chunk: scores [rows, kChunk] (n valid) become p = exp(score − m_new) in
-// place; m, l and the accumulators [rows, acc_len] (acc_len floats from `acc` per row, plus `extra`
-// per row) are rescaled by exp(m_old − m_new).
-inline void softmax_step(int rows, int n, float* scores, float* m, float* l, float* acc, int acc_len, float* extra,
-                         int extra_len) {
+template <int W, int G>
+bool blocked_dim(int d, int bits, KeyFn* kf, ValueFn* vf_) {
+  switch (d) {
+    case 64: return blocked_bits<64, W, G>(bits, kf, vf_);
+    case 96: return blocked_bits<96, W, G>(bits, kf, vf_);
+    case 128: return blocked_bits<128, W, G>(bits, kf, vf_);
+    case 256: return blocked_bits<256, W, G>(bits, kf, vf_);
+  }
+  return false;
+}
+
+// Blocks of W bytes (the target's width or half of it, at least 4: D = 96 at 2 bits has 24 bytes a token),
+// groups of 1 to 8 blocks.
+template <int W>
+bool blocked(const Link& ln, KeyFn* kf, ValueFn* vf_) {
+  if constexpr (W < 4) {
+    return false;
+  } else {
+    if ((ln.dim * ln.bits / 8) % W || ln.group % W) return false;
+    switch (ln.group / W) {
+      case 1: return blocked_dim<W, 1>(ln.dim, ln.bits, kf, vf_);
+      case 2: return blocked_dim<W, 2>(ln.dim, ln.bits, kf, vf_);
+      case 4: return blocked_dim<W, 4>(ln.dim, ln.bits, kf, vf_);
+      case 8: return blocked_dim<W, 8>(ln.dim, ln.bits, kf, vf_);
+    }
+    return false;
+  }
+}
+
+// The link's functions: blocked with the widest block its bytes and groups allow, else channel by channel.
+void link_fns(const Link& ln, KeyFn* kf, ValueFn* vf_) {
+  if (blocked<kLanes>(ln, kf, vf_) || blocked<kLanes / 2>(ln, kf, vf_)) return;
+  *kf = key_any;
+  *vf_ = value_any;
+}
+
+// ---- the online softmax ---------------------------------------------------------------------------------
+
+// A chunk's step: scores [rows, kChunk] (n valid) become p = exp(score − m_new) in place (0 past n); m, l and
+// the accumulators [rows, acc_len] (plus `extra` [rows, extra_len]) are rescaled by exp(m_old − m_new).
+void softmax_step(int rows, int n, float* scores, float* m, float* l, float* acc, int acc_len, float* extra,
+                  int extra_len) {
   for (int r = 0; r < rows; ++r) {
     float* s = scores + r * kChunk;
-    float mx = m[r];
-    for (int j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-    const float corr = std::exp(m[r] - mx);
-    float sum = 0.0f;
-    for (int j = 0; j < n; ++j) {
-      s[j] = std::exp(s[j] - mx);
-      sum += s[j];
+    std::fill(s + n, s + kChunk, kNeg);
+    vf mv = vf{} + m[r];
+    for (int j = 0; j < kChunk; j += kLanes) {
+      const vf x = load<vf>(s + j);
+      mv = x > mv ? x : mv;
     }
-    l[r] = l[r] * corr + sum;
+    float mx = mv[0];
+    for (int i = 1; i < kLanes; ++i) mx = std::max(mx, mv[i]);
+    const float corr = std::exp(m[r] - mx);
+    vf sum = vf{};
+    for (int j = 0; j < kChunk; j += kLanes) {
+      const vf e = vexp(load<vf>(s + j) - mx);
+      store(s + j, e);
+      sum += e;
+    }
+    l[r] = l[r] * corr + hsum(sum);
     m[r] = mx;
     if (corr != 1.0f) {
       float* a = acc + r * acc_len;
@@ -168,302 +506,88 @@ void init_partial(int rows, int d, float* acc, float* m, float* l) {
   std::fill(l, l + rows, 0.0f);
 }
 
-void dense_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
-  const int d = int(p.D), rows = int(p.rows);
-  init_partial(rows, d, acc, m, l);
-  std::vector<float> q(rows * d), row(d), scores(rows * kChunk);
-  for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, d, &q[r * d]);
-  const float inv = 1.0f / std::sqrt(float(d));
-  for (int64_t t0 = s0; t0 < s1; t0 += kChunk) {
-    const int n = int(std::min<int64_t>(kChunk, s1 - t0));
-    for (int j = 0; j < n; ++j) {
-      load_row(p.k, p.kv_bf16, p.token(b, k, t0 + j), d, row.data());
-      for (int r = 0; r < rows; ++r) scores[r * kChunk + j] = dot(&q[r * d], row.data(), d) * inv;
-    }
-    softmax_step(rows, n, scores.data(), m, l, acc, d, nullptr, 0);
-    for (int j = 0; j < n; ++j) {
-      load_row(p.v, p.kv_bf16, p.token(b, k, t0 + j), d, row.data());
-      for (int r = 0; r < rows; ++r) {
-        const float w = scores[r * kChunk + j];
-        float* __restrict a = acc + r * d;
-        const float* __restrict v = row.data();
-        for (int c = 0; c < d; ++c) a[c] += w * v[c];
-      }
-    }
-  }
-}
-
-// ---- the blocked path: head dims 64, 96, 128, 256, groups of 16k channels -----------------------------
-//
-// A token's channels as 16-float vectors (GCC vector extensions: one zmm on AVX-512, two ymm on AVX2,
-// four xmm on the baseline). Codes are unpacked straight from their bytes when a 16-channel block lies in
-// one plane (J = D·bits/8 a multiple of 16), else through a float row; each block is scaled by its
-// group's scale once and reused by every query row. One horizontal sum per token and row.
-
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
-
-inline vf loadf(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
-inline float hsum(vf v) {
-  vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  float s = 0.0f;
-  for (int i = 0; i < 8; ++i) s += h[i];
-  return s;
-}
-
-// 16 unsigned bytes / 16-bit words widened to int32 lanes (GCC's generic widening of these is lane by lane).
-inline vi widen_u8(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__AVX2__)
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  typedef int32_t vi8 __attribute__((vector_size(32)));
-  const vi8 lo = (vi8)_mm256_cvtepu8_epi32(x), hi = (vi8)_mm256_cvtepu8_epi32(_mm_srli_si128(x, 8));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  vi w;
-  for (int i = 0; i < 16; ++i) w[i] = p[i];
-  return w;
-#endif
-}
-
-inline vi widen_u16(const uint16_t* p) {
-#if defined(__AVX512F__)
-  return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__AVX2__)
-  typedef int32_t vi8 __attribute__((vector_size(32)));
-  const vi8 lo = (vi8)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const vi8 hi = (vi8)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  vi w;
-  for (int i = 0; i < 16; ++i) w[i] = p[i];
-  return w;
-#endif
-}
-
-// 16 channels of a row from float32 or bfloat16 values.
-inline vf load_block(const void* row, bool bf16, int b) {
-  if (!bf16) return loadf(static_cast<const float*>(row) + 16 * b);
-  vi u = widen_u16(static_cast<const uint16_t*>(row) + 16 * b) << 16;
-  vf f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-template <int D, int BITS>
-struct Codes {  // one token's codes, read as 16-channel float blocks
-  static constexpr int kJ = D * BITS / 8;
-  static constexpr bool kDirect = BITS == 8 || kJ % 16 == 0;
-  const uint8_t* c;
-  float row[kDirect ? 1 : D];
-  explicit Codes(const uint8_t* codes) : c(codes) {
-    if constexpr (!kDirect) unpack_planes<BITS>(c, D, row);
-  }
-  vf block(int b) const {
-    if constexpr (!kDirect) {
-      return loadf(row + 16 * b);
-    } else {
-      const int plane = BITS == 8 ? 0 : 16 * b / kJ;
-      vi w = widen_u8(c + 16 * b - plane * kJ);
-      if constexpr (BITS < 8) w = (w >> (plane * BITS)) & ((1 << BITS) - 1);
-      return __builtin_convertvector(w, vf);
-    }
-  }
-};
-
-// The scaled code blocks scale_g · c of one link at one token, and its offsets [ng].
-template <int D, int BITS>
-inline void scaled_blocks(const Link& ln, int64_t tok, vf* blk, float* offset) {
-  float scale[D / 16];
-  const int ng = D / ln.group;
-  meta_row(ln.scale, ln.meta, tok, ng, scale);
-  meta_row(ln.offset, ln.meta, tok, ng, offset);
-  const Codes<D, BITS> codes(ln.codes + tok * Codes<D, BITS>::kJ);
-  const int per_group = ln.group / 16;
-  for (int b = 0; b < D / 16; ++b) blk[b] = codes.block(b) * splat(scale[b / per_group]);
-}
-
-// scores[r][j] += coef[j] · (q_r · D(c_j) + q·μ) of one key link over the n tokens tok0 .. tok0 + n − 1 of a
-// chunk (qsum: [rows, ng], means: [rows], scores: [rows, kChunk]).
-template <int D, int BITS>
-void key_link(const Link& ln, int64_t tok0, int n, int rows, const float* q, const float* qsum, const float* means,
-              const float* coef, float* scores) {
-  const int ng = D / ln.group;
-  vf blk[D / 16];
-  float offset[D / 16];
-  for (int j = 0; j < n; ++j) {
-    scaled_blocks<D, BITS>(ln, tok0 + j, blk, offset);
-    for (int r = 0; r < rows; ++r) {
-      vf s = vf{};
-      for (int b = 0; b < D / 16; ++b) s += loadf(q + r * D + 16 * b) * blk[b];
-      float t = hsum(s) + means[r];
-      for (int gi = 0; gi < ng; ++gi) t += offset[gi] * qsum[r * ng + gi];
-      scores[r * kChunk + j] += coef[j] * t;
-    }
-  }
-}
-
-// acc[r] += Σ_j w[r][j] · scale ⊙ c_j and offacc[r][g] += Σ_j w[r][j] · offset_g of one value link over the n
-// tokens of a chunk (w: [rows, kChunk], p times the α chain). One row keeps its accumulator in registers.
-template <int D, int BITS>
-void value_link(const Link& ln, int64_t tok0, int n, int rows, const float* w, float* acc, float* offacc,
-                int offacc_stride) {
-  constexpr int NB = D / 16;
-  const int ng = D / ln.group;
-  vf blk[NB];
-  float offset[NB];
-  if (rows == 1) {
-    vf a[NB];
-    for (int b = 0; b < NB; ++b) a[b] = loadf(acc + 16 * b);
-    for (int j = 0; j < n; ++j) {
-      scaled_blocks<D, BITS>(ln, tok0 + j, blk, offset);
-      const vf wj = splat(w[j]);
-      for (int b = 0; b < NB; ++b) a[b] += wj * blk[b];
-      for (int gi = 0; gi < ng; ++gi) offacc[gi] += w[j] * offset[gi];
-    }
-    for (int b = 0; b < NB; ++b) storef(acc + 16 * b, a[b]);
+// Row x [n] converted from float32 or bfloat16.
+void load_row(const void* base, bool bf16, int64_t row, int n, float* out) {
+  if (!bf16) {
+    std::memcpy(out, static_cast<const float*>(base) + row * n, n * sizeof(float));
     return;
   }
-  for (int j = 0; j < n; ++j) {
-    scaled_blocks<D, BITS>(ln, tok0 + j, blk, offset);
-    for (int r = 0; r < rows; ++r) {
-      const float wr = w[r * kChunk + j];
-      const vf ws = splat(wr);
-      float* ar = acc + r * D;
-      for (int b = 0; b < NB; ++b) storef(ar + 16 * b, loadf(ar + 16 * b) + ws * blk[b]);
-      for (int gi = 0; gi < ng; ++gi) offacc[r * offacc_stride + gi] += wr * offset[gi];
-    }
+  const uint16_t* p = static_cast<const uint16_t*>(base) + row * n;
+  for (int i = 0; i < n; ++i) out[i] = from_bf16(p[i]);
+}
+
+// The item's tokens [s0, s1) in chunks of at most kChunk that never cross a page: fn(first flat token, n).
+template <class Fn>
+void for_chunks(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, Fn fn) {
+  for (int64_t t0 = s0; t0 < s1;) {
+    const int n = int(std::min({int64_t(kChunk), s1 - t0, p.P - t0 % p.P}));
+    fn(p.token(b, k, t0), n);
+    t0 += n;
   }
 }
 
-// The channel-by-channel link functions, for head dims and groups the blocked ones do not cover: the same
-// contract as key_link / value_link below, over a float row of the token's unpacked codes.
-void key_link_any(const Link& ln, int64_t tok0, int n, int rows, const float* q, const float* qsum, const float* means,
-                  const float* coef, float* scores) {
-  const int d = ln.dim, g = ln.group, ng = d / g;
-  std::vector<float> cf(d), scale(ng), offset(ng);
-  for (int j = 0; j < n; ++j) {
-    const int64_t tok = tok0 + j;
-    meta_row(ln.scale, ln.meta, tok, ng, scale.data());
-    meta_row(ln.offset, ln.meta, tok, ng, offset.data());
-    unpack(ln.codes + tok * (d * ln.bits / 8), ln.bits, d, cf.data());
-    for (int r = 0; r < rows; ++r) {
-      float s = means[r];
-      for (int gi = 0; gi < ng; ++gi)
-        s += scale[gi] * dot(q + r * d + gi * g, &cf[gi * g], g) + offset[gi] * qsum[r * ng + gi];
-      scores[r * kChunk + j] += coef[j] * s;
-    }
-  }
-}
+// ---- quantized chains --------------------------------------------------------------------------------------
 
-void value_link_any(const Link& ln, int64_t tok0, int n, int rows, const float* w, float* acc, float* offacc,
-                    int offacc_stride) {
-  const int d = ln.dim, g = ln.group, ng = d / g;
-  std::vector<float> cf(d), scale(ng), offset(ng);
-  for (int j = 0; j < n; ++j) {
-    const int64_t tok = tok0 + j;
-    meta_row(ln.scale, ln.meta, tok, ng, scale.data());
-    meta_row(ln.offset, ln.meta, tok, ng, offset.data());
-    unpack(ln.codes + tok * (d * ln.bits / 8), ln.bits, d, cf.data());
-    for (int r = 0; r < rows; ++r) {
-      const float wr = w[r * kChunk + j];
-      for (int gi = 0; gi < ng; ++gi) {
-        const float ws = wr * scale[gi];
-        const float* __restrict cg = &cf[gi * g];
-        float* __restrict ag = acc + r * d + gi * g;
-        for (int c = 0; c < g; ++c) ag[c] += ws * cg[c];
-        offacc[r * offacc_stride + gi] += wr * offset[gi];
-      }
-    }
-  }
-}
-
-using KeyFn = void (*)(const Link&, int64_t, int, int, const float*, const float*, const float*, const float*, float*);
-using ValueFn = void (*)(const Link&, int64_t, int, int, const float*, float*, float*, int);
-
-template <int D>
-bool link_fns(int bits, KeyFn* kf, ValueFn* vf_) {
-  switch (bits) {
-    case 1: *kf = key_link<D, 1>; *vf_ = value_link<D, 1>; return true;
-    case 2: *kf = key_link<D, 2>; *vf_ = value_link<D, 2>; return true;
-    case 4: *kf = key_link<D, 4>; *vf_ = value_link<D, 4>; return true;
-    case 8: *kf = key_link<D, 8>; *vf_ = value_link<D, 8>; return true;
-  }
-  return false;
-}
-
-bool blocked_fns(int d, int bits, KeyFn* kf, ValueFn* vf_) {
-  switch (d) {
-    case 64: return link_fns<64>(bits, kf, vf_);
-    case 96: return link_fns<96>(bits, kf, vf_);
-    case 128: return link_fns<128>(bits, kf, vf_);
-    case 256: return link_fns<256>(bits, kf, vf_);
-  }
-  return false;
-}
-
-// A quantized item through its links' functions (kfn per key link, vfn per value link): the α chains per
-// chunk of tokens, then every key link into the scores, the softmax step, every value link into acc.
-void quant_item(const Problem& p, const KeyFn* kfn, const ValueFn* vfn, int64_t b, int64_t k, int64_t s0,
-                        int64_t s1, float* acc, float* m, float* l) {
+void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
   const int d = int(p.D), rows = int(p.rows);
   const Chain& kc = p.keys;
   const Chain& vc = p.values;
   init_partial(rows, d, acc, m, l);
-  int v_off[kMaxLinks + 1] = {0}, k_off[kMaxLinks + 1] = {0};
+  KeyFn kfn[kMaxLinks];
+  ValueFn vfn[kMaxLinks];
+  ValueFn unused_v;
+  KeyFn unused_k;
+  for (int i = 0; i < kc.n; ++i) link_fns(kc.link[i], &kfn[i], &unused_v);
+  for (int i = 0; i < vc.n; ++i) link_fns(vc.link[i], &unused_k, &vfn[i]);
+  int v_off[kMaxLinks + 1] = {0};  // value link i's groups start at v_off[i] of a row's offset accumulator
   for (int i = 0; i < vc.n; ++i) v_off[i + 1] = v_off[i] + d / vc.link[i].group;
-  for (int i = 0; i < kc.n; ++i) k_off[i + 1] = k_off[i] + rows * (d / kc.link[i].group);
   const int v_groups = v_off[vc.n];
   std::vector<float> q(rows * d), scores(rows * kChunk), w(rows * kChunk), offacc(rows * v_groups, 0.0f);
-  std::vector<float> qsum(k_off[kc.n]), means(kc.n * rows, 0.0f);
+  std::vector<float> means(kc.n * rows, 0.0f), k_coef(kMaxLinks * kChunk), v_coef(kMaxLinks * kChunk);
   for (int r = 0; r < rows; ++r) {
     const int64_t qrow = (b * p.K + k) * p.R + p.row0 + r;
     load_row(p.q, p.q_bf16, qrow, d, &q[r * d]);
-    for (int i = 0; i < kc.n; ++i) {
-      const int g = kc.link[i].group, ng = d / g;
-      for (int gi = 0; gi < ng; ++gi) {
-        float s = 0.0f;
-        for (int c = 0; c < g; ++c) s += q[r * d + gi * g + c];
-        qsum[k_off[i] + r * ng + gi] = s;
-      }
-      if (p.mean_scores) means[i * rows + r] = p.mean_scores[qrow * kc.n + i];
-    }
+    if (p.mean_scores)
+      for (int i = 0; i < kc.n; ++i) means[i * rows + r] = p.mean_scores[qrow * kc.n + i];
   }
+  std::vector<float> qsum[kMaxLinks];  // Σ_{c∈g} q_c per key link, row and group (qsum_stride per row)
+  for (int i = 0; i < kc.n; ++i) {
+    const int g = kc.link[i].group, stride = qsum_stride(d / g);
+    qsum[i].assign(rows * stride, 0.0f);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < d; ++c) qsum[i][r * stride + c / g] += q[r * d + c];
+  }
+  LinkMeta k_meta[kMaxLinks], v_meta[kMaxLinks];
   const float inv = 1.0f / std::sqrt(float(d));
-  // Per link, the α chain of each token of a chunk: coef[i][j] = Π_{i' < i} α_{i'}(token j).
-  auto chain_coefs = [&](const Chain& c, int64_t tok0, int n, float* coef) {
-    for (int j = 0; j < n; ++j) coef[j] = 1.0f;
-    for (int i = 1; i < c.n; ++i)
-      for (int j = 0; j < n; ++j)
-        coef[i * kChunk + j] = c.alpha[i - 1] ? coef[(i - 1) * kChunk + j] * from_bf16(c.alpha[i - 1][tok0 + j])
-                                              : coef[(i - 1) * kChunk + j];
-  };
-  std::vector<float> coef(kMaxLinks * kChunk);
-  for (int64_t t0 = s0; t0 < s1; t0 += kChunk) {
-    const int n = int(std::min<int64_t>(kChunk, s1 - t0));
-    const int64_t tok0 = p.token(b, k, t0);  // a chunk's tokens are consecutive rows of every leaf
+  for_chunks(p, b, k, s0, s1, [&](int64_t tok0, int n) {
+    chain_coefs(kc, tok0, n, k_coef.data());
     std::fill(scores.begin(), scores.end(), 0.0f);
-    chain_coefs(kc, tok0, n, coef.data());
-    for (int i = 0; i < kc.n; ++i)
-      kfn[i](kc.link[i], tok0, n, rows, q.data(), &qsum[k_off[i]], &means[i * rows], &coef[i * kChunk], scores.data());
+    for (int i = 0; i < kc.n; ++i) {
+      const Link& ln = kc.link[i];
+      const float* coef = &k_coef[i * kChunk];
+      k_meta[i].decode(ln, tok0, n);
+      kfn[i](ln, ln.codes + tok0 * (d * ln.bits / 8), n, rows, q.data(), qsum[i].data(), k_meta[i].scale.data(),
+             k_meta[i].offset.data(), coef, scores.data());
+      if (p.mean_scores)
+        for (int r = 0; r < rows; ++r) {  // + coef · q·μ
+          const float mu = means[i * rows + r];
+          for (int j = 0; j < n; ++j) scores[r * kChunk + j] += coef[j] * mu;
+        }
+    }
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < n; ++j) scores[r * kChunk + j] *= inv;
     softmax_step(rows, n, scores.data(), m, l, acc, d, offacc.data(), v_groups);
-    chain_coefs(vc, tok0, n, coef.data());
+    chain_coefs(vc, tok0, n, v_coef.data());
     for (int i = 0; i < vc.n; ++i) {
+      const Link& ln = vc.link[i];
+      const float* coef = &v_coef[i * kChunk];
+      v_meta[i].decode(ln, tok0, n);
       for (int r = 0; r < rows; ++r)
-        for (int j = 0; j < n; ++j) w[r * kChunk + j] = scores[r * kChunk + j] * coef[i * kChunk + j];
-      vfn[i](vc.link[i], tok0, n, rows, w.data(), acc, &offacc[v_off[i]], v_groups);
+        for (int j = 0; j < n; ++j) w[r * kChunk + j] = scores[r * kChunk + j] * coef[j];
+      vfn[i](ln, ln.codes + tok0 * (d * ln.bits / 8), n, rows, w.data(), v_meta[i].scale.data(),
+             v_meta[i].offset.data(), acc, &offacc[v_off[i]], v_groups);
     }
-  }
+  });
   for (int i = 0; i < vc.n; ++i) {
     const int g = vc.link[i].group, ng = d / g;
     for (int r = 0; r < rows; ++r)
@@ -474,26 +598,17 @@ void quant_item(const Problem& p, const KeyFn* kfn, const ValueFn* vfn, int64_t 
   }
 }
 
-// Every quantized item: each link on the blocked path when its head dim and group allow, else channel by channel.
-void quant_any(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
-  KeyFn kfn[kMaxLinks];
-  ValueFn vfn[kMaxLinks];
-  for (int side = 0; side < 2; ++side) {
-    const Chain& c = side ? p.values : p.keys;
-    for (int i = 0; i < c.n; ++i) {
-      KeyFn kf = key_link_any;
-      ValueFn vf_ = value_link_any;
-      if (c.link[i].group % 16 == 0) blocked_fns(int(p.D), c.link[i].bits, &kf, &vf_);
-      if (side) vfn[i] = vf_; else kfn[i] = kf;
-    }
-  }
-  quant_item(p, kfn, vfn, b, k, s0, s1, acc, m, l);
+// ---- dense K/V -------------------------------------------------------------------------------------------
+
+// Channels [W·c, W·(c+1)) of a row of float32 or bfloat16 values.
+inline vf dense_block(const void* row, bool bf16, int c) {
+  if (!bf16) return load<vf>(static_cast<const float*>(row) + kLanes * c);
+  return bits_as<vf>(widen<kLanes>(static_cast<const uint16_t*>(row) + kLanes * c) << 16);
 }
 
 template <int D>
-void dense_item_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m,
-                        float* l) {
-  constexpr int NB = D / 16;
+void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
+  constexpr int NB = D / kLanes;
   const int rows = int(p.rows);
   init_partial(rows, D, acc, m, l);
   std::vector<float> q(rows * D), scores(rows * kChunk);
@@ -502,44 +617,72 @@ void dense_item_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int6
   const char* kbase = static_cast<const char*>(p.k);
   const char* vbase = static_cast<const char*>(p.v);
   const float inv = 1.0f / std::sqrt(float(D));
-  for (int64_t t0 = s0; t0 < s1; t0 += kChunk) {
-    const int n = int(std::min<int64_t>(kChunk, s1 - t0));
+  for_chunks(p, b, k, s0, s1, [&](int64_t tok0, int n) {
     for (int j = 0; j < n; ++j) {
-      const void* row = kbase + p.token(b, k, t0 + j) * D * esize;
+      const void* row = kbase + (tok0 + j) * D * esize;
       vf blk[NB];
-      for (int c = 0; c < NB; ++c) blk[c] = load_block(row, p.kv_bf16, c);
+      for (int c = 0; c < NB; ++c) blk[c] = dense_block(row, p.kv_bf16, c);
       for (int r = 0; r < rows; ++r) {
-        vf s = vf{};
-        for (int c = 0; c < NB; ++c) s += loadf(&q[r * D + 16 * c]) * blk[c];
-        scores[r * kChunk + j] = hsum(s) * inv;
+        vf a0 = vf{}, a1 = vf{};
+        for (int c = 0; c < NB; ++c) {
+          const vf t = load<vf>(&q[r * D + kLanes * c]) * blk[c];
+          if (c & 1) a1 += t; else a0 += t;
+        }
+        scores[r * kChunk + j] = hsum(a0 + a1) * inv;
       }
     }
     softmax_step(rows, n, scores.data(), m, l, acc, D, nullptr, 0);
     for (int j = 0; j < n; ++j) {
-      const void* row = vbase + p.token(b, k, t0 + j) * D * esize;
+      const void* row = vbase + (tok0 + j) * D * esize;
       vf blk[NB];
-      for (int c = 0; c < NB; ++c) blk[c] = load_block(row, p.kv_bf16, c);
+      for (int c = 0; c < NB; ++c) blk[c] = dense_block(row, p.kv_bf16, c);
       for (int r = 0; r < rows; ++r) {
-        const vf w = splat(scores[r * kChunk + j]);
+        const float wr = scores[r * kChunk + j];
         float* a = acc + r * D;
-        for (int c = 0; c < NB; ++c) storef(a + 16 * c, loadf(a + 16 * c) + w * blk[c]);
+        for (int c = 0; c < NB; ++c) store(a + kLanes * c, load<vf>(a + kLanes * c) + blk[c] * wr);
       }
     }
-  }
+  });
 }
 
 void dense_any(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
+  const int d = int(p.D), rows = int(p.rows);
+  init_partial(rows, d, acc, m, l);
+  std::vector<float> q(rows * d), row(d), scores(rows * kChunk);
+  for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, d, &q[r * d]);
+  const float inv = 1.0f / std::sqrt(float(d));
+  for_chunks(p, b, k, s0, s1, [&](int64_t tok0, int n) {
+    for (int j = 0; j < n; ++j) {
+      load_row(p.k, p.kv_bf16, tok0 + j, d, row.data());
+      for (int r = 0; r < rows; ++r) {
+        float s = 0.0f;
+        for (int c = 0; c < d; ++c) s += q[r * d + c] * row[c];
+        scores[r * kChunk + j] = s * inv;
+      }
+    }
+    softmax_step(rows, n, scores.data(), m, l, acc, d, nullptr, 0);
+    for (int j = 0; j < n; ++j) {
+      load_row(p.v, p.kv_bf16, tok0 + j, d, row.data());
+      for (int r = 0; r < rows; ++r) {
+        const float wr = scores[r * kChunk + j];
+        for (int c = 0; c < d; ++c) acc[r * d + c] += wr * row[c];
+      }
+    }
+  });
+}
+
+void dense_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
   switch (p.D) {
-    case 64: return dense_item_blocked<64>(p, b, k, s0, s1, acc, m, l);
-    case 96: return dense_item_blocked<96>(p, b, k, s0, s1, acc, m, l);
-    case 128: return dense_item_blocked<128>(p, b, k, s0, s1, acc, m, l);
-    case 256: return dense_item_blocked<256>(p, b, k, s0, s1, acc, m, l);
-    default: return dense_item(p, b, k, s0, s1, acc, m, l);
+    case 64: return dense_blocked<64>(p, b, k, s0, s1, acc, m, l);
+    case 96: return dense_blocked<96>(p, b, k, s0, s1, acc, m, l);
+    case 128: return dense_blocked<128>(p, b, k, s0, s1, acc, m, l);
+    case 256: return dense_blocked<256>(p, b, k, s0, s1, acc, m, l);
+    default: return dense_any(p, b, k, s0, s1, acc, m, l);
   }
 }
 
 }  // namespace
 
-Kernels RQ_CAT(kernels_, RQ_ISA)() { return Kernels{dense_any, quant_any, RQ_STR(RQ_ISA)}; }
+Kernels RQ_CAT(kernels_, RQ_ISA)() { return Kernels{dense_item, quant_item, RQ_STR(RQ_ISA)}; }
 
 }  // namespace rq

@@ -1,8 +1,11 @@
 // XLA FFI handlers of the CPU kernels (registered by cpu_kernels/__init__.py):
 //
-//   RqDenseAttention     q, k, v, lengths, slot                      -> acc, m, l
-//   RqQuantAttention     q, lengths, slot, key links (codes, scale, offset)..., key α..., value links...,
-//                        value α..., [mean scores]                   -> acc, m, l
+//   RqDenseAttention     q, k, v, lengths, slot, block table         -> acc, m, l
+//   RqQuantAttention     q, lengths, slot, block table, key links (codes, scale, offset)..., key α...,
+//                        value links..., value α..., [mean scores]   -> acc, m, l
+//
+// The block table [B, N] names each row's pages (a contiguous cache passes the identity [B, 1]); a page a
+// row's length reaches must lie in the pool, else the call fails naming it.
 //
 // Attention work is split into items of (row, kv head, query-row block, context split of kSplit tokens);
 // only items holding stored tokens run. Items go to XLA's CPU thread pool and the calling thread alike,
@@ -38,7 +41,7 @@ const Kernels& kernels() {
     __builtin_cpu_init();
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
     const bool avx512 = false, avx2 = false;
 #endif
@@ -101,16 +104,22 @@ ffi::Error run_attention(ffi::ThreadPool& pool, Problem p, ItemFn item, float* a
   };
   std::vector<Item> items;
   std::vector<int64_t> first(B * K * rblocks + 1, 0);  // items of (b, k, rb) start at first[...]
+  const int64_t cols = p.S / p.P;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = std::clamp<int64_t>(p.lengths[b], 0, p.S);
+    for (int64_t n = 0; n * p.P < len; ++n)
+      if (p.table[b * cols + n] < 0 || p.table[b * cols + n] >= p.NP)
+        return ffi::Error::InvalidArgument("block table names page " + std::to_string(p.table[b * cols + n]) +
+                                           " of a pool of " + std::to_string(p.NP) + " (row " + std::to_string(b) +
+                                           ", page " + std::to_string(n) + ")");
     for (int64_t k = 0; k < K; ++k)
       for (int64_t rb = 0; rb < rblocks; ++rb) {
         for (int64_t s = 0; s < nsplit && s * kSplit < len; ++s) items.push_back({b, k, rb, s});
         first[(b * K + k) * rblocks + rb + 1] = int64_t(items.size());
       }
   }
-  const int64_t stride = kMaxRows * (D + 2);
-  std::vector<float> scratch(items.size() * stride);
+  const int64_t stride = std::min<int64_t>(kMaxRows, R) * (D + 2);  // an item's partial: acc, m, l
+  std::unique_ptr<float[]> scratch(new float[items.size() * stride]);  // every item writes all of its own
   parallel_for(pool, int64_t(items.size()), [&](int64_t i) {
     const Item& it = items[i];
     Problem q = p;
@@ -146,42 +155,51 @@ ffi::Error run_attention(ffi::ThreadPool& pool, Problem p, ItemFn item, float* a
 }
 
 Problem base_problem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& slot,
-                     const ffi::AnyBuffer& stored) {
+                     const ffi::AnyBuffer& table, const ffi::AnyBuffer& stored) {
   Problem p;
   auto qd = q.dimensions();
   auto sd = stored.dimensions();
+  auto td = table.dimensions();
   p.B = qd[0];
   p.K = qd[1];
   p.R = qd[2];
   p.D = qd[3];
-  const size_t n = sd.size();  // [..., B, K, S, row]: every axis before B stacks slots
+  const size_t n = sd.size();  // [..., NP, K, P, row]: every axis before NP stacks slots
   p.M = 1;
   for (size_t i = 0; i + 4 < n; ++i) p.M *= sd[i];
-  p.S = sd[n - 2];
+  p.NP = sd[n - 4];
+  p.P = sd[n - 2];
+  p.S = p.P * (td.size() == 2 ? td[1] : 0);
   p.q = q.untyped_data();
   p.q_bf16 = is_bf16(q);
   p.lengths = static_cast<const int32_t*>(lengths.untyped_data());
   p.slot = *static_cast<const int32_t*>(slot.untyped_data());
+  p.table = static_cast<const int32_t*>(table.untyped_data());
   return p;
 }
 
-ffi::Error check_outputs(ffi::Result<ffi::AnyBuffer>& acc, const Problem& p) {
+ffi::Error check_problem(ffi::Result<ffi::AnyBuffer>& acc, const ffi::AnyBuffer& table, const Problem& p) {
   auto d = acc->dimensions();
   if (d.size() != 4 || d[0] != p.B || d[1] != p.K || d[2] != p.R || d[3] != p.D)
     return ffi::Error::InvalidArgument("acc must be [B, K, R, D]");
+  auto td = table.dimensions();
+  if (td.size() != 2 || td[0] != p.B || table.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("block table must be int32 [B, N]");
   if (p.slot < 0 || p.slot >= p.M) return ffi::Error::InvalidArgument("slot out of range");
   if (p.D > kMaxDim) return ffi::Error::InvalidArgument("head dim over 512");
+  if (p.P < 1) return ffi::Error::InvalidArgument("pages of no tokens");
   return ffi::Error::Success();
 }
 
 ffi::Error dense_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::AnyBuffer lengths, ffi::AnyBuffer slot, ffi::Result<ffi::AnyBuffer> acc,
-                           ffi::Result<ffi::AnyBuffer> m, ffi::Result<ffi::AnyBuffer> l) {
-  Problem p = base_problem(q, lengths, slot, k);
+                           ffi::AnyBuffer lengths, ffi::AnyBuffer slot, ffi::AnyBuffer table,
+                           ffi::Result<ffi::AnyBuffer> acc, ffi::Result<ffi::AnyBuffer> m,
+                           ffi::Result<ffi::AnyBuffer> l) {
+  Problem p = base_problem(q, lengths, slot, table, k);
   p.k = k.untyped_data();
   p.v = v.untyped_data();
   p.kv_bf16 = is_bf16(k);
-  if (auto err = check_outputs(acc, p); !err.success()) return err;
+  if (auto err = check_problem(acc, table, p); !err.success()) return err;
   return run_attention(pool, p, kernels().dense, static_cast<float*>(acc->untyped_data()),
                        static_cast<float*>(m->untyped_data()), static_cast<float*>(l->untyped_data()));
 }
@@ -199,8 +217,8 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
     if (a.has_error()) return missing;
     return *a;
   };
-  auto q = arg(), lengths = arg(), slot = arg();
-  if (!q || !lengths || !slot) return ffi::Error::InvalidArgument("missing q, lengths or slot");
+  auto q = arg(), lengths = arg(), slot = arg(), table = arg();
+  if (!q || !lengths || !slot || !table) return ffi::Error::InvalidArgument("missing q, lengths, slot or table");
   Problem p;
   bool first = true;
   auto chain = [&](Chain& c, ffi::Span<const int64_t> bits, ffi::Span<const int64_t> groups,
@@ -213,7 +231,7 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
       auto codes = arg(), scale = arg(), offset = arg();
       if (!codes || !scale || !offset) return ffi::Error::InvalidArgument("missing link");
       if (first) {
-        p = base_problem(*q, *lengths, *slot, *codes);
+        p = base_problem(*q, *lengths, *slot, *table, *codes);
         first = false;
       }
       const int meta = int(metas[i]);
@@ -246,7 +264,7 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
   }
   auto acc = rets.get<ffi::AnyBuffer>(0), m = rets.get<ffi::AnyBuffer>(1), l = rets.get<ffi::AnyBuffer>(2);
   if (acc.has_error() || m.has_error() || l.has_error()) return ffi::Error::InvalidArgument("need 3 outputs");
-  if (auto err = check_outputs(*acc, p); !err.success()) return err;
+  if (auto err = check_problem(*acc, *table, p); !err.success()) return err;
   return run_attention(pool, p, kernels().quant, static_cast<float*>((*acc)->untyped_data()),
                        static_cast<float*>((*m)->untyped_data()), static_cast<float*>((*l)->untyped_data()));
 }
@@ -257,6 +275,7 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RqDenseAttention, rq::dense_attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

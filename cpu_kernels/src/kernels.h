@@ -3,11 +3,13 @@
 //
 // Layouts (rq_jax's, the Pallas kernels' too; M stacks the slots, `slot` picks one):
 //   q              [B, K, R, D]       float32 | bfloat16 (rotated key basis for the quantized chains)
-//   dense k, v     [M, B, K, S, D]    float32 | bfloat16
-//   link codes     [M, B, K, S, D·bits/8] uint8, planar packing (plane p of a byte row: channels [pJ, (p+1)J))
-//   link metadata  [M, B, K, S, D/g]  float8_e4m3fn | bfloat16 | float16 | float32 (scale, offset)
-//   alpha          [M, B, K, S]       bfloat16 bits (link i's α scales link i + 1), or absent (α = 1)
+//   dense k, v     [M, NP, K, P, D]   float32 | bfloat16
+//   link codes     [M, NP, K, P, D·bits/8] uint8, planar packing (plane p of a byte row: channels [pJ, (p+1)J))
+//   link metadata  [M, NP, K, P, D/g] float8_e4m3fn | bfloat16 | float16 | float32 (scale, offset)
+//   alpha          [M, NP, K, P]      bfloat16 bits (link i's α scales link i + 1), or absent (α = 1)
 //   mean scores    [B, K, R, links]   float32 (q·μ_i per key link), or absent
+//   block table    [B, N]             int32: row b's tokens [nP, (n+1)P) lie in page table[b, n]; absent: the
+//                                     contiguous layout, NP = B and P = S (the identity table [B, 1])
 // A work item is one (row b, kv head k) over tokens [s0, s1) of row b's stored past (s1 <= lengths[b]):
 // it writes the unnormalised partial acc [R, D], m [R], l [R] (float32; m = kNeg, l = 0, acc = 0 when
 // s0 == s1).
@@ -41,9 +43,12 @@ struct Chain {
 };
 
 struct Problem {
-  int64_t B = 0, K = 0, R = 0, D = 0, S = 0, M = 0;
+  int64_t B = 0, K = 0, R = 0, D = 0, M = 0;
+  int64_t NP = 0, P = 0;  // pages in the pool and tokens per page (contiguous: NP = B, P = S)
+  int64_t S = 0;          // positions a row can hold: P × table columns (contiguous: P)
   int64_t slot = 0;
   const int32_t* lengths = nullptr;
+  const int32_t* table = nullptr;  // [B, S / P], or nullptr: page b of row b
   const void* q = nullptr;
   bool q_bf16 = false;
   int64_t row0 = 0, rows = 0;  // the query rows [row0, row0 + rows) of R this call's items cover
@@ -55,8 +60,12 @@ struct Problem {
   Chain keys, values;
   const float* mean_scores = nullptr;  // [B, K, R, keys.n]
 
-  // Flat index of token s of (b, k) in the slot: rows of every [M, B, K, S, ...] leaf.
-  int64_t token(int64_t b, int64_t k, int64_t s) const { return ((slot * B + b) * K + k) * S + s; }
+  // Flat index of token s of (b, k) in the slot: rows of every [M, NP, K, P, ...] leaf. Tokens of one page
+  // are consecutive rows.
+  int64_t token(int64_t b, int64_t k, int64_t s) const {
+    const int64_t page = table ? table[b * (S / P) + s / P] : b;
+    return ((slot * NP + page) * K + k) * P + s % P;
+  }
 };
 
 using ItemFn = void (*)(const Problem&, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m,
