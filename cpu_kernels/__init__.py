@@ -25,6 +25,11 @@ group, α chained, online softmax — split over (row, kv head, 512-token contex
 thread pool, the slices merged in a fixed order (the same bits at any thread count). It is compiled on
 first use (`cpu_kernels.build`), with AVX-512, AVX2 and baseline x86-64 variants chosen at load time.
 
+On several devices the calls are partitioned (`jax.experimental.custom_partitioning`): rows and kv heads
+split as the query is, each device runs the kernel on its own rows and heads of the stored leaves (a
+contiguous cache's identity table is each device's own), and nothing of the cache is gathered; a paged
+pool is kept whole along the rows (its pages are shared by every row).
+
 A function raises NotImplementedError (at trace time) for what it does not cover — or everything,
 when the library cannot be built or loaded here (`unavailable_reason()` says why; RQ_JAX_NATIVE=0
 turns it off) — so a caller can fall back to XLA.
@@ -41,6 +46,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cpu_kernels import build
 
@@ -128,19 +135,73 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def _scalars(lengths, slot, block_table, stored_shape):
-    """lengths, slot and the block table as the kernels take them (the identity table when None), the table
-    checked against the stored leaves [..., NP, K, P] (a leaf's shape without its last axis)."""
+def _check_table(lengths, block_table, stored_shape):
+    """Raise ValueError unless `block_table` is an integer [B, N] (or None, with contiguous rows: the stored
+    leaves [..., B, K, S] — a leaf's shape without its last axis — hold the B rows of `lengths`)."""
     b = lengths.shape[0]
     if block_table is None:
         if stored_shape[-3] != b:
             raise ValueError(f"contiguous rows: stored leaves {list(stored_shape)} hold {stored_shape[-3]} rows, "
                              f"q has {b} (a paged pool needs a block_table)")
-        block_table = jnp.arange(b, dtype=jnp.int32)[:, None]
     elif block_table.ndim != 2 or block_table.shape[0] != b or not jnp.issubdtype(block_table.dtype, jnp.integer):
         raise ValueError(f"block_table must be integer [{b}, N], got {block_table.dtype}{list(block_table.shape)}")
-    return (lengths.astype(jnp.int32), jnp.asarray(slot, jnp.int32).reshape(()),
-            block_table.astype(jnp.int32))
+
+
+def _identity_table(lengths):
+    return jnp.arange(lengths.shape[0], dtype=jnp.int32)[:, None]
+
+
+def _call(target: str, q, lengths, slot, block_table, leaves, means=None, **attrs):
+    """The FFI call `target`(q, lengths, slot, table, *leaves[, means]) -> (acc, m, l). Leaves are [..., B, K,
+    S, ...] (contiguous, `block_table` None: the identity table is made here) or a pool [..., NP, K, P, ...].
+    On several devices it is partitioned over rows and kv heads as q is (`_partitioned`)."""
+    lengths, slot = lengths.astype(jnp.int32), jnp.asarray(slot, jnp.int32).reshape(())
+    table = None if block_table is None else block_table.astype(jnp.int32)
+    ranks = tuple(x.ndim for x in leaves)
+
+    def run(q, lengths, slot, table, leaves, means):
+        table = _identity_table(lengths) if table is None else table
+        call = jax.ffi.ffi_call(target, _partial_shapes(q), vmap_method="sequential")
+        return tuple(call(q, lengths, slot, table, *leaves, *([] if means is None else [means]), **attrs))
+
+    if jax.device_count() == 1:
+        return run(q, lengths, slot, table, leaves, means)
+    return _partitioned(run, ranks, table is not None, means is not None)(q, lengths, slot, table, leaves, means)
+
+
+def _partitioned(run, ranks: tuple[int, ...], paged: bool, has_means: bool):
+    """`run` as a custom-partitioned op: the factors b (rows) and k (kv heads) follow q's sharding, every
+    other axis is whole on each device (slot axes, tokens, channels; a pool's pages)."""
+    lead = ranks[0] - 4  # slot axes: the first leaf (codes, or dense K) has a channel axis, α leaves none
+    operands = ["b k r d", "b", "", *(["b n"] if paged else [])]
+    for i, rank in enumerate(ranks):  # [slot axes..., B or NP, K, S or P, (channels)]
+        axes = [f"m{j}" for j in range(lead)] + ["np" if paged else "b", "k", "s"]
+        operands.append(" ".join(axes + [f"c{i}"] * (rank - len(axes))))
+    operands += ["b k r l"] if has_means else []
+    factors = [f for op in operands for f in op.split()]
+    whole = tuple(f for f in dict.fromkeys(factors) if f not in ("b", "k"))  # in the rule's order, as Shardy wants
+
+    def unpack(rest):  # the op's operands after q, lengths and slot -> (table, leaves, means)
+        table, rest = (rest[0], rest[1:]) if paged else (None, rest)
+        return table, tuple(rest[: len(ranks)]), rest[len(ranks)] if has_means else None
+
+    def partition(mesh, arg_shapes, result_shape):
+        b, k = (tuple(arg_shapes[0].sharding.spec) + (None, None))[:2]
+
+        def spec(*axes):
+            return NamedSharding(mesh, P(*axes))
+
+        leaves = [spec(*[None] * lead, None if paged else b, k, *[None] * (r - lead - 2)) for r in ranks]
+        args = (spec(b, k, None, None), spec(b), spec(), *([spec(b, None)] if paged else []), *leaves,
+                *([spec(b, k, None, None)] if has_means else []))
+        outs = (spec(b, k, None, None), spec(b, k, None), spec(b, k, None))
+        return mesh, lambda q, lengths, slot, *rest: run(q, lengths, slot, *unpack(rest)), outs, args
+
+    op = custom_partitioning(lambda q, lengths, slot, *rest: run(q, lengths, slot, *unpack(rest)))
+    op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> b k r d, b k r, b k r",
+                     need_replication_factors=whole)
+    return lambda q, lengths, slot, table, leaves, means: op(
+        q, lengths, slot, *([table] if paged else []), *leaves, *([means] if has_means else []))
 
 
 def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, slot: jax.Array | int,
@@ -155,12 +216,11 @@ def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
         raise ValueError(f"want k = v [M, B, K, S, D] for q {q.shape}; got {k.shape}, {v.shape}")
     if k.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != k.dtype:
         raise NotImplementedError(f"cache dtypes {k.dtype}/{v.dtype} (native kernel covers bfloat16 and float32)")
-    scalars = _scalars(lengths, slot, block_table, k.shape[:-1])
+    _check_table(lengths, block_table, k.shape[:-1])
     _require()
     if k.shape[-2] == 0:
         return _empty(q)
-    call = jax.ffi.ffi_call("rq_cpu_dense", _partial_shapes(q), vmap_method="sequential")
-    return tuple(call(q, _bits(k), _bits(v), *scalars))
+    return _call("rq_cpu_dense", q, lengths, slot, block_table, (_bits(k), _bits(v)))
 
 
 def _links(streams, bits, groups, dim: int, what: str) -> tuple[tuple[int, int], ...]:
@@ -229,29 +289,29 @@ def residual_decode_attention(
         raise ValueError(f"every link must share [M, B, K, S] with K = {q.shape[1]}; got {lead}")
     if mean_scores is not None and len(mean_scores) != len(keys):
         raise ValueError(f"mean_scores: {len(mean_scores)} entries for a chain of {len(keys)} links")
-    scalars = _scalars(lengths, slot, block_table, lead)
+    _check_table(lengths, block_table, lead)
     _require()
     if lead[-1] == 0:
         return _empty(q)
-    args = [q, *scalars]
+    leaves = []
     for streams, alphas in ((keys, k_alpha), (values, v_alpha)):
         for st in streams:
-            args += [st.codes, _bits(st.scale), _bits(st.offset)]
-        args += [_bits(a) for a in alphas if a is not None]
-    means = mean_scores is not None and any(mu is not None for mu in mean_scores)
-    if means:
-        args.append(jnp.stack([jnp.zeros(q.shape[:3], jnp.float32) if mu is None else mu.astype(jnp.float32)
-                               for mu in mean_scores], axis=-1))
-    call = jax.ffi.ffi_call("rq_cpu_quant", _partial_shapes(q), vmap_method="sequential")
+            leaves += [st.codes, _bits(st.scale), _bits(st.offset)]
+        leaves += [_bits(a) for a in alphas if a is not None]
+    means = None
+    if mean_scores is not None and any(mu is not None for mu in mean_scores):
+        means = jnp.stack([jnp.zeros(q.shape[:3], jnp.float32) if mu is None else mu.astype(jnp.float32)
+                           for mu in mean_scores], axis=-1)
     flags = lambda alphas: np.array([a is not None for a in alphas], np.int64)  # noqa: E731
-    return tuple(call(*args, k_bits=np.array([b for b, _ in k_links], np.int64),
-                      k_groups=np.array([g for _, g in k_links], np.int64),
-                      v_bits=np.array([b for b, _ in v_links], np.int64),
-                      v_groups=np.array([g for _, g in v_links], np.int64),
-                      k_alpha=flags(k_alpha), v_alpha=flags(v_alpha),
-                      k_meta=np.array([_META_CODE[st.scale.dtype] for st in keys], np.int64),
-                      v_meta=np.array([_META_CODE[st.scale.dtype] for st in values], np.int64),
-                      has_means=np.int64(means)))
+    return _call("rq_cpu_quant", q, lengths, slot, block_table, tuple(leaves), means,
+                 k_bits=np.array([b for b, _ in k_links], np.int64),
+                 k_groups=np.array([g for _, g in k_links], np.int64),
+                 v_bits=np.array([b for b, _ in v_links], np.int64),
+                 v_groups=np.array([g for _, g in v_links], np.int64),
+                 k_alpha=flags(k_alpha), v_alpha=flags(v_alpha),
+                 k_meta=np.array([_META_CODE[st.scale.dtype] for st in keys], np.int64),
+                 v_meta=np.array([_META_CODE[st.scale.dtype] for st in values], np.int64),
+                 has_means=np.int64(means is not None))
 
 
 __all__ = ["available", "dense_decode_attention", "isa", "residual_decode_attention", "unavailable_reason"]

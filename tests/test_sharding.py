@@ -4,7 +4,8 @@ The spec rules are checked here on abstract meshes. Generation runs in a subproc
 devices (this process's JAX already has one): the same greedy tokens as one device for the dense and
 residual caches on data=4,model=2 (GQA: 4 query heads over 2 kv heads), and on a mesh whose model axis
 divides neither the kv heads nor the batch (everything falls back to replication but the MLP); the
-cache really split as specified; and no all-gather of cache-sized operands in the compiled decode step.
+cache really split as specified; the native kernels called per device shard; and no all-gather of
+cache-sized operands in the compiled decode step.
 
     python tests/test_sharding.py     # the subprocess: prints one line "RESULT {json}"
 """
@@ -192,7 +193,10 @@ def _run_case(config, fmt, mesh_text: str, prompts, check_hlo: bool) -> dict:
                                  sharding.put(jax.random.key(0), sharding.replicated(mesh)))
         decode = sampler._decode.lower(sampler.params, sampler.calib, state).compile()
         sampler._decode = decode
-        result.update(all_gathers=all_gathers(decode.as_text()), max_len=MAX_LEN,
+        text = decode.as_text()
+        result.update(all_gathers=all_gathers(text), max_len=MAX_LEN,
+                      native_calls=sorted(set(re.findall(r'custom_call_target="(rq_cpu_\w+)"', text))),
+                      native_shapes=sorted({m for m in re.findall(r"= \((f32\[[\d,]+\])[^)]*\) custom-call", text)}),
                       cache_bytes=sum(x.nbytes for x in jax.tree.leaves((state.cache.looped, state.cache.plain))))
     out = sampler(prompts, max_len=MAX_LEN)
     leaves = jax.tree.leaves((out.cache.looped, out.cache.plain))
@@ -279,6 +283,15 @@ def test_replicated_fallback_is_reported(eight_devices):
     assert r["cache_replicated"] and r["q_proj_replicated"] and r["shard_shapes"] == [[1, 1]]
     assert any("not divisible by model=2" in line for line in r["describe"])
     assert any("batch 3 not divisible by data=2" in line for line in r["describe"])
+
+
+@pytest.mark.parametrize("case", ["dense", "residual"])
+def test_native_kernel_runs_per_device_shard(eight_devices, case):
+    """On the mesh the decode step's attention is the native kernel (`auto` on a CPU), partitioned: its calls
+    see each device's 1 of 4 rows and 1 of 2 kv heads (acc [1, 1, R, 32]), not the whole batch."""
+    r = eight_devices[case]
+    assert r["native_calls"] == ["rq_cpu_dense" if case == "dense" else "rq_cpu_quant"]
+    assert r["native_shapes"] and all(shape.startswith("f32[1,1,") for shape in r["native_shapes"]), r["native_shapes"]
 
 
 @pytest.mark.parametrize("case", ["dense", "residual"])

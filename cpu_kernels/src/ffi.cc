@@ -1,6 +1,6 @@
 // XLA FFI handlers of the CPU kernels (registered by cpu_kernels/__init__.py):
 //
-//   RqDenseAttention     q, k, v, lengths, slot, block table         -> acc, m, l
+//   RqDenseAttention     q, lengths, slot, block table, k, v         -> acc, m, l
 //   RqQuantAttention     q, lengths, slot, block table, key links (codes, scale, offset)..., key α...,
 //                        value links..., value α..., [mean scores]   -> acc, m, l
 //
@@ -191,9 +191,8 @@ ffi::Error check_problem(ffi::Result<ffi::AnyBuffer>& acc, const ffi::AnyBuffer&
   return ffi::Error::Success();
 }
 
-ffi::Error dense_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::AnyBuffer lengths, ffi::AnyBuffer slot, ffi::AnyBuffer table,
-                           ffi::Result<ffi::AnyBuffer> acc, ffi::Result<ffi::AnyBuffer> m,
+ffi::Error dense_attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer lengths, ffi::AnyBuffer slot,
+                           ffi::AnyBuffer table, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> acc, ffi::Result<ffi::AnyBuffer> m,
                            ffi::Result<ffi::AnyBuffer> l) {
   Problem p = base_problem(q, lengths, slot, table, k);
   p.k = k.untyped_data();

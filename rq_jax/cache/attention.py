@@ -17,9 +17,9 @@ traced, `target()` names its platform (a kernel compiles for it, or runs in inte
 
 A kernel (any implementation but XLA) is differentiated as the XLA implementation (`base.with_gradient_of`).
 An implementation raises NotImplementedError (at trace time) for what it does not cover — a head dim, bit
-width or dtype outside the kernel, a program on several devices, the native library not built here — and
-the op logs the reason (once per op, implementation and reason under "auto") and tries the next. A
-`visible` mask goes to XLA directly: no kernel takes one.
+width or dtype outside the kernel, the native library not built here — and the op logs the reason (once
+per op, implementation and reason under "auto") and tries the next. A `visible` mask goes to XLA directly:
+no kernel takes one.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from fractions import Fraction
 from typing import NamedTuple
 
 import cpu_kernels
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 from pallas_kernels import dense_decode_attention
@@ -110,9 +109,7 @@ def _kernel_partial(kernel, slot: DenseSlot, index: base.Index, q: Queries,
 
 @attention.DENSE.register("native")
 def _attend_native(fmt, slot, index, q, lengths, calib) -> base.Partial:
-    """The native CPU kernel (`cpu_kernels.dense_decode_attention`, XLA FFI)."""
-    if jax.device_count() > 1:
-        raise NotImplementedError(f"the native kernel is not partitioned over {jax.device_count()} devices")
+    """The native CPU kernel (`cpu_kernels.dense_decode_attention`, XLA FFI; partitioned over a mesh)."""
     return _kernel_partial(cpu_kernels.dense_decode_attention, slot, index, q, lengths, flat=False)
 
 

@@ -180,8 +180,6 @@ def attend_native(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths) ->
     """`attend_rotated` through the native CPU kernel (`cpu_kernels.residual_decode_attention`, XLA FFI),
     reading the codes where they lie. Raises NotImplementedError (at trace time) for configurations it
     does not cover, or when the kernels cannot be built here."""
-    if jax.device_count() > 1:
-        raise NotImplementedError(f"the native kernel is not partitioned over {jax.device_count()} devices")
     return _kernel_partial(cpu_kernels.residual_decode_attention, q_rot, ops, lengths, flat=False)
 
 

@@ -239,6 +239,7 @@ class Engine:
         self.max_len = max_len
         self.chunk = min(chunk, max_len)
         self.buckets = powers_of_two(min(16, self.chunk), self.chunk)
+        self.admit_buckets = powers_of_two(min(16, self.chunk), max_len)  # staged positions an admit encodes
         self.prefill_budget = prefill_budget or max(self.chunk, 512)
         row = cache_bytes(config, self.fmt, max_len, num_loops=self.num_loops, plain_fmt=self.plain_fmt)
         self.slot_bytes, self.dense_slot_bytes = row.total, row.dense
@@ -283,7 +284,7 @@ class Engine:
         self.slots = self._put(jax.jit(programs.empty_slots, static_argnums=0)(num_slots))
 
         self._prefill = {echo: jax.jit(functools.partial(self._prefill_fn, echo)) for echo in (False, True)}
-        self._admit = jax.jit(self._admit_fn, donate_argnums=(0, 1))
+        self._admit = jax.jit(self._admit_fn, donate_argnums=(0, 1), static_argnames="length")  # per admit bucket
         self._prefill_batch = jax.jit(self._prefill_batch_fn, donate_argnums=(1, 2))  # a program per bucket
         self._decode = jax.jit(self._decode_fn, donate_argnums=(2, 3))  # a program per len(active)
         self._keys = jax.jit(programs.request_keys)
@@ -310,8 +311,8 @@ class Engine:
         cache, slots, picked = programs.decode_slots(model, calib, cache, slots, active, **self.model_kwargs)
         return sharding.constrain_cache(cache, self.mesh), slots, picked
 
-    def _admit_fn(self, cache, slots, stage, calib, slot, first, sampling):
-        row = programs.encode_row(self.config, self.fmt, self.plain_fmt, stage, calib)
+    def _admit_fn(self, cache, slots, stage, calib, slot, first, sampling, length):
+        row = programs.encode_row(self.config, self.fmt, self.plain_fmt, stage, calib, length)
         cache = sharding.constrain_cache(programs.insert_rows(cache, row, slot), self.mesh)
         return cache, programs.scatter_slots(slots, slot[None], sampling.replace(last=first))
 
@@ -325,9 +326,10 @@ class Engine:
 
     def warm_up(self, echo: bool = False, stop: Callable[[], bool] | None = None) -> dict[str, float]:
         """Compile every program (a prefill per bucket — also with prompt log-probabilities when `echo`
-        — the admit, a batched prefill per bucket and a decode step per decode bucket) by running it
-        once; returns wall seconds per program. Leaves every slot free. Returns early, not ready, once
-        `stop()` is true (asked between programs: a compile cannot be interrupted)."""
+        — an admit per admit bucket (the staged positions it encodes), a batched prefill per bucket and a
+        decode step per decode bucket) by running it once; returns wall seconds per program. Leaves every
+        slot free. Returns early, not ready, once `stop()` is true (asked between programs: a compile
+        cannot be interrupted)."""
         seconds = {}
 
         def stopped() -> bool:
@@ -344,11 +346,14 @@ class Engine:
                 seconds[f"prefill {bucket}" + (" echo" if echo_ else "")] = time.perf_counter() - start
         if stopped():
             return seconds
-        start = time.perf_counter()
-        self.cache, self.slots = self._admit(self.cache, self.slots, job.stage, self.calib, np.int32(0),
-                                             job.picked.tokens, job.sampling)
-        jax.block_until_ready(self.cache)
-        seconds["admit"] = time.perf_counter() - start
+        for length in self.admit_buckets:
+            if stopped():
+                return seconds
+            start = time.perf_counter()
+            self.cache, self.slots = self._admit(self.cache, self.slots, job.stage, self.calib, np.int32(0),
+                                                 job.picked.tokens, job.sampling, length=length)
+            jax.block_until_ready(self.cache)
+            seconds[f"admit {length}"] = time.perf_counter() - start
         if self.prefill_rows > 1:
             for bucket in self.buckets:
                 if stopped():
@@ -572,8 +577,9 @@ class Engine:
         """The prefilled request into its slot, and its first token."""
         request = job.request
         began = time.perf_counter()
+        length = next(b for b in self.admit_buckets if b >= len(request.prompt))
         self.cache, self.slots = self._admit(self.cache, self.slots, job.stage, self.calib, np.int32(job.slot),
-                                             job.picked.tokens, job.sampling)
+                                             job.picked.tokens, job.sampling, length=length)
         self._ran("admit", began, self.cache)
         self._running[job.slot] = request
         if self.metrics is not None:

@@ -128,18 +128,26 @@ def prefill_chunk(model, echo: bool, tokens: Int[Array, "1 t"], num_new: Int[Arr
     return out.cache, choose(logits, slot, pick_rng[None]), prompt
 
 
-def encode_row(config: ModelConfig, fmt, plain_fmt, stage: KVCache, calib: CacheCalib | None) -> KVCache:
+def encode_row(config: ModelConfig, fmt, plain_fmt, stage: KVCache, calib: CacheCalib | None,
+               length: int | None = None) -> KVCache:
     """The staged prompts (dense, compute dtype, R rows) as an R-row cache of `fmt` (`plain_fmt` for
-    Huginn's prelude/coda): every loop's K/V written in one call, as a single-call prefill writes them."""
+    Huginn's prelude/coda): every loop's K/V written in one call, as a single-call prefill writes them.
+    Only the first `length` staged positions (static; default all) are encoded: the prompts' bucket, as
+    encoding costs what it is given, not what the rows hold."""
+    length = stage.max_len if length is None else length
     row = init_cache(config, stage.lengths.shape[0], stage.max_len, fmt, num_loops=stage.num_loops,
                      plain_fmt=plain_fmt)
-    ctx = CacheContext.build(row, stage.lengths, stage.max_len, calib)
-    k, v = stage.dense_kv("looped")
+    ctx = CacheContext.build(row, stage.lengths, length, calib)
+
+    def staged(x):  # [L, N, B, K, S, D] -> the first `length` positions
+        return jax.lax.slice_in_dim(x, 0, length, axis=base.TOKEN_AXIS)
+
+    k, v = map(staged, stage.dense_kv("looped"))
     looped = tuple((base.split_loops(k, seg), base.split_loops(v, seg)) for seg in row.schedule("looped")[1])
     plain = None
     if row.plain is not None:
         (seg,) = row.schedule("plain")[1]
-        plain = tuple(base.split_loops(x, seg) for x in stage.dense_kv("plain"))
+        plain = tuple(base.split_loops(staged(x), seg) for x in stage.dense_kv("plain"))
     return ctx.finish(looped, plain)[0]
 
 
@@ -212,7 +220,8 @@ def prefill_batch(model, config: ModelConfig, fmt, plain_fmt, calib: CacheCalib 
         keys = jax.vmap(request_keys)(take(seeds))  # [G, 3]: rng, model_rng, pick_rng
         out = model(take(tokens), stage, num_new=take(num_new), rng=keys[:, 1], last_only=True, **model_kwargs)
         new = choose(out.logits, rows_sampling, keys[:, 2])
-        cache = scatter_rows(cache, encode_row(config, fmt, plain_fmt, out.cache, calib), rows_ids)
+        row = encode_row(config, fmt, plain_fmt, out.cache, calib, length=tokens.shape[1])
+        cache = scatter_rows(cache, row, rows_ids)
         slots = scatter_slots(slots, rows_ids, rows_sampling.replace(last=new.tokens, rng=keys[:, 0]))
         picked = jax.tree_util.tree_map(lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, x, i * g, 0),
                                         picked, new)

@@ -90,8 +90,9 @@ def test_warming_up_answers_503_and_startup_is_printed(server):
     deadline = time.monotonic() + 30  # serve.py prints the line from its own thread once /health says ready
     while "compiled in" not in (out := server.output()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert re.search(r"compiled in [\d.]+ s \(prefill 16 [\d.]+, prefill 32 [\d.]+, admit [\d.]+, "
-                     r"prefill 16 x4 [\d.]+, prefill 32 x4 [\d.]+, decode 4 [\d.]+\)", out), out
+    assert re.search(r"compiled in [\d.]+ s \(prefill 16 [\d.]+, prefill 32 [\d.]+, admit 16 [\d.]+, "
+                     r"admit 32 [\d.]+, admit 48 [\d.]+, prefill 16 x4 [\d.]+, prefill 32 x4 [\d.]+, "
+                     r"decode 4 [\d.]+\)", out), out
     assert "4 slots of 48 tokens" in out
 
 
