@@ -8,6 +8,10 @@ The CPU counterpart of `pallas_kernels`: the same array layouts and the same sig
                                                                     packed chains: uniform, rotated,
                                                                     ResidualQuant of any length
 
+    residual_encode(z, mean, bits=..., group_sizes=..., clips=..., parents=..., order=..., ...)
+                                                                    the write's encoder: a loop group of
+                                                                    rotated K or V as ResidualQuant codes it
+
 Stored leaves may stack their slots over several leading axes ([G, N, B, K, S, ...], as rq_jax's state
 holds them): the axes before B are the slots, row-major, and `slot` indexes their flattening (so a caller
 passes the state's own buffers, with no reshape between them and the kernel).
@@ -61,7 +65,7 @@ _META_CODE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(j
               jnp.dtype(jnp.float8_e4m3fn): 3}
 MAX_HEAD_DIM = 512
 MAX_LINKS = 8
-_TARGETS = {"dense": "RqDenseAttention", "quant": "RqQuantAttention"}
+_TARGETS = {"dense": "RqDenseAttention", "quant": "RqQuantAttention", "encode": "RqEncode"}
 
 
 @functools.cache
@@ -204,6 +208,34 @@ def _partitioned(run, ranks: tuple[int, ...], paged: bool, has_means: bool):
         q, lengths, slot, *([table] if paged else []), *leaves, *([means] if has_means else []))
 
 
+def _partitioned_encode(run, rank: int, has_mean: bool, channels: Sequence[int | None]):
+    """`run` (z [L, *lead, D], mean) as a custom-partitioned op: the vectors' axes (lead) keep whatever
+    sharding z has, each device encoding its own vectors; loops and channels are whole on each device.
+    `channels`: per result, 1 for [*lead, channels], 0 for [*lead], None for α's [rows, *lead]."""
+    vec = [f"x{i}" for i in range(rank - 2)]
+    operands = [" ".join(["l", *vec, "d"])] * (1 + has_mean)
+    results = [" ".join(["a", *vec] if extra is None else [*vec, *[f"c{i}"] * extra])
+               for i, extra in enumerate(channels)]
+    factors = [f for part in operands + results for f in part.split()]
+    whole = tuple(f for f in dict.fromkeys(factors) if not f.startswith("x"))
+
+    def partition(mesh, arg_shapes, result_shape):
+        spec = tuple(arg_shapes[0].sharding.spec) + (None,) * rank
+        lead = spec[1 : rank - 1]
+
+        def named(part):
+            axes = [lead[int(f[1:])] if f.startswith("x") else None for f in part.split()]
+            return NamedSharding(mesh, P(*axes))
+
+        return (mesh, lambda z, *mean: run(z, mean[0] if mean else None), tuple(map(named, results)),
+                tuple(map(named, operands)))
+
+    op = custom_partitioning(lambda z, *mean: run(z, mean[0] if mean else None))
+    op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
+                     need_replication_factors=whole)
+    return lambda z, mean: op(z, *([] if mean is None else [mean]))
+
+
 def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, slot: jax.Array | int,
                            block_table: jax.Array | None = None, **launch) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unnormalised attention partial of q [B, K, R, D] (float32 | bfloat16) over a slot's stored keys and
@@ -314,4 +346,88 @@ def residual_decode_attention(
                  has_means=np.int64(means is not None))
 
 
-__all__ = ["available", "dense_decode_attention", "isa", "residual_decode_attention", "unavailable_reason"]
+ENCODE_BITS = (0, 1, 2, 4, 8)
+#: The encoder's metadata dtypes, by the code kernels.h names them.
+_ENCODE_META = {jnp.dtype(jnp.float8_e4m3fn): 3, jnp.dtype(jnp.bfloat16): 1}
+
+
+def residual_encode(
+    z: jax.Array,                   # [L, ..., D] float32: a loop group of rotated K or V vectors
+    mean: jax.Array | None = None,  # [L, ..., D] float32 per-loop key means (None: none)
+    *,
+    bits: Sequence[int],            # per loop: 0 (nothing stored), 1, 2, 4 or 8
+    group_sizes: Sequence[int],     # per loop: channels per scale/offset
+    clips: Sequence[float],         # per loop: the clip factor of the range (0.9 at 2 bits, else 1)
+    parents: Sequence[int],         # per loop: the loop it is a residual of (-1: the anchor, or coded alone)
+    order: Sequence[int],           # the loops in encode order (each parent before its children)
+    least_squares: bool,            # residuals against α-scaled references (α stored per vector)
+    meta_dtype,                     # float8_e4m3fn or bfloat16
+) -> tuple[tuple[tuple[jax.Array, jax.Array, jax.Array], ...], jax.Array | None, jax.Array]:
+    """ResidualQuant's encoder of one loop group, natively: the same bits as rq_jax's XLA encoder
+    (`rq_jax.quant.residual.encode_decode_group`, `affine.quantize`, `packing.pack`; src/encode.cc gives the
+    arithmetic). Returns per loop (codes uint8 [..., D·bits/8] planar-packed, scale and offset [..., D/g] in
+    `meta_dtype`; [..., 0] at 0 bits), α [L', ...] bfloat16 (one row per loop with a parent, in loop order;
+    None without least squares) and the values no field could hold, per vector [...] int32. Raises
+    NotImplementedError for what it does not cover (other widths or metadata dtypes, D > 512, more than 8
+    loops) and ValueError for shapes that disagree."""
+    n, d = z.shape[0], z.shape[-1]
+    if not all(len(x) == n for x in (bits, group_sizes, clips, parents, order)):
+        raise ValueError(f"z holds {n} loops; bits, group_sizes, clips, parents and order need one entry each")
+    if mean is not None and mean.shape != z.shape:
+        raise ValueError(f"mean must have z's shape {z.shape}, got {mean.shape}")
+    meta = jnp.dtype(meta_dtype)
+    if meta not in _ENCODE_META:
+        raise NotImplementedError(f"metadata dtype {meta} (the native encoder covers float8_e4m3fn and bfloat16)")
+    if n > MAX_LINKS or d > MAX_HEAD_DIM:
+        raise NotImplementedError(f"{n} loops of head dim {d} (native encoder: up to {MAX_LINKS} loops, D <= 512)")
+    for b, g in zip(bits, group_sizes):
+        if b not in ENCODE_BITS:
+            raise NotImplementedError(f"{b}-bit codes (the native encoder covers {ENCODE_BITS})")
+        if b and (d % g or d % (8 // b)):
+            raise ValueError(f"{b}-bit codes in groups of {g} do not divide head dim {d}")
+    _require()
+    alpha_rows = [sum(1 for q in range(r) if parents[q] >= 0) if parents[r] >= 0 else -1 for r in range(n)]
+    has_alpha = least_squares and any(r >= 0 for r in alpha_rows)
+    meta_bits = jnp.dtype(f"uint{8 * meta.itemsize}")
+
+    def out_shapes(lead):  # per stored loop codes, scale, offset; α; lost — rows of vectors [*lead]
+        shapes = []
+        for b, g in zip(bits, group_sizes):
+            if b:
+                shapes += [jax.ShapeDtypeStruct(lead + (d * b // 8,), jnp.uint8),
+                           *[jax.ShapeDtypeStruct(lead + (d // g,), meta_bits)] * 2]
+        if has_alpha:
+            shapes.append(jax.ShapeDtypeStruct((sum(r >= 0 for r in alpha_rows),) + lead, jnp.uint16))
+        return shapes + [jax.ShapeDtypeStruct(lead, jnp.int32)]
+
+    attrs = dict(bits=np.array(bits, np.int64), groups=np.array(group_sizes, np.int64),
+                 clips=np.array(clips, np.float32), parents=np.array(parents, np.int64),
+                 alpha_rows=np.array(alpha_rows, np.int64), order=np.array(order, np.int64),
+                 meta=np.int64(_ENCODE_META[meta]), least_squares=np.int64(has_alpha))
+
+    def run(z, mean):  # [L, V, D] row-major is [L, *lead, D]: the outputs' rows of vectors are the same bytes
+        operands = [x.astype(jnp.float32).reshape(n, -1, d) for x in (z, *([] if mean is None else [mean]))]
+        return tuple(jax.ffi.ffi_call("rq_cpu_encode", out_shapes(z.shape[1:-1]), vmap_method="sequential")(
+            *operands, **attrs))
+
+    if jax.device_count() == 1:
+        out = list(run(z, mean))
+    else:
+        channels = [1] * 3 * sum(b > 0 for b in bits) + [None] * has_alpha + [0]
+        out = list(_partitioned_encode(run, z.ndim, mean is not None, channels)(z, mean))
+    lead = z.shape[1:-1]
+    lost = out.pop()
+    alpha = jax.lax.bitcast_convert_type(out.pop(), jnp.bfloat16) if has_alpha else None
+    loops, it = [], iter(out)
+    for b in bits:
+        if b:
+            codes, scale, offset = next(it), next(it), next(it)
+            loops.append((codes, jax.lax.bitcast_convert_type(scale, meta), jax.lax.bitcast_convert_type(offset, meta)))
+        else:
+            empty = jnp.zeros(lead + (0,), meta)
+            loops.append((jnp.zeros(lead + (0,), jnp.uint8), empty, empty))
+    return tuple(loops), alpha, lost
+
+
+__all__ = ["available", "dense_decode_attention", "isa", "residual_decode_attention", "residual_encode",
+           "unavailable_reason"]

@@ -2,7 +2,7 @@
 
 `library()` returns the path of `librq_cpu.so`, compiling it when no build for this exact input exists:
 the key hashes every file of `src/`, the compiler's `--version`, the flags and jaxlib's version (the FFI
-headers come from `jax.ffi.include_dir()`). `attention.cc` is compiled once per instruction set
+headers come from `jax.ffi.include_dir()`). `attention.cc` and `encode.cc` are compiled once per instruction set
 (`ISAS`: the x86-64 baseline, AVX2 + FMA + F16C, AVX-512) and the library picks one at load time by what the
 CPU supports; nothing is built with `-march=native`, so a cache folder shared between machines stays
 loadable on each. Concurrent first uses (test workers) wait on a file lock and build once.
@@ -28,6 +28,9 @@ import jaxlib
 SRC = Path(__file__).resolve().parent / "src"
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros")
+#: The encoder's: every operation rounded as written (no reassociation, no fused multiply-add), so that it
+#: computes the same bits as rq_jax's XLA encoder.
+EXACT_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
 #: Per instruction set: the -D name attention.cc's entry point takes and the flags it is compiled with.
 ISAS = {"generic": ()}
 if platform.machine() in ("x86_64", "AMD64"):
@@ -53,7 +56,7 @@ def _key(cxx: str) -> str:
     for path in sorted(SRC.iterdir()):
         h.update(path.name.encode() + path.read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    h.update(version.encode() + repr((FLAGS, ISAS, jaxlib.__version__)).encode())
+    h.update(version.encode() + repr((FLAGS, EXACT_FLAGS, ISAS, jaxlib.__version__)).encode())
     return h.hexdigest()[:16]
 
 
@@ -91,9 +94,10 @@ def _compile(cxx: str, lib: Path) -> None:
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         compiles, objects = [], []
         for isa, flags in ISAS.items():
-            objects.append(f"{tmp}/attention_{isa}.o")
-            compiles.append([cxx, *FLAGS, *flags, f"-DRQ_ISA={isa}", *include, "-c", str(SRC / "attention.cc"),
-                             "-o", objects[-1]])
+            for source, source_flags in (("attention", FLAGS), ("encode", EXACT_FLAGS)):
+                objects.append(f"{tmp}/{source}_{isa}.o")
+                compiles.append([cxx, *source_flags, *flags, f"-DRQ_ISA={isa}", *include, "-c",
+                                 str(SRC / f"{source}.cc"), "-o", objects[-1]])
         objects.append(f"{tmp}/ffi.o")
         compiles.append([cxx, *FLAGS, *include, "-c", str(SRC / "ffi.cc"), "-o", objects[-1]])
         _run(*compiles)

@@ -94,6 +94,9 @@ def main(argv=None):
                    help="also compile (batch 1, not run) the prefill of a prompt of this many tokens per format")
     p.add_argument("--prefill-chunk", type=cli.nonnegative_int, default=PREFILL_CHUNK,
                    help="tokens per model call of those prefills (rq_jax.sampling.prefill; 0: one call)")
+    p.add_argument("--write-slots", type=cli.positive_int, nargs="+", default=[],
+                   help="also time one token's write alone (its encode and store) into caches of these many "
+                        "positions, at the first --batch: in place, it costs the same at every size")
     p.add_argument("--read-mb", type=cli.positive_int, default=1024,
                    help="MiB summed (jit(jnp.sum), float32) to measure the read bandwidth")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")

@@ -287,10 +287,11 @@ def test_replicated_fallback_is_reported(eight_devices):
 
 @pytest.mark.parametrize("case", ["dense", "residual"])
 def test_native_kernel_runs_per_device_shard(eight_devices, case):
-    """On the mesh the decode step's attention is the native kernel (`auto` on a CPU), partitioned: its calls
-    see each device's 1 of 4 rows and 1 of 2 kv heads (acc [1, 1, R, 32]), not the whole batch."""
+    """On the mesh the decode step's attention is the native kernel (`auto` on a CPU), and a packed write the
+    native encoder, partitioned: the attention calls see each device's 1 of 4 rows and 1 of 2 kv heads
+    (acc [1, 1, R, 32]), not the whole batch."""
     r = eight_devices[case]
-    assert r["native_calls"] == ["rq_cpu_dense" if case == "dense" else "rq_cpu_quant"]
+    assert r["native_calls"] == (["rq_cpu_dense"] if case == "dense" else ["rq_cpu_encode", "rq_cpu_quant"])
     assert r["native_shapes"] and all(shape.startswith("f32[1,1,") for shape in r["native_shapes"]), r["native_shapes"]
 
 

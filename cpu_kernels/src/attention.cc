@@ -25,8 +25,9 @@
 #include <vector>
 
 #include "kernels.h"
+#include "numerics.h"
 
-#if defined(__x86_64__) && (defined(__AVX2__) || defined(__F16C__))
+#if defined(__x86_64__) && defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -42,38 +43,6 @@ namespace rq {
 namespace {
 
 constexpr int kChunk = 64;  // tokens per online-softmax step
-
-// ---- scalar conversions ---------------------------------------------------------------------------------
-
-template <class To, class From>
-inline To bits_as(From x) {
-  static_assert(sizeof(To) == sizeof(From));
-  To y;
-  std::memcpy(&y, &x, sizeof y);
-  return y;
-}
-
-inline float from_bf16(uint16_t h) { return bits_as<float>(uint32_t(h) << 16); }
-
-inline float from_f16(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000) << 16;
-  const int exp = (h >> 10) & 0x1f;
-  const uint32_t man = h & 0x3ff;
-  if (exp == 0) return bits_as<float>(bits_as<uint32_t>(std::ldexp(float(man), -24)) | sign);  // zero, subnormal
-  return bits_as<float>(exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | (uint32_t(exp + 112) << 23) | (man << 13));
-#endif
-}
-
-// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, 0x7f / 0xff are NaN.
-inline float from_fp8(uint8_t x) {
-  const uint32_t mag = x & 0x7f, sign = uint32_t(x & 0x80) << 24;
-  if (mag == 0x7f) return std::nanf("");
-  const float f = mag < 8 ? float(mag) * 0x1p-9f : bits_as<float>((mag << 20) + (120u << 23));
-  return bits_as<float>(bits_as<uint32_t>(f) | sign);
-}
 
 // ---- vectors ----------------------------------------------------------------------------------------
 
@@ -683,6 +652,6 @@ void dense_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
 
 }  // namespace
 
-Kernels RQ_CAT(kernels_, RQ_ISA)() { return Kernels{dense_item, quant_item, RQ_STR(RQ_ISA)}; }
+Kernels RQ_CAT(kernels_, RQ_ISA)() { return Kernels{dense_item, quant_item, RQ_CAT(encoder_, RQ_ISA)(), RQ_STR(RQ_ISA)}; }
 
 }  // namespace rq

@@ -3,6 +3,8 @@
 //   RqDenseAttention     q, lengths, slot, block table, k, v         -> acc, m, l
 //   RqQuantAttention     q, lengths, slot, block table, key links (codes, scale, offset)..., key α...,
 //                        value links..., value α..., [mean scores]   -> acc, m, l
+//   RqEncode             z [L, V, D], [mean]   -> per stored loop: codes, scale, offset; [α]; lost
+//                        (kernels.h, EncodeProblem; encode.cc)
 //
 // The block table [B, N] names each row's pages (a contiguous cache passes the identity [B, 1]); a page a
 // row's length reaches must lie in the pool, else the call fails naming it.
@@ -268,8 +270,82 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
                        static_cast<float*>((*m)->untyped_data()), static_cast<float*>((*l)->untyped_data()));
 }
 
+constexpr int64_t kEncodeItem = 64;  // vectors per work item of the encoder
+
+ffi::Error encode(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                  ffi::Span<const int64_t> bits, ffi::Span<const int64_t> groups, ffi::Span<const float> clips,
+                  ffi::Span<const int64_t> parents, ffi::Span<const int64_t> alpha_rows,
+                  ffi::Span<const int64_t> order, int64_t meta, int64_t least_squares) {
+  const int n = int(bits.size());
+  if (n < 1 || n > kMaxLinks || groups.size() != bits.size() || clips.size() != bits.size() ||
+      parents.size() != bits.size() || alpha_rows.size() != bits.size() || order.size() != bits.size())
+    return ffi::Error::InvalidArgument("encoder attributes disagree");
+  if (meta != kFP8 && meta != kBF16) return ffi::Error::InvalidArgument("metadata dtype not covered");
+  auto z = args.get<ffi::AnyBuffer>(0);
+  if (z.has_error() || z->element_type() != ffi::DataType::F32 || z->dimensions().size() != 3 ||
+      z->dimensions()[0] != n)
+    return ffi::Error::InvalidArgument("z must be float32 [L, V, D]");
+  EncodeProblem p;
+  p.L = n;
+  p.V = z->dimensions()[1];
+  p.D = int(z->dimensions()[2]);
+  if (p.D > kMaxDim) return ffi::Error::InvalidArgument("head dim over 512");
+  p.meta = int(meta);
+  p.least_squares = least_squares != 0;
+  p.z = static_cast<const float*>(z->untyped_data());
+  if (args.size() > 1) {
+    auto mean = args.get<ffi::AnyBuffer>(1);
+    if (mean.has_error()) return ffi::Error::InvalidArgument("bad mean");
+    p.mean = static_cast<const float*>(mean->untyped_data());
+  }
+  size_t next = 0;
+  auto ret = [&]() -> void* {
+    auto r = rets.get<ffi::AnyBuffer>(next++);
+    return r.has_error() ? nullptr : (*r)->untyped_data();
+  };
+  for (int r = 0; r < n; ++r) {
+    EncodeLoop& ln = p.loop[r];
+    ln.bits = int(bits[r]);
+    ln.group = int(groups[r]);
+    ln.clip = clips[r];
+    ln.parent = int(parents[r]);
+    ln.alpha_row = int(alpha_rows[r]);
+    p.order[r] = int(order[r]);
+    if (ln.bits && (ln.group < 1 || p.D % ln.group || p.D % (8 / ln.bits)))
+      return ffi::Error::InvalidArgument("group or width does not divide the head dim");
+    if (ln.bits) {
+      ln.codes = static_cast<uint8_t*>(ret());
+      ln.scale = ret();
+      ln.offset = ret();
+      if (!ln.codes || !ln.scale || !ln.offset) return ffi::Error::InvalidArgument("missing a loop's outputs");
+    }
+  }
+  if (p.least_squares) p.alpha = static_cast<uint16_t*>(ret());
+  p.lost = static_cast<int32_t*>(ret());
+  if (!p.lost || (p.least_squares && !p.alpha)) return ffi::Error::InvalidArgument("missing α or the lost counts");
+  const EncodeFn fn = kernels().encode;
+  parallel_for(pool, (p.V + kEncodeItem - 1) / kEncodeItem, [&](int64_t i) {
+    fn(p, i * kEncodeItem, std::min(p.V, (i + 1) * kEncodeItem));
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace rq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RqEncode, rq::encode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("bits")
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<ffi::Span<const float>>("clips")
+                                  .Attr<ffi::Span<const int64_t>>("parents")
+                                  .Attr<ffi::Span<const int64_t>>("alpha_rows")
+                                  .Attr<ffi::Span<const int64_t>>("order")
+                                  .Attr<int64_t>("meta")
+                                  .Attr<int64_t>("least_squares"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RqDenseAttention, rq::dense_attention,
                               ffi::Ffi::Bind()

@@ -1,5 +1,6 @@
-// Decode attention over rq_jax's cache layouts on a CPU: the problem description the FFI handlers fill in
-// (ffi.cc) and the per-work-item kernels, compiled once per instruction set (attention.cc).
+// Decode attention over rq_jax's cache layouts on a CPU, and the write's encoder: the problem descriptions the
+// FFI handlers fill in (ffi.cc) and the per-work-item kernels, compiled once per instruction set
+// (attention.cc, encode.cc).
 //
 // Layouts (rq_jax's, the Pallas kernels' too; M stacks the slots, `slot` picks one):
 //   q              [B, K, R, D]       float32 | bfloat16 (rotated key basis for the quantized chains)
@@ -71,16 +72,50 @@ struct Problem {
 using ItemFn = void (*)(const Problem&, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m,
                         float* l);
 
+// The encoder (encode.cc): V vectors of a loop group of L loops, z and mean [L, V, D] float32, coded loop by
+// loop in `order` (references first). Per loop: its codes [V, D·bits/8] (planar packed; none at 0 bits),
+// metadata scale/offset [V, D/g] (kFP8: uint8 bits, kBF16: uint16 bits), its parent in the group (-1: none,
+// the anchor or a loop coded on its own) and, with least squares, its α row of alpha [L', V] (bfloat16 bits);
+// lost [V] counts the values no stored field could hold.
+struct EncodeLoop {
+  int bits;   // 0, 1, 2, 4 or 8
+  int group;  // channels per scale/offset
+  float clip;
+  int parent;
+  int alpha_row;
+  uint8_t* codes;
+  void* scale;
+  void* offset;
+};
+
+struct EncodeProblem {
+  int64_t V = 0;
+  int L = 0, D = 0, meta = kFP8;
+  bool least_squares = false;
+  const float* z = nullptr;
+  const float* mean = nullptr;
+  int order[kMaxLinks] = {};
+  EncodeLoop loop[kMaxLinks];
+  uint16_t* alpha = nullptr;
+  int32_t* lost = nullptr;
+};
+
+using EncodeFn = void (*)(const EncodeProblem&, int64_t v0, int64_t v1);
+
 struct Kernels {
   ItemFn dense;
   ItemFn quant;
+  EncodeFn encode;
   const char* isa;
 };
 
 Kernels kernels_generic();
+EncodeFn encoder_generic();
 #if defined(__x86_64__)
 Kernels kernels_avx512();
 Kernels kernels_avx2();
+EncodeFn encoder_avx512();
+EncodeFn encoder_avx2();
 #else  // one build on other CPUs: the portable kernels stand in for the x86 ones
 inline Kernels kernels_avx512() { return kernels_generic(); }
 inline Kernels kernels_avx2() { return kernels_generic(); }

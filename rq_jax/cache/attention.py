@@ -1,8 +1,9 @@
-"""The decode-attention op: one entry point for every format's attention to its stored past, with ordered
-implementations and a logged reason on every fallback.
+"""The kernel ops: one entry point each for every format's attention to its stored past (`DENSE`, `PACKED`)
+and for the packed write's encoder (`ENCODE`), with ordered implementations and a logged reason on every
+fallback.
 
-A format registers, per implementation name, a function computing its softmax `Partial` (`DecodeOp`);
-`attend_impl` (a policy field of the formats) names the one to try first:
+A format registers, per implementation name, a function of the op's arguments (`KernelOp`); `attend_impl`
+and `write_impl` (policy fields of the formats) name the one to try first:
 
     "auto"     the kernel of the platform the program is lowered for, then XLA: "pallas" (the Triton
                kernels) on a CUDA GPU, "pallas-tpu" (the Mosaic kernels) on a TPU, "native" (the C++ kernels
@@ -15,7 +16,8 @@ platform's chain is traced, and only the one of the platform being compiled for 
 program compiled on a CPU host (`pallas_kernels.tpu_deviceless`) inlines the TPU kernel. While a chain is
 traced, `target()` names its platform (a kernel compiles for it, or runs in interpret mode off it).
 
-A kernel (any implementation but XLA) is differentiated as the XLA implementation (`base.with_gradient_of`).
+A kernel (any implementation but XLA) of a differentiable op is differentiated as the XLA implementation
+(`base.with_gradient_of`); the encoder is not differentiated (training reads K/V through `fake_quant`).
 An implementation raises NotImplementedError (at trace time) for what it does not cover — a head dim, bit
 width or dtype outside the kernel, the native library not built here — and the op logs the reason (once
 per op, implementation and reason under "auto") and tries the next. A `visible` mask goes to XLA directly:
@@ -28,7 +30,7 @@ import contextlib
 import contextvars
 import functools
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -80,13 +82,15 @@ def order(impl: str, platform: str | None = None) -> tuple[str, ...]:
     return tuple(dict.fromkeys([*first, "xla"]))
 
 
-class DecodeOp:
-    """One decode-attention op (e.g. over dense K/V, or over packed chains): implementations by name, each
-    a function of the same arguments returning a `base.Partial`, registered with `register`."""
+class KernelOp:
+    """One op (attention over dense K/V or over packed chains, the packed write's encoder): implementations
+    by name, each a function of the same arguments with the same result, registered with `register`."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, field: str = "attend_impl", differentiable: bool = True):
         self.name = name
-        self.impls: dict[str, Callable[..., base.Partial]] = {}
+        self.field = field  # the policy field naming the implementation (logged on a fallback)
+        self.differentiable = differentiable
+        self.impls: dict[str, Callable[..., Any]] = {}
 
     def register(self, impl: str):
         """Decorator registering `fn` as implementation `impl` of this op."""
@@ -96,7 +100,7 @@ class DecodeOp:
 
         return wrap
 
-    def __call__(self, impl: str, *args, who: str = "") -> base.Partial:
+    def __call__(self, impl: str, *args, who: str = "") -> Any:
         """The first implementation of `order(impl)` this op has that covers `args`; every one that raises
         NotImplementedError is logged (with its reason) and passed over. Under "auto", one such chain per
         platform with a kernel here, picked by the platform the program is lowered for. `who` names the
@@ -118,7 +122,7 @@ class DecodeOp:
                 if fn is None:
                     continue
                 try:
-                    if name == "xla":
+                    if name == "xla" or not self.differentiable:
                         return fn(*args)
                     return base.with_gradient_of(self.impls["xla"], fn, *args)  # kernels differentiate as XLA
                 except NotImplementedError as why:
@@ -128,11 +132,13 @@ class DecodeOp:
                     if impl != "auto" or key not in _WARNED:
                         _WARNED.add(key)
                         level = logging.WARNING if target() == host_platform() else logging.INFO
-                        log.log(level, "%s attend_impl=%r does not cover this slot (%s); using %s", who or self.name,
-                                name, why, tried[tried.index(name) + 1])
+                        log.log(level, "%s %s=%r does not cover this slot (%s); using %s", who or self.name,
+                                self.field, name, why, tried[tried.index(name) + 1])
         raise NotImplementedError(f"{self.name}: no implementation of {tried} is registered")
 
 
-#: Attention over dense K/V (`Dense`) and over packed loop-group chains (`LoopQuant`).
-DENSE = DecodeOp("dense")
-PACKED = DecodeOp("packed chains")
+#: Attention over dense K/V (`Dense`) and over packed loop-group chains (`LoopQuant`), and the encoder of a
+#: `LoopQuant` write (a loop group's rotated K or V to its stored codes, metadata and α).
+DENSE = KernelOp("dense")
+PACKED = KernelOp("packed chains")
+ENCODE = KernelOp("encode", field="write_impl", differentiable=False)

@@ -194,6 +194,49 @@ def attend_pallas_tpu(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths
 attention.PACKED.register("xla")(attend_rotated)
 
 
+class Coded(NamedTuple):
+    """A loop group's K or V as a write stores it: per group position its packed codes and metadata
+    (`PackedCodes` over [..., ·]), α [L', ...] bf16 of the positions with one (None: none), and per vector
+    the values no field could hold [...] int32."""
+
+    loops: tuple[PackedCodes, ...]
+    alpha: Array | None
+    lost: Array
+
+
+@attention.ENCODE.register("xla")
+def encode_xla(fmt: "LoopQuant", kind: str, z: Float[Array, "p ... d"], mean: Float[Array, "p ... d"] | None) -> Coded:
+    """The encode op in XLA: the quantization toolbox's group coding (`rq_jax.quant.residual`), packed."""
+    cfg = fmt.group_config(z.shape[0], kind)
+    enc = fmt._encode(z, cfg, mean)
+    loops = tuple(PackedCodes.from_quantized(enc.loops[r], cfg.quant_config(r)) for r in range(cfg.num_loops))
+    return Coded(loops, enc.alpha, enc.out_of_range)
+
+
+@attention.ENCODE.register("native")
+def encode_native(fmt: "LoopQuant", kind: str, z: Float[Array, "p ... d"],
+                  mean: Float[Array, "p ... d"] | None) -> Coded:
+    """The encode op through the native encoder (`cpu_kernels.residual_encode`, the same bits as XLA's).
+    Raises NotImplementedError (at trace time) for what it does not cover: super-scaled or float16/float32
+    metadata, 16-bit loops, or the library not built here."""
+    cfg = fmt.group_config(z.shape[0], kind)
+    if cfg.super_scale:
+        raise NotImplementedError("super-scaled metadata (the native encoder stores plain FP8 or bf16 metadata)")
+    if cfg.alpha_dtype != jnp.bfloat16:
+        raise NotImplementedError(f"α in {cfg.alpha_dtype} (the native encoder stores bfloat16)")
+    n = cfg.num_loops
+    parents = [-1 if not fmt.residual or r == cfg.anchor else cfg.parent(r) for r in range(n)]
+    loops, alpha, lost = cpu_kernels.residual_encode(
+        z, mean, bits=cfg.bits, group_sizes=cfg.group_sizes,
+        clips=[cfg.quant_config(r).clip_factor for r in range(n)], parents=parents,
+        order=cfg.encode_order() if fmt.residual else tuple(range(n)), least_squares=cfg.least_squares,
+        meta_dtype=cfg.meta_dtype)
+    packed = tuple(PackedCodes(c, s, o, b, z.shape[-1], g) for (c, s, o), b, g in zip(loops, cfg.bits, cfg.group_sizes))
+    if alpha is None and cfg.least_squares:  # a group of the anchor alone: no α rows, as the toolbox gives them
+        alpha = jnp.zeros((0,) + z.shape[1:-1], jnp.bfloat16)
+    return Coded(packed, alpha, lost)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopQuant(base.CacheFormat):
     """Loop-group quantization policy (see the module docstring); `name` is its registry name.
@@ -204,7 +247,8 @@ class LoopQuant(base.CacheFormat):
     below 2**-9. Either way `out_of_range` counts the metadata values the dtype could not hold.
     `attend_impl`: an implementation of the decode-attention op (`rq_jax.cache.attention`: "auto" is the
     kernel of the platform lowered for: Pallas on a GPU, Mosaic on a TPU, native on a CPU; "xla", "native",
-    "pallas", "pallas-tpu").
+    "pallas", "pallas-tpu"). `write_impl`: the same for the write's encoder (`attention.ENCODE`: "auto" is the
+    native encoder on a CPU, XLA elsewhere; both store the same bits).
 
     Non-finite K/V entries are stored as 0 (before the rotation, which would spread them over the
     whole vector) and counted by `out_of_range`.
@@ -223,6 +267,7 @@ class LoopQuant(base.CacheFormat):
     key_means: bool = False
     super_scale: bool = False
     attend_impl: str = "auto"
+    write_impl: str = "auto"
     name: str = "residual"
     needs_calib: bool = dataclasses.field(default=True, init=False)
     needs_data: bool = dataclasses.field(default=False, init=False)
@@ -244,6 +289,7 @@ class LoopQuant(base.CacheFormat):
         if self.rotation not in rotation.ROTATION_KINDS:
             raise ValueError(f"unknown rotation {self.rotation!r}: expected one of {rotation.ROTATION_KINDS}")
         attention.check_impl(self.name, self.attend_impl)
+        attention.check_impl(self.name, self.write_impl)
         if not self.residual and 0 in self.schedule("k")[0] + self.schedule("v")[0]:
             raise ValueError(f"{self.name}: a 0-bit loop stores nothing; only a residual loop can (residual=True)")
         for kind in "kv":  # validates bits, group sizes, metadata dtype and reference
@@ -363,35 +409,29 @@ class LoopQuant(base.CacheFormat):
             means = means.at[r].set(mean)
         return jnp.moveaxis(means[:, :, :, 0, :, 0], 0, 2)
 
-    def _encode_kv(self, k, v, calib: RotationCalib) -> dict[str, residual.EncodedGroup]:
-        """Rotate and encode K/V [G, p, N, B, K, T, D] (non-finite entries zeroed and counted):
-        {"k": ..., "v": ...}, each EncodedGroup over [p, G, N, B, K, T, D]."""
-        enc = {}
+    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib: RotationCalib
+              ) -> base.Written:
+        """Rotate K/V [G, p, N, B, K, T, D] (XLA; non-finite entries zeroed and counted), encode every group
+        through `write_impl` (the encode op: XLA, or the native encoder on a CPU, the same bits) and store
+        at lengths[b] + t. Per row, the new tokens' (t < num_new[b]) metadata values the metadata dtype
+        could not hold (saturated or flushed to zero) plus their non-finite entries, summed over slots, are
+        the out-of-range count."""
+        cfg = self.group_config(k.shape[1], "k")  # the α layout (which positions have one) is the same for K and V
+        coded, lost = {}, 0
         for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
-            cfg = self.group_config(k.shape[1], kind)
             x = x.astype(jnp.float32)
             finite = jnp.isfinite(x)
             z = jnp.einsum("gpnbktd,gnked->pgnbkte", jnp.where(finite, x, 0.0), u, precision=_HI)
-            mean = None if kind == "v" or calib.key_mean is None else \
-                jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :]  # [p, G, N, 1, K, 1, D]
-            e = self._encode(z, cfg, mean)
-            enc[kind] = e._replace(out_of_range=e.out_of_range + jnp.sum(~finite, axis=(1, -1)))  # [G, N, B, K, T]
-        return enc
-
-    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib: RotationCalib
-              ) -> base.Written:
-        """Rotate and encode every group of K/V [G, p, N, B, K, T, D]; store at lengths[b] + t. Per row,
-        the new tokens' (t < num_new[b]) metadata values the metadata dtype could not hold (saturated or
-        flushed to zero) plus their non-finite entries, summed over slots, are the out-of-range count."""
-        cfgs = {kind: self.group_config(k.shape[1], kind) for kind in "kv"}
-        enc = self._encode_kv(k, v, calib)
-        cfg = cfgs["k"]  # the α layout (which positions have one) is the same for keys and values
-        new = tuple(
-            LoopSlot(*(PackedCodes.from_quantized(enc[kind].loops[r], cfgs[kind].quant_config(r)) for kind in "kv"),
-                     *(enc[kind].alpha[cfg.alpha_index(r)] if self._has_alpha(cfg, r) else None for kind in "kv"))
-            for r in range(cfg.num_loops))
+            mean = None if kind == "v" or calib.key_mean is None else jnp.broadcast_to(
+                jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :], z.shape)  # [p, G, N, B, K, T, D]
+            coded[kind] = attention.ENCODE(self.write_impl, self, kind, z, mean, who=self.name)
+            lost = lost + coded[kind].lost + jnp.sum(~finite, axis=(1, -1))  # [G, N, B, K, T]
+        new = tuple(LoopSlot(coded["k"].loops[r], coded["v"].loops[r],
+                             *(coded[kind].alpha[cfg.alpha_index(r)] if self._has_alpha(cfg, r) else None
+                               for kind in "kv"))
+                    for r in range(cfg.num_loops))
         fresh = jnp.arange(k.shape[5])[None, :] < num_new[:, None]  # [B, T]
-        lost = sum(jnp.sum(jnp.where(fresh[:, None], e.out_of_range, 0), axis=(0, 1, 3, 4)) for e in enc.values())
+        lost = jnp.sum(jnp.where(fresh[:, None], lost, 0), axis=(0, 1, 3, 4))
         return base.Written(base.scatter_tokens(state, new, lengths, num_new), lost.astype(lengths.dtype))
 
     def _encode(self, z: Float[Array, "p ... d"], cfg, mean) -> residual.EncodedGroup:

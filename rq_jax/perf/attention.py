@@ -67,8 +67,12 @@ def takes_impl(fmt: base.CacheFormat) -> bool:
 
 
 def with_impl(fmt: base.CacheFormat, impl: str) -> base.CacheFormat:
-    """`fmt` with attend_impl = `impl` ("auto", "xla", "native", "pallas"); a format without the field as it is."""
-    return dataclasses.replace(fmt, attend_impl=impl) if takes_impl(fmt) else fmt
+    """`fmt` with attend_impl = `impl` ("auto", "xla", "native", "pallas"), and write_impl too where it has one
+    (a benchmark row's impl is its whole path); a format without the fields as it is."""
+    if not takes_impl(fmt):
+        return fmt
+    writes = any(f.name == "write_impl" for f in dataclasses.fields(fmt))
+    return dataclasses.replace(fmt, attend_impl=impl, **({"write_impl": impl} if writes else {}))
 
 
 class _Collect(logging.Handler):

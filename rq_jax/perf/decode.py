@@ -25,6 +25,7 @@ from pallas_kernels import tpu_deviceless
 from rq_jax import memory
 from rq_jax.cache import base, schemes
 from rq_jax.cache.calib import default_calib
+from rq_jax.cache.context import CacheContext
 from rq_jax.cache.kv import cache_nbytes, init_cache
 from rq_jax.config import ModelConfig
 from rq_jax.models import init_model
@@ -268,6 +269,38 @@ class DecodeBench:
         del cache
         row["run_s"] = time.perf_counter() - begin
         return row
+
+    def write_time(self, label: str, slots: int, batch: int, impl: str = "auto") -> dict:
+        """The decode step's write alone: one new token per row encoded and stored (`CacheContext.finish`, the
+        model's write) into a cache of `slots` positions holding slots // 2 tokens, held as bits and donated
+        as the step holds it; median ms of `args.repeats` after `args.warmup`, and the program's temporaries.
+        A write in place costs the token's bytes, whatever `slots` is."""
+        fmt = self.fmt(label, impl)
+        c = self.config
+        cache = jax.jit(lambda: self.held(init_cache(c, batch, slots, fmt)))()
+        cache = cache.replace(lengths=jnp.full((batch,), slots // 2, jnp.int32))
+        calib = self.calib(label)
+        shape = (c.num_loops, c.num_layers, batch, c.num_kv_heads, 1, c.head_dim)
+        k, v = (jax.random.normal(key, shape, jnp.float32) for key in jax.random.split(jax.random.key(1)))
+
+        def write(cache, k, v, calib):
+            ctx = CacheContext.build(cache, jnp.ones((batch,), jnp.int32), 1, calib)
+            looped = tuple((base.split_loops(k, seg), base.split_loops(v, seg)) for seg in cache.schedule("looped")[1])
+            plain = None if cache.plain is None else tuple(  # Huginn's prelude/coda: layer 0's K/V for each
+                jnp.broadcast_to(x[:1], (1, cache.slot_dims("plain")[0], *x.shape[2:]))[None] for x in (k, v))
+            out = ctx.finish(looped, plain)[0]
+            return out.replace(lengths=cache.lengths)  # the next call writes the same position
+
+        step = jax.jit(write, donate_argnums=0)
+        mem = step.lower(cache, k, v, calib).compile().memory_analysis()
+        times = []
+        for i in range(self.args.warmup + self.args.repeats):
+            start = time.perf_counter()
+            cache = jax.block_until_ready(step(cache, k, v, calib))
+            if i >= self.args.warmup:
+                times.append(time.perf_counter() - start)
+        return dict(model=self.label, format=label, impl=impl, batch=batch, slots=slots,
+                    ms=1e3 * statistics.median(times), temp=mem.temp_size_in_bytes, cache_nbytes=cache_nbytes(cache))
 
     def largest_batch(self, label: str, context: int, budget: int, cap: int, impl: str = "auto") -> dict:
         """The largest batch whose compiled step fits `budget` bytes, with its memory and b + 1's (None, and

@@ -180,10 +180,11 @@ def run(args, impls: list[str], command: str) -> dict:
     head = header(args, models, impls, read_bw, run_contexts, command)
     for line in head:
         print(line)
+    writes = len(args.write_slots) if run_contexts else 0
     per_model = sum(map(len, runs.values())) * (len(args.context) * (len(args.batch) + (2 if search else 0))
-                                                + len(args.prefill))
+                                                + len(args.prefill) + writes)
     bar = tqdm(total=per_model * len(models), desc="bench_decode", unit="step", file=sys.stderr)
-    rows, budget_rows, prefill_rows, compile_s, began = [], [], [], {}, time.perf_counter()
+    rows, budget_rows, prefill_rows, write_rows, compile_s, began = [], [], [], [], {}, time.perf_counter()
     said = set()  # the decode-attention op's fallback warnings printed so far
     for label, config, _ in models:
         bench = DecodeBench(label, config, args, run=bool(run_contexts))
@@ -225,6 +226,12 @@ def run(args, impls: list[str], command: str) -> dict:
                     mem = bench.prefill_memory(fmt, tokens, impl)
                     prefill_rows.append(dict(model=label, tokens=tokens, format=fmt, impl=impl, memory=mem))
                     bar.update()
+        for slots in args.write_slots if run_contexts else ():
+            for fmt in args.formats:
+                for impl in runs[fmt]:
+                    bar.set_postfix_str(f"{label.split()[0]} write at {slots} slots {fmt} {impl}")
+                    write_rows.append(bench.write_time(fmt, slots, args.batch[0], impl))
+                    bar.update()
         compile_s[label] = bench.compile_seconds
         del bench
     bar.close()
@@ -237,7 +244,7 @@ def run(args, impls: list[str], command: str) -> dict:
                 jax=jax.__version__,
                 read_bandwidth=read_bw, impls=impls, args=vars(args), budget=fixed_budget, wall_s=wall,
                 compile_s=compile_s, models={label: dict(config=vars(c), changed=d) for label, c, d in models},
-                rows=rows, budget_rows=budget_rows, prefill_rows=prefill_rows)
+                rows=rows, budget_rows=budget_rows, prefill_rows=prefill_rows, write_rows=write_rows)
 
 
 # ---- ratios and bytes -------------------------------------------------------------------------------
@@ -353,15 +360,31 @@ def prefill_table(rows: list[dict]) -> list[str]:
                                 f"{r['memory']['temp'] / GiB:.2f}", _gib(r["memory"])) for r in rows])
 
 
+def write_table(rows: list[dict]) -> list[str]:
+    """The write rows (`DecodeBench.write_time`) as Markdown lines, each against the same format's and impl's
+    write at the fewest slots."""
+    cols = ("model", "batch", "format", "impl", "slots", "cache MiB", "write ms", "× the fewest slots' write",
+            "temp MiB")
+    first = {}
+    cells = []
+    for r in rows:
+        base_ms = first.setdefault((r["model"], r["format"], r["impl"]), r["ms"])
+        cells.append((r["model"], r["batch"], r["format"], r["impl"], r["slots"], _mib(r["cache_nbytes"]),
+                      f"{r['ms']:.2f}", f"{r['ms'] / base_ms:.2f}", _mib(r["temp"])))
+    return report.table(cols, cells)
+
+
 def tables(result: dict) -> list[str]:
     """A run's tables (`run`'s result) as Markdown lines: the decode step, the largest batch when
-    searched, the prefills when compiled."""
+    searched, the prefills when compiled, the write alone when timed."""
     lines = ["## Decode step", "", *step_table(result["rows"])]
     if result["budget"] != 0:
         words = budget_words(result["args"]["memory_gb"], result["args"]["budget_rows"])
         lines += ["", f"## Largest batch in {words}", "", *budget_table(result["budget_rows"])]
     if result["prefill_rows"]:
         lines += ["", "## Prefill (compile only, batch 1)", "", *prefill_table(result["prefill_rows"])]
+    if result.get("write_rows"):
+        lines += ["", "## One token's write, alone (held as bits, donated)", "", *write_table(result["write_rows"])]
     return lines
 
 

@@ -198,7 +198,7 @@ def exact_divisor(x: jax.Array | float, shape: tuple[int, ...] | None = None) ->
     return jax.lax.optimization_barrier(x if shape is None else jnp.broadcast_to(x, shape))
 
 
-def _unfused(product: jax.Array) -> jax.Array:
+def unfused(product: jax.Array) -> jax.Array:
     """A product kept rounded to float32 before any later add: clamped to the finite float32 range,
     which no compiler can drop (it maps ±inf) and which sits between the multiply and the add, so
     they cannot be contracted into a fused multiply-add (an optimization barrier does not stop that:
@@ -235,7 +235,7 @@ def _metadata(xg: jax.Array, cfg: QuantConfig) -> _Meta:
         if clip == 1.0:  # mid - rad is lo exactly: take it as it is (KIVI's zero-point)
             rad, low = hi / 2 - lo / 2, lo
         else:
-            rad = _unfused((hi / 2 - lo / 2) * clip)  # rounded before the subtraction
+            rad = unfused((hi / 2 - lo / 2) * clip)  # rounded before the subtraction
             low = (hi / 2 + lo / 2) - rad
         raw = (2 * rad / exact_divisor(cfg.levels - 1, rad.shape), low)
     sup = None

@@ -132,18 +132,34 @@ class EncodedGroup(NamedTuple):
     out_of_range: jax.Array | None = None
 
 
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis ``[..., D] -> [...]`` in one fixed order: padded with zeros to a power of two,
+    then halves added elementwise (x[:h] + x[h:]) until one value is left. Float addition is not
+    associative, so a sum whose bits must be reproducible (the native encoder's, `cpu_kernels`) takes
+    this order rather than whatever a compiler's reduction picks."""
+    d = x.shape[-1]
+    width = 1 << max(d - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - d)])
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
 def ls_alpha(x: jax.Array, ref: jax.Array, alpha_dtype=jnp.bfloat16) -> jax.Array:
     """Least-squares scale ``<x, ref> / |ref|^2`` per vector: ``[..., D], [..., D] -> [...]``.
 
     Computed in float32 and rounded to ``alpha_dtype`` (saturating at its finite max). When
-    ``|ref|^2`` underflows (below float32 ``tiny``) the result is 0, i.e. the residual is ``x``.
+    ``|ref|^2`` underflows (below float32 ``tiny``) the result is 0, i.e. the residual is ``x``. Every
+    product is rounded before it is summed and the sums are `pairwise_sum`s: the same bits whatever the
+    compiler fuses (the native encoder computes exactly this).
     """
     x = jnp.asarray(x, jnp.float32)
     ref = jnp.asarray(ref, jnp.float32)
-    num = jnp.sum(x * ref, axis=-1)
-    den = jnp.sum(ref * ref, axis=-1)
+    num = pairwise_sum(affine.unfused(x * ref))
+    den = pairwise_sum(affine.unfused(ref * ref))
     ok = den > jnp.finfo(jnp.float32).tiny
-    a = jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
+    a = jnp.where(ok, num / affine.exact_divisor(jnp.where(ok, den, 1.0)), 0.0)
     m = float(jnp.finfo(alpha_dtype).max)
     return jnp.clip(jnp.nan_to_num(a), -m, m).astype(alpha_dtype)
 
@@ -187,7 +203,7 @@ def encode_decode_group(
             ref = recon[cfg.parent(r)]
             if cfg.least_squares:
                 alphas[r] = ls_alpha(z[r], ref, cfg.alpha_dtype)
-                pred = alphas[r].astype(jnp.float32)[..., None] * ref
+                pred = affine.unfused(alphas[r].astype(jnp.float32)[..., None] * ref)  # rounded: no FMA with z
             else:
                 pred = ref
         target = _sub(_sub(z[r], pred), mu[r])

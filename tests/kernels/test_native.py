@@ -207,7 +207,7 @@ def test_formats_attend_natively_as_the_reference(label, caplog):
             want = base.reference_attend(fmt, state, (0, 0), loop, q, lengths, calib)
             for a, w in zip(got, want):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-4)
-    assert "does not cover" not in caplog.text
+    assert "attend_impl='native' does not cover" not in caplog.text
 
 
 def test_generation_equals_xla():
@@ -246,3 +246,94 @@ def test_bad_input_is_named():
     q, k, v, lengths, slot = dense_cases.make_inputs(DENSE_CASES[0], seeded("bad"))[0]
     with pytest.raises(ValueError, match="want k = v"):
         cpu_kernels.dense_decode_attention(q, k, v[..., :8], lengths, slot)
+
+
+# ---- the write's encoder ---------------------------------------------------------------------------------
+
+
+#: Schedules the bit allocator emitted for the shipped models: per-link groups with K and V apart, 0-bit loops
+#: between stored ones, a 0-bit pair before a 2-bit anchor, g16 throughout.
+SCHEDULES = ("huginn-3.6875", "huginn-share-2.6875", "ouro-share-1.6875", "ouro-answers-3.6875")
+
+
+def _schedules() -> dict:
+    from rq_jax.calibrate.allocate import load_schedule
+
+    from ._base import ALLOCATION
+    return {name: load_schedule(str(ALLOCATION / f"{name}.json")) for name in SCHEDULES}
+
+
+WRITE_FORMATS = {
+    "residual [2,2,2,4] g32": get_format("residual"),
+    "residual [2,2,2,4] g16 bf16 meta, key means": get_format("residual", group_size=16, meta_dtype="bfloat16",
+                                                             key_means=True),
+    "residual previous-loop reference, no LS": get_format("residual", reference="previous", least_squares=False),
+    "residual next-loop reference, INT1/INT8": get_format("residual", bits=(1, 8, 2, 4), group_size=(64, 16, 32, 32),
+                                                          reference="next"),
+    "uniform INT4 g16": get_format("uniform", bits=4, group_size=16),
+    "rotated INT2 [2,2,2,4] direct": get_format("rotated", bits=(2, 2, 2, 4)),
+    **{f"allocated {name}": fmt for name, fmt in _schedules().items()},
+}
+
+
+@pytest.mark.parametrize("label", WRITE_FORMATS)
+def test_native_write_equals_the_xla_write_bit_for_bit(label):
+    """The native encoder's codes, metadata, α and out-of-range counts equal XLA's bit for bit (a full group
+    of 4 loops and a partial one of 3, as Huginn's last group; keys far outside FP8's range and non-finite
+    entries among them), and every other row and position of a state full of random bytes is untouched."""
+    fmt = WRITE_FORMATS[label]
+    rng = seeded(label)
+    b, kv_heads, d, s, t = 3, 2, 64, 24, 5
+    partial = (base.Segment(0, 1, fmt.group_len - 1),) if fmt.group_len > 1 else ()
+    for seg in (base.Segment(0, 2, fmt.group_len), *partial):
+        k, v = (rng.normal(size=(seg.groups, seg.size, 2, b, kv_heads, t, d)) * scale for scale in (3.0, 1.0))
+        k[0, 0, 0, 1, 0, 2, :8] *= 1e4  # metadata saturating at 448
+        k[-1, -1, 1, 2, 1, 0, 5] = np.nan
+        v[0, -1, 0, 0, 0, 4, 9] = np.inf
+        k, v = jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)
+        calib = fmt.calibrate(seg, k, v, jnp.full((b,), t))
+        empty = fmt.init(seg, 2, b, s, kv_heads, d)
+        state = jax.tree_util.tree_map(lambda x: base.values_of(jnp.asarray(
+            rng.integers(0, 256, x.shape * np.array([1] * (x.ndim - 1) + [x.dtype.itemsize])), jnp.uint8)
+            .view(f"uint{8 * x.dtype.itemsize}"), x.dtype) if x.size else x, empty)
+        lengths, num_new = jnp.array([0, 19, 7]), jnp.array([5, 3, 0])
+        out = {impl: jax.jit(lambda st, k, v, f=dataclasses.replace(fmt, write_impl=impl): f.write(
+            st, k, v, lengths, num_new, calib))(state, k, v) for impl in ("xla", "native")}
+        assert int(out["xla"].out_of_range.sum()) > 0
+        np.testing.assert_array_equal(out["native"].out_of_range, out["xla"].out_of_range)
+        untouched = np.ones((b, s), bool)
+        for row, (start, n) in enumerate(zip(lengths.tolist(), num_new.tolist())):
+            untouched[row, start : start + n] = False
+        for old, x, n in zip(*(jax.tree_util.tree_leaves(t) for t in (state, out["xla"].state, out["native"].state))):
+            np.testing.assert_array_equal(base.bits_of(n), base.bits_of(x))
+            keep = np.broadcast_to(untouched.reshape((1, 1, b, 1, s) + (1,) * (old.ndim - 5)), old.shape)
+            np.testing.assert_array_equal(np.asarray(base.bits_of(n))[keep], np.asarray(base.bits_of(old))[keep])
+
+
+def test_native_encoder_declines_by_name(caplog):
+    """Super-scaled metadata is XLA's alone: the write falls back with its reason logged, and stores XLA's bits."""
+    fmt = get_format("residual", super_scale=True, write_impl="native")
+    seg = base.Segment(0, 1, 4)
+    k = jnp.asarray(seeded("decline").normal(size=(1, 4, 1, 2, 1, 3, 32)), jnp.float32)
+    calib = fmt.default_calib(seg, 1, 1, 32)
+    with caplog.at_level("WARNING"):
+        out = fmt.write(fmt.init(seg, 1, 2, 4, 1, 32), k, k, jnp.zeros(2, jnp.int32), jnp.full(2, 3), calib)
+    assert "write_impl='native' does not cover this slot (super-scaled metadata" in caplog.text
+    want = dataclasses.replace(fmt, write_impl="xla").write(fmt.init(seg, 1, 2, 4, 1, 32), k, k,
+                                                            jnp.zeros(2, jnp.int32), jnp.full(2, 3), calib)
+    for a, w in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(base.bits_of(a), base.bits_of(w))
+
+
+def test_native_encoder_bad_input_is_named():
+    z = jnp.zeros((2, 3, 32), jnp.float32)
+    kw = dict(bits=(2, 4), group_sizes=(32, 32), clips=(0.9, 1.0), parents=(1, -1), order=(1, 0), least_squares=True,
+              meta_dtype=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="need one entry each"):
+        cpu_kernels.residual_encode(z, **{**kw, "bits": (2,)})
+    with pytest.raises(ValueError, match="in groups of 24 do not divide head dim 32"):
+        cpu_kernels.residual_encode(z, **{**kw, "group_sizes": (24, 32)})
+    with pytest.raises(NotImplementedError, match="3-bit codes"):
+        cpu_kernels.residual_encode(z, **{**kw, "bits": (3, 4)})
+    with pytest.raises(NotImplementedError, match="metadata dtype float16"):
+        cpu_kernels.residual_encode(z, **{**kw, "meta_dtype": jnp.float16})
