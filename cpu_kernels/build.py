@@ -30,7 +30,7 @@ FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-fno-trapping-math", 
          "-fno-signed-zeros")
 #: The encoder's: every operation rounded as written (no reassociation, no fused multiply-add), so that it
 #: computes the same bits as rq_jax's XLA encoder.
-EXACT_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
+EXACT_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 #: Per instruction set: the -D name attention.cc's entry point takes and the flags it is compiled with.
 ISAS = {"generic": ()}
 if platform.machine() in ("x86_64", "AMD64"):

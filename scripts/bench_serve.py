@@ -32,6 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("ouro", "huginn"), default="ouro")
     p.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "ouro-small"))
     p.add_argument("--memory-gb", type=float, default=0.004, help="the one cache budget of every format")
+    p.add_argument("--max-slots", type=positive_int,
+                   help="every format's slots instead of a budget: equal slots compare what a format costs per row, "
+                        "an equal budget (--memory-gb) what its capacity buys")
     p.add_argument("--max-len", type=positive_int, default=32)
     p.add_argument("--max-tokens", type=positive_int, default=8)
     p.add_argument("--concurrency", default="1,32,max", help="fixed-concurrency points ('max': every slot)")

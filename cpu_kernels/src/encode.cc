@@ -77,6 +77,19 @@ inline float store_meta(float v, int meta, void* out, int64_t i, int& lost) {
   return back;
 }
 
+// The codes of one group's n values as floats: clamp(round_half_down((x − o) / div), 0, top), NaN quotients
+// coded as 0 and infinite ones as the finite extremes.
+void code_values(const float* __restrict x, int n, float o, float div, float top, float* __restrict out) {
+  for (int c = 0; c < n; ++c) {
+    float u = (x[c] - o) / div;
+    u = u != u ? 0.0f : u;
+    u = u > FLT_MAX ? FLT_MAX : (u < -FLT_MAX ? -FLT_MAX : u);
+    const float f = std::floor(u);
+    const float r = u - f > 0.5f ? f + 1.0f : f;
+    out[c] = std::min(std::max(r, 0.0f), top);
+  }
+}
+
 // One loop of one vector: target [D] quantized group by group into `codes` [D] (unpacked) and the
 // metadata rows of `ln` at vector v, its dequantized values into `deq` [D]; returns the values lost.
 int quantize(const EncodeLoop& ln, int meta, int d, int64_t v, const float* target, uint8_t* codes, float* deq) {
@@ -104,15 +117,10 @@ int quantize(const EncodeLoop& ln, int meta, int d, int64_t v, const float* targ
     const float s = store_meta(2 * rad / float(top), meta, ln.scale, v * ng + gi, lost);
     const float o = store_meta(low, meta, ln.offset, v * ng + gi, lost);
     const float div = s > 0.0f ? s : 1.0f;
-    for (int c = 0; c < g; ++c) {
-      float u = (x[c] - o) / div;
-      u = std::isnan(u) ? 0.0f : clamp_finite(u);
-      const float f = std::floor(u);
-      const float r = f + (u - f > 0.5f ? 1.0f : 0.0f);
-      const uint8_t code = uint8_t(std::min(std::max(r, 0.0f), float(top)));
-      codes[gi * g + c] = code;
-      deq[gi * g + c] = o + s * float(code);
-    }
+    float* cf = deq + gi * g;  // the codes as floats first (branch-free loops the compiler vectorizes)
+    code_values(x, g, o, div, float(top), cf);
+    for (int c = 0; c < g; ++c) codes[gi * g + c] = uint8_t(int32_t(cf[c]));
+    for (int c = 0; c < g; ++c) cf[c] = o + s * cf[c];
   }
   return lost;
 }

@@ -40,6 +40,8 @@ SEARCH_OPTIONS = None if "xla_backend_optimization_level" in os.environ.get("XLA
     "xla_backend_optimization_level": 0}
 #: A cache compiled for a TPU holds a multiple of this many positions (the module docstring says why).
 TPU_POSITIONS = 128
+#: Timed calls of a write alone (`DecodeBench.write_time`) at the least.
+WRITE_REPEATS = 30
 
 
 def greedy_step(graphdef):
@@ -273,8 +275,9 @@ class DecodeBench:
     def write_time(self, label: str, slots: int, batch: int, impl: str = "auto") -> dict:
         """The decode step's write alone: one new token per row encoded and stored (`CacheContext.finish`, the
         model's write) into a cache of `slots` positions holding slots // 2 tokens, held as bits and donated
-        as the step holds it; median ms of `args.repeats` after `args.warmup`, and the program's temporaries.
-        A write in place costs the token's bytes, whatever `slots` is."""
+        as the step holds it; median ms of `WRITE_REPEATS` (or `args.repeats`, if more) after `args.warmup`
+        (a write takes milliseconds: a few repeats would leave its median to chance), and the program's
+        temporaries. A write in place costs the token's bytes, whatever `slots` is."""
         fmt = self.fmt(label, impl)
         c = self.config
         cache = jax.jit(lambda: self.held(init_cache(c, batch, slots, fmt)))()
@@ -294,7 +297,7 @@ class DecodeBench:
         step = jax.jit(write, donate_argnums=0)
         mem = step.lower(cache, k, v, calib).compile().memory_analysis()
         times = []
-        for i in range(self.args.warmup + self.args.repeats):
+        for i in range(self.args.warmup + max(self.args.repeats, WRITE_REPEATS)):
             start = time.perf_counter()
             cache = jax.block_until_ready(step(cache, k, v, calib))
             if i >= self.args.warmup:

@@ -367,7 +367,7 @@ def write_table(rows: list[dict]) -> list[str]:
             "temp MiB")
     first = {}
     cells = []
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["model"], r["format"], r["impl"], r["slots"])):
         base_ms = first.setdefault((r["model"], r["format"], r["impl"]), r["ms"])
         cells.append((r["model"], r["batch"], r["format"], r["impl"], r["slots"], _mib(r["cache_nbytes"]),
                       f"{r['ms']:.2f}", f"{r['ms'] / base_ms:.2f}", _mib(r["temp"])))

@@ -9,7 +9,7 @@ Poisson arrivals): output tok/s, req/s, peak concurrent sequences (from the clie
 server's /metrics would cost it CPU), medians / p99, and the engine's seconds and calls per program
 from /metrics before and after.
 
-`args` below is bench_serve.py's parsed command line: model, checkpoint, memory_gb, max_len,
+`args` below is bench_serve.py's parsed command line: model, checkpoint, memory_gb (or max_slots), max_len,
 max_tokens, levels (concurrencies, 'max': every slot), arrivals (rates), requests, max_seconds, out.
 """
 
@@ -43,6 +43,17 @@ VLLM = {"c1_tok_s": "282-380", "c1_ttft_ms": "7-9", "c32_tok_s": "1,430-1,640", 
         "startup_cold_s": "78", "startup_cached_s": "40", "rss_gb": "3.3"}
 
 
+def sizing(args) -> list[str]:
+    """serve.py's size options: every format at `max_slots` slots when given, else at the `memory_gb` budget."""
+    slots = getattr(args, "max_slots", None)
+    return ["--max-slots", str(slots)] if slots else ["--memory-gb", str(args.memory_gb)]
+
+
+def sizing_words(args) -> str:
+    slots = getattr(args, "max_slots", None)
+    return f", {slots} slots each" if slots else f" at a {args.memory_gb} GiB cache budget"
+
+
 class ServerDidNotStart(RuntimeError):
     """serve.py exited, or was not ready within the start-up limit (its output's tail in the message)."""
 
@@ -58,7 +69,7 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), "--model", args.model, "--checkpoint",
-               args.checkpoint, *extra, "--memory-gb", str(args.memory_gb), "--max-len", str(args.max_len),
+               args.checkpoint, *extra, *sizing(args), "--max-len", str(args.max_len),
                "--max-waiting", "4096", "--host", "127.0.0.1", "--port", str(self.port)]
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         start = time.perf_counter()
@@ -239,7 +250,7 @@ def markdown(runs: list[dict], args) -> str:
     """The run's tables: every load point, where the engine's time went, dense against residual, and the
     vLLM comparison workload (when both formats ran concurrency 1 and 32)."""
     row = report.row
-    lines = [f"Ouro-small ({args.checkpoint}), {args.max_len}-token slots at a {args.memory_gb} GiB cache budget, "
+    lines = [f"Ouro-small ({args.checkpoint}), {args.max_len}-token slots{sizing_words(args)}, "
              f"12-token prompts, {args.max_tokens} output tokens (greedy, ignore_eos); medians and p99 of one run.",
              "", row(["format", "load", "requests", "output tok/s", "req/s", "peak sequences", "TTFT p50 / p99 ms",
                       "ITL p50 / p99 ms", "e2e p50 / p99 ms"]), _rule(9)]
@@ -315,6 +326,7 @@ def plot(runs: list[dict], path: str) -> None:
             a.plot(x, [p["output_tok_s"] for p in pts], marker="o", label=run["format"])
             b.plot(x, [p["e2e_ms_p99"] for p in pts], marker="o", label=run["format"])
         a.set(xlabel=xlabel, ylabel="output tokens/s", title="throughput")
+        a.set_ylim(bottom=0)  # from zero: with one arrival rate an autoscaled axis magnifies a 0.1% difference
         b.set(xlabel=xlabel, ylabel="end-to-end latency p99 (ms)", title="p99 latency", yscale="log")
         for ax in (a, b):
             if kind == "concurrency":

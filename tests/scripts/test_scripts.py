@@ -72,6 +72,26 @@ def test_bench_decode_rows_bytes_ratios_and_budget(tmp_path):
     assert limits["storage_bits"] == 3.09375 and limits["read_limit"] == pytest.approx(64 / 25.875)
 
 
+def test_bench_decode_times_the_write_alone(tmp_path):
+    """--write-slots: one row per format, impl and cache size, the write's temporaries the same at every size
+    (in place: its cost is the token's, not the cache's)."""
+    tiny = ("ouro-1.4b:num_layers=1,hidden_size=64,num_heads=2,num_kv_heads=2,head_dim=32,intermediate_size=128,"
+            "vocab_size=256")
+    out = tmp_path / "bench"
+    run = run_ok("bench_decode", "--models", tiny, "--formats", "dense bf16", "[2,2,2,4] g32", "--context", "40",
+                 "--memory-gb", "0", "--repeats", "1", "--read-mb", "1", "--write-slots", "64", "2048", "--out", out)
+    assert "## One token's write, alone" in run.out
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = {(r["format"], r["impl"], r["slots"]): r for r in data["write_rows"]}
+    assert sorted(rows) == sorted((f, i, n) for f in ("dense bf16", "[2,2,2,4] g32") for i in data["impls"]
+                                  for n in (64, 2048))
+    for (label, impl, slots), r in rows.items():
+        assert r["ms"] > 0 and r["cache_nbytes"] > 0
+        if slots == 2048:
+            assert r["temp"] == rows[label, impl, 64]["temp"] and r["cache_nbytes"] == 32 * rows[label, impl, 64][
+                "cache_nbytes"]
+
+
 def test_bench_compile_table(tmp_path):
     out = tmp_path / "compile.json"
     run_ok("bench_compile", "--models", "ouro-1.4b", "--formats", "dense", "--width", "32", "--head-dim", "16",
