@@ -166,16 +166,44 @@ void decode_meta(const void* base, int meta, int64_t first, int count, float* ou
   }
 }
 
+// Scratch floats an item carves its buffers from: one block per thread, kept for the thread's next items
+// (allocating a short item's dozen buffers cost more than its arithmetic). Buffers start on 64-byte lines.
+class Arena {
+ public:
+  explicit Arena(size_t floats) : next_(0) {
+    if (block().size() < floats) block().resize(floats);
+  }
+  static size_t rounded(size_t n) { return (n + 15) / 16 * 16; }
+  float* take(size_t n, float fill = 0.0f) {
+    float* p = block().data() + next_;
+    next_ += rounded(n);
+    std::fill(p, p + n, fill);
+    return p;
+  }
+
+ private:
+  static std::vector<float>& block() {
+    thread_local std::vector<float> floats;
+    return floats;
+  }
+  size_t next_;
+};
+
 // Per link, the metadata of a chunk's n tokens as float32, token-major [n, ng] (padded by a vector, so that a
 // token's ng <= kLanes offsets load as one).
 struct LinkMeta {
-  std::vector<float> scale, offset;
-  void decode(const Link& ln, int64_t tok0, int n) {
+  float* scale = nullptr;
+  float* offset = nullptr;
+  static size_t floats(const Link& ln) { return 2 * Arena::rounded(size_t(kChunk) * (ln.dim / ln.group) + kLanes); }
+  void init(const Link& ln, Arena& arena) {
+    const size_t n = size_t(kChunk) * (ln.dim / ln.group) + kLanes;
+    scale = arena.take(n);
+    offset = arena.take(n);
+  }
+  void decode(const Link& ln, int64_t tok0, int n) const {
     const int ng = ln.dim / ln.group;
-    scale.resize(size_t(kChunk) * ng + kLanes);
-    offset.resize(size_t(kChunk) * ng + kLanes);
-    decode_meta(ln.scale, ln.meta, tok0 * ng, n * ng, scale.data());
-    decode_meta(ln.offset, ln.meta, tok0 * ng, n * ng, offset.data());
+    decode_meta(ln.scale, ln.meta, tok0 * ng, n * ng, scale);
+    decode_meta(ln.offset, ln.meta, tok0 * ng, n * ng, offset);
   }
 };
 
@@ -511,32 +539,41 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   int v_off[kMaxLinks + 1] = {0};  // value link i's groups start at v_off[i] of a row's offset accumulator
   for (int i = 0; i < vc.n; ++i) v_off[i + 1] = v_off[i] + d / vc.link[i].group;
   const int v_groups = v_off[vc.n];
-  std::vector<float> q(rows * d), scores(rows * kChunk), w(rows * kChunk), offacc(rows * v_groups, 0.0f);
-  std::vector<float> means(kc.n * rows, 0.0f), k_coef(kMaxLinks * kChunk), v_coef(kMaxLinks * kChunk);
+  size_t floats = Arena::rounded(rows * d) + 2 * Arena::rounded(rows * kChunk) + Arena::rounded(rows * v_groups) +
+                  Arena::rounded(kc.n * rows) + 2 * Arena::rounded(kMaxLinks * kChunk);
+  for (int i = 0; i < kc.n; ++i)
+    floats += Arena::rounded(rows * qsum_stride(d / kc.link[i].group)) + LinkMeta::floats(kc.link[i]);
+  for (int i = 0; i < vc.n; ++i) floats += LinkMeta::floats(vc.link[i]);
+  Arena arena(floats);
+  float *q = arena.take(rows * d), *scores = arena.take(rows * kChunk), *w = arena.take(rows * kChunk);
+  float *offacc = arena.take(rows * v_groups), *means = arena.take(kc.n * rows);
+  float *k_coef = arena.take(kMaxLinks * kChunk), *v_coef = arena.take(kMaxLinks * kChunk);
   for (int r = 0; r < rows; ++r) {
     const int64_t qrow = (b * p.K + k) * p.R + p.row0 + r;
     load_row(p.q, p.q_bf16, qrow, d, &q[r * d]);
     if (p.mean_scores)
       for (int i = 0; i < kc.n; ++i) means[i * rows + r] = p.mean_scores[qrow * kc.n + i];
   }
-  std::vector<float> qsum[kMaxLinks];  // Σ_{c∈g} q_c per key link, row and group (qsum_stride per row)
+  float* qsum[kMaxLinks];  // Σ_{c∈g} q_c per key link, row and group (qsum_stride per row)
   for (int i = 0; i < kc.n; ++i) {
     const int g = kc.link[i].group, stride = qsum_stride(d / g);
-    qsum[i].assign(rows * stride, 0.0f);
+    qsum[i] = arena.take(rows * stride);
     for (int r = 0; r < rows; ++r)
       for (int c = 0; c < d; ++c) qsum[i][r * stride + c / g] += q[r * d + c];
   }
   LinkMeta k_meta[kMaxLinks], v_meta[kMaxLinks];
+  for (int i = 0; i < kc.n; ++i) k_meta[i].init(kc.link[i], arena);
+  for (int i = 0; i < vc.n; ++i) v_meta[i].init(vc.link[i], arena);
   const float inv = 1.0f / std::sqrt(float(d));
   for_chunks(p, b, k, s0, s1, [&](int64_t tok0, int n) {
-    chain_coefs(kc, tok0, n, k_coef.data());
-    std::fill(scores.begin(), scores.end(), 0.0f);
+    chain_coefs(kc, tok0, n, k_coef);
+    std::fill(scores, scores + rows * kChunk, 0.0f);
     for (int i = 0; i < kc.n; ++i) {
       const Link& ln = kc.link[i];
       const float* coef = &k_coef[i * kChunk];
       k_meta[i].decode(ln, tok0, n);
-      kfn[i](ln, ln.codes + tok0 * (d * ln.bits / 8), n, rows, q.data(), qsum[i].data(), k_meta[i].scale.data(),
-             k_meta[i].offset.data(), coef, scores.data());
+      kfn[i](ln, ln.codes + tok0 * (d * ln.bits / 8), n, rows, q, qsum[i], k_meta[i].scale, k_meta[i].offset, coef,
+             scores);
       if (p.mean_scores)
         for (int r = 0; r < rows; ++r) {  // + coef · q·μ
           const float mu = means[i * rows + r];
@@ -545,16 +582,16 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
     }
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < n; ++j) scores[r * kChunk + j] *= inv;
-    softmax_step(rows, n, scores.data(), m, l, acc, d, offacc.data(), v_groups);
-    chain_coefs(vc, tok0, n, v_coef.data());
+    softmax_step(rows, n, scores, m, l, acc, d, offacc, v_groups);
+    chain_coefs(vc, tok0, n, v_coef);
     for (int i = 0; i < vc.n; ++i) {
       const Link& ln = vc.link[i];
       const float* coef = &v_coef[i * kChunk];
       v_meta[i].decode(ln, tok0, n);
       for (int r = 0; r < rows; ++r)
         for (int j = 0; j < n; ++j) w[r * kChunk + j] = scores[r * kChunk + j] * coef[j];
-      vfn[i](ln, ln.codes + tok0 * (d * ln.bits / 8), n, rows, w.data(), v_meta[i].scale.data(),
-             v_meta[i].offset.data(), acc, &offacc[v_off[i]], v_groups);
+      vfn[i](ln, ln.codes + tok0 * (d * ln.bits / 8), n, rows, w, v_meta[i].scale, v_meta[i].offset, acc,
+             &offacc[v_off[i]], v_groups);
     }
   });
   for (int i = 0; i < vc.n; ++i) {
@@ -580,7 +617,8 @@ void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
   constexpr int NB = D / kLanes;
   const int rows = int(p.rows);
   init_partial(rows, D, acc, m, l);
-  std::vector<float> q(rows * D), scores(rows * kChunk);
+  Arena arena(Arena::rounded(rows * D) + Arena::rounded(rows * kChunk));
+  float *q = arena.take(rows * D), *scores = arena.take(rows * kChunk);
   for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, D, &q[r * D]);
   const int64_t esize = p.kv_bf16 ? 2 : 4;
   const char* kbase = static_cast<const char*>(p.k);
@@ -600,7 +638,7 @@ void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
         scores[r * kChunk + j] = hsum(a0 + a1) * inv;
       }
     }
-    softmax_step(rows, n, scores.data(), m, l, acc, D, nullptr, 0);
+    softmax_step(rows, n, scores, m, l, acc, D, nullptr, 0);
     for (int j = 0; j < n; ++j) {
       const void* row = vbase + (tok0 + j) * D * esize;
       vf blk[NB];
