@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+import cpu_kernels
 import jax
 import numpy as np
 import pytest
@@ -286,6 +287,7 @@ def test_replicated_fallback_is_reported(eight_devices):
 
 
 @pytest.mark.parametrize("case", ["dense", "residual"])
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"native kernels: {cpu_kernels.unavailable_reason()}")
 def test_native_kernel_runs_per_device_shard(eight_devices, case):
     """On the mesh the decode step's attention is the native kernel (`auto` on a CPU), and a packed write the
     native encoder, partitioned: the attention calls see each device's 1 of 4 rows and 1 of 2 kv heads
