@@ -20,6 +20,12 @@ over the p positions of a group of the format's slot pytree, every leaf laid out
 so the model scans over groups and layers and indexes a slot with `(group, layer)` (`Index`).
 A format's calibration for a segment is a pytree with the same leading [G, N] axes (or None).
 
+A paged cache holds the same leaves as a pool of pages, [G, N, NP, K, P, ...] (NP pages of P tokens; a
+format's `init` with batch NP and max_len P), and a block table [B, N'] (int32) naming the page of each
+row's logical page: row b's position s lies at offset s mod P of page table[b, s // P]. Every format's
+`attend` and `write` take the table (None: the contiguous layout); attention then reads a row one page per
+tile (`slot_tile`) and the write stores a row page by page (`scatter_tokens`).
+
 Attention to the stored past is tiled (`tiled_partial`): a loop over static-size context tiles that
 skips every tile past max(lengths), each tile read straight out of the stacked state (`slot_tile`),
 decoded and folded into the running softmax `Partial` by the exact `merge`. Nothing of the cache's
@@ -175,8 +181,24 @@ def context_tile(batch: int, num_queries: int, num_heads: int, num_kv_heads: int
     return min(max(TILE_ELEMENTS // per_token // MIN_TILE * MIN_TILE, MIN_TILE), max_len)
 
 
-def slot_tile(tree: Any, index: Index, start: Int[Array, ""], size: int) -> Any:
+Table = Int[Array, "b pages"]  # a paged cache's block table: the pool page of each row's logical page
+
+
+def tiling(leaf: Array, table: Table | None, batch: int, num_queries: int, num_heads: int,
+           head_dim: int) -> tuple[int, int]:
+    """(positions a row can hold, tokens per context tile) of a state leaf [G, N, B, K, S, ...]: S and
+    `context_tile`'s, or for a paged pool [G, N, NP, K, P, ...] with `table` [B, N'], N'·P and one page."""
+    if table is not None:
+        return table.shape[1] * leaf.shape[TOKEN_AXIS], leaf.shape[TOKEN_AXIS]
+    max_len = leaf.shape[TOKEN_AXIS]
+    return max_len, context_tile(batch, num_queries, num_heads, leaf.shape[3], head_dim, max_len)
+
+
+def slot_tile(tree: Any, index: Index, start: Int[Array, ""], size: int, table: Table | None = None) -> Any:
     """Tokens start .. start + size − 1 of slot `index` of every leaf [G, N, B, K, S, ...]: [B, K, size, ...].
+    With `table` (a paged pool [G, N, NP, K, P, ...], size = P, start a multiple of P): each row's page
+    table[b, start // P], gathered from the pool (entries past the pool are clipped into it: a tile's
+    `valid` mask hides a page the row does not hold).
 
     The slice is taken on the leaves' bits (`bits_of`), behind an optimization barrier with `start`:
     XLA:CPU widens a bfloat16 or fp8 dynamic slice to float32, and inside a loop it would hoist that
@@ -185,6 +207,9 @@ def slot_tile(tree: Any, index: Index, start: Int[Array, ""], size: int) -> Any:
     made into a whole-leaf float array at all.
     """
     def one(x, start):
+        if table is not None:
+            pages = jnp.clip(table[:, start // size], 0, x.shape[2] - 1)
+            return jnp.take(x[index[0], index[1]], pages, axis=0)
         at = (index[0], index[1], 0, 0, start) + (0,) * (x.ndim - 5)
         return jax.lax.dynamic_slice(x, at, (1, 1, *x.shape[2:4], size, *x.shape[5:]))[0, 0]
 
@@ -312,6 +337,9 @@ class CacheFormat:
     #: Whether `write` counts values it could not store (`Written.out_of_range`); formats that store
     #: every value as given report zeros.
     reports_out_of_range: ClassVar[bool] = False
+    #: Whether the format's state has one entry per stored position on every leaf's token axis, so that it can
+    #: be held as a pool of pages (`kv.init_paged_cache`); kivi's per-row windows cannot.
+    pageable: ClassVar[bool] = True
     #: What the format keeps in full precision before it quantizes anything, in a few words (kivi's window
     #: of recent tokens); "" for a format that quantizes every token it stores.
     full_precision_part: ClassVar[str] = ""
@@ -324,9 +352,10 @@ class CacheFormat:
         raise NotImplementedError
 
     def write(self, state: tuple[Any, ...], k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew,
-              calib: Any) -> Written:
-        """Encode a segment's new tokens t < num_new[b] at positions lengths[b] + t: the new state and
-        the values of those tokens it could not store faithfully, per row."""
+              calib: Any, table: Table | None = None) -> Written:
+        """Encode a segment's new tokens t < num_new[b] at positions lengths[b] + t (through the block table
+        `table` of a paged cache): the new state and the values of those tokens it could not store
+        faithfully, per row."""
         raise NotImplementedError
 
     def reconstruct(self, state: tuple[Any, ...], index: Index, loop: int, lengths: Lengths,
@@ -335,12 +364,13 @@ class CacheFormat:
         raise NotImplementedError
 
     def attend(self, state: tuple[Any, ...], index: Index, loop: int, q: Queries,
-               lengths: Lengths, calib: Any, visible: Visible | None = None) -> Partial:
+               lengths: Lengths, calib: Any, visible: Visible | None = None, table: Table | None = None) -> Partial:
         """Partial attention to the stored tokens s < lengths[b] of slot `index`, group position `loop`,
-        that `visible` [B, S] (None: all) shows; equal to `reference_attend`. Default: `tiled_attend`
-        (each context tile decoded by `reconstruct`, then dense attention), for a state whose every leaf
-        has one entry per stored position on its token axis."""
-        return tiled_attend(self, state, index, loop, q, lengths, calib, visible)
+        that `visible` [B, S] (None: all) shows, read through the block table `table` of a paged cache;
+        equal to `reference_attend`. Default: `tiled_attend` (each context tile decoded by `reconstruct`,
+        then dense attention), for a state whose every leaf has one entry per stored position on its token
+        axis."""
+        return tiled_attend(self, state, index, loop, q, lengths, calib, visible, table)
 
     # ---- calibration -----------------------------------------------------------------------------
 
@@ -398,18 +428,17 @@ def reference_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loo
 
 
 def tiled_attend(fmt: CacheFormat, state: tuple[Any, ...], index: Index, loop: int, q: Queries,
-                 lengths: Lengths, calib: Any, visible: Visible | None = None) -> Partial:
+                 lengths: Lengths, calib: Any, visible: Visible | None = None, table: Table | None = None) -> Partial:
     """`reference_attend` one context tile at a time (`tiled_partial`): every state leaf sliced on its
-    token axis to a tile (`slot_tile`), decoded by `fmt.reconstruct` as a one-slot cache of `tile`
-    positions, then dense attention. For states whose leaves all have one entry per stored position."""
+    token axis to a tile (`slot_tile`; a page of a paged cache through `table`), decoded by
+    `fmt.reconstruct` as a one-slot cache of `tile` positions, then dense attention. For states whose
+    leaves all have one entry per stored position."""
     b, t, h, d = q.shape
-    leaf = jax.tree_util.tree_leaves(state)[0]
-    max_len = leaf.shape[TOKEN_AXIS]
-    tile = context_tile(b, t, h, leaf.shape[3], d, max_len)
+    max_len, tile = tiling(jax.tree_util.tree_leaves(state)[0], table, b, t, h, d)
     calib = jax.tree_util.tree_map(lambda x: x[index][None, None], calib)  # the slot's, as a [1, 1] stack
 
     def part(state, start, valid):
-        window = jax.tree_util.tree_map(lambda x: x[None, None], slot_tile(state, index, start, tile))
+        window = jax.tree_util.tree_map(lambda x: x[None, None], slot_tile(state, index, start, tile, table))
         k, v = fmt.reconstruct(window, (0, 0), loop, jnp.clip(lengths - start, 0, tile), calib)
         return dense_partial(q, k, v, jnp.broadcast_to(valid[:, None, :], (b, t, tile)))
 
@@ -454,7 +483,7 @@ def policy_fields(name: str) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(fmt) if f.init and f.name != "name")
 
 
-def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew) -> Any:
+def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew, table: Table | None = None) -> Any:
     """Write every leaf of `new` into the same leaf of `store` along the token axis, in place.
 
     Leaves are laid out [G, N, B, K, S, ...] (`new` has T in place of S). Token t of row b goes to
@@ -463,12 +492,43 @@ def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew) -> A
     (`_write_rows`): XLA:CPU widens a bfloat16 or fp8 scatter to float32, copying the whole leaf twice; a
     dynamic-update-slice is done in place. For other platforms it is one scatter (`_scatter`): on a TPU
     the per-row blocks would be gathered by a transpose of the whole leaf. The choice follows the platform
-    lowered for (`jax.lax.platform_dependent`), not the host's backend.
+    lowered for (`jax.lax.platform_dependent`), not the host's backend. With `table` the store is a paged
+    pool [G, N, NP, K, P, ...] and each position is looked up in its row's pages (`_write_pages`, one
+    read-merge-write per page a row's tokens touch, on every platform).
     """
     def write(old, val):
+        if table is not None:
+            return _write_pages(old, val, lengths, num_new, table)
         return jax.lax.platform_dependent(old, val, lengths, num_new, cpu=_write_rows, default=_scatter)
 
     return jax.tree_util.tree_map(write, store, new)
+
+
+def _write_pages(old: Array, val: Array, lengths: Lengths, num_new: NumNew, table: Table) -> Array:
+    """`scatter_tokens` of one leaf into a paged pool [G, N, NP, K, P, ...]: per row, one read-merge-write
+    of each page its new tokens touch (one for a single token, ⌈T/P⌉ + 1 for T), on the bits (`on_bits`).
+    A page past the row's table, or one the row's tokens miss, is written back as it was."""
+    p, t, rows, cols = old.shape[TOKEN_AXIS], val.shape[TOKEN_AXIS], val.shape[2], table.shape[1]
+    spans = 1 if t == 1 else -(-t // p) + 1
+    trailing = (0,) * (old.ndim - TOKEN_AXIS - 1)
+
+    def write(old, val):
+        def body(i, stored):
+            row, j = i // spans, i % spans
+            first = lengths[row] // p + j  # the row's logical page
+            page = jnp.clip(table[row, jnp.minimum(first, cols - 1)], 0, old.shape[2] - 1)
+            at = (0, 0, page, 0, 0) + trailing
+            held = jax.lax.dynamic_slice(stored, at, (*old.shape[:2], 1, *old.shape[3:]))
+            tok = first * p + jnp.arange(p) - lengths[row]  # the call's token at each offset of the page
+            take = (tok >= 0) & (tok < num_new[row]) & (first < cols)
+            mine = jax.lax.dynamic_slice_in_dim(val, row, 1, axis=2)  # [G, N, 1, K, T, ...]
+            placed = jnp.take(mine, jnp.clip(tok, 0, t - 1), axis=TOKEN_AXIS)
+            shape = (1, 1, 1, 1, p) + (1,) * (old.ndim - TOKEN_AXIS - 1)
+            return jax.lax.dynamic_update_slice(stored, jnp.where(take.reshape(shape), placed, held), at)
+
+        return jax.lax.fori_loop(0, rows * spans, body, old)
+
+    return on_bits(write, old, val)
 
 
 def with_gradient_of(reference: Callable[..., Any], fn: Callable[..., Any], *args) -> Any:

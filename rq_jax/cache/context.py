@@ -131,13 +131,15 @@ def _tiled_self(q: Queries, k: NewKV, v: NewKV, mask: SelfMask, past: base.Parti
 
 
 def write_in_chunks(fmt: base.CacheFormat, state: tuple[Any, ...], kv: tuple[KV, ...], lengths: Lengths,
-                    num_new: NumNew, calib: Any, chunk: int = WRITE_CHUNK) -> base.Written:
+                    num_new: NumNew, calib: Any, chunk: int = WRITE_CHUNK, table: base.Table | None = None
+                    ) -> base.Written:
     """`fmt.write` of a call's K/V, given per group position (`kv`: (k, v) [G, N, B, K, T, D] each),
     `chunk` tokens at a time (a loop over the full chunks, then the rest): each chunk's positions are
     stacked [G, p, N, B, K, chunk, D] and encoded, so neither the stacking nor the encoder ever holds
-    more than a chunk. Every format's state depends only on the tokens and where they land, not on how
-    the writes were split. The loop carries the state on its bits (`base.bits_of`), so that the writes'
-    own bitcasts (`base.on_bits`) fold into the carry's and no chunk copies a leaf."""
+    more than a chunk. Every format's state depends only on the tokens and where they land, not on how the
+    writes were split. The loop carries the state on its bits (`base.bits_of`), so that the writes' own
+    bitcasts (`base.on_bits`) fold into the carry's and no chunk copies a leaf. `table`: a paged cache's
+    block table (the writes go through it)."""
     t = kv[0][0].shape[4]
     bits, dtypes = base.tree_bits(state)
 
@@ -147,7 +149,7 @@ def write_in_chunks(fmt: base.CacheFormat, state: tuple[Any, ...], kv: tuple[KV,
                 for i in (0, 1))
         done = jnp.minimum(num_new, start)  # tokens of each row written by the chunks before
         written = fmt.write(base.tree_values(bits, dtypes), *part, lengths + done,
-                            jnp.clip(num_new - start, 0, size), calib)
+                            jnp.clip(num_new - start, 0, size), calib, table)
         return base.tree_bits(written.state)[0], lost + written.out_of_range
 
     carry = (bits, jnp.zeros_like(lengths))
@@ -218,7 +220,7 @@ class CacheContext(NamedTuple):
             if hide:
                 number = segs[seg].start + index[0] * segs[seg].size + loop  # the loop this slot holds
                 visible = self.cache.steps > number
-            past = fmt.attend(state, index, loop, q, self.cache.lengths, calib, visible)
+            past = fmt.attend(state, index, loop, q, self.cache.lengths, calib, visible, self.cache.block_table)
         return attend_with_past(q, k, v, mask, past)
 
     def finish(self, looped: tuple[tuple[KV, ...] | KV, ...], plain: KV | None,
@@ -241,7 +243,7 @@ class CacheContext(NamedTuple):
             for i, (state, kv) in enumerate(zip(states, kvs)):
                 part = None if calib is None else calib[i]
                 written = write_in_chunks(fmt, state, in_flight_positions(kv, segs[i].size), c.lengths, self.num_new,
-                                          part)
+                                          part, table=c.block_table)
                 new.append(written.state)
                 lost = lost + written.out_of_range
             return tuple(new), lost

@@ -48,9 +48,10 @@ class Dense(base.CacheFormat):
         shape = (seg.groups, num_layers, batch, num_kv_heads, max_len, head_dim)
         return (DenseSlot(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)),)
 
-    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib) -> base.Written:
-        """Store new K/V [G, 1, N, B, K, T, D] at positions lengths[b] + t, t < num_new[b]."""
-        new = base.scatter_tokens(state[0], DenseSlot(k[:, 0], v[:, 0]), lengths, num_new)
+    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib,
+              table: base.Table | None = None) -> base.Written:
+        """Store new K/V [G, 1, N, B, K, T, D] at positions lengths[b] + t, t < num_new[b] (through `table`)."""
+        new = base.scatter_tokens(state[0], DenseSlot(k[:, 0], v[:, 0]), lengths, num_new, table)
         return base.Written((new,), base.nothing_lost(lengths))
 
     def reconstruct(self, state, index, loop, lengths: Lengths, calib) -> tuple[SlotKV, SlotKV]:
@@ -58,13 +59,13 @@ class Dense(base.CacheFormat):
         slot = base.at(state[loop], index)
         return slot.k.astype(jnp.float32), slot.v.astype(jnp.float32)
 
-    def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib, visible: Visible | None = None
-               ) -> base.Partial:
-        """Attention to slot `index`'s stored K/V through the decode-attention op (XLA's tiled attention
-        under a `visible` mask, which the kernels do not take)."""
+    def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib, visible: Visible | None = None,
+               table: base.Table | None = None) -> base.Partial:
+        """Attention to slot `index`'s stored K/V (through `table`) by the decode-attention op (XLA's tiled
+        attention under a `visible` mask, which the kernels do not take)."""
         if visible is not None:
-            return base.tiled_attend(self, state, index, loop, q, lengths, calib, visible)
-        return attention.DENSE(self.attend_impl, self, state[loop], index, q, lengths, calib, who=self.name)
+            return base.tiled_attend(self, state, index, loop, q, lengths, calib, visible, table)
+        return attention.DENSE(self.attend_impl, self, state[loop], index, q, lengths, calib, table, who=self.name)
 
     def fake_quant(self, k: SegmentKV, v: SegmentKV, calib) -> tuple[Array, Array]:
         """K/V rounded to the storage dtype (float32 values), gradients passed straight through."""
@@ -84,9 +85,9 @@ class Dense(base.CacheFormat):
 
 @attention.DENSE.register("xla")
 def _attend_xla(fmt: Dense, slot: DenseSlot, index: base.Index, q: Queries, lengths: Lengths,
-                calib) -> base.Partial:
+                calib, table: base.Table | None = None) -> base.Partial:
     """XLA's tiled attention to the slot (`base.tiled_attend`)."""
-    return base.tiled_attend(fmt, (slot,), index, 0, q, lengths, calib)
+    return base.tiled_attend(fmt, (slot,), index, 0, q, lengths, calib, table=table)
 
 
 def _kernel_partial(kernel, slot: DenseSlot, index: base.Index, q: Queries,
@@ -108,18 +109,22 @@ def _kernel_partial(kernel, slot: DenseSlot, index: base.Index, q: Queries,
 
 
 @attention.DENSE.register("native")
-def _attend_native(fmt, slot, index, q, lengths, calib) -> base.Partial:
-    """The native CPU kernel (`cpu_kernels.dense_decode_attention`, XLA FFI; partitioned over a mesh)."""
-    return _kernel_partial(cpu_kernels.dense_decode_attention, slot, index, q, lengths, flat=False)
+def _attend_native(fmt, slot, index, q, lengths, calib, table=None) -> base.Partial:
+    """The native CPU kernel (`cpu_kernels.dense_decode_attention`, XLA FFI; partitioned over a mesh), rows
+    through `table` when paged."""
+    return _kernel_partial(cpu_kernels.dense_decode_attention, slot, index, q, lengths, flat=False,
+                           **({} if table is None else {"block_table": table}))
 
 
 @attention.DENSE.register("pallas")
-def _attend_pallas(fmt, slot, index, q, lengths, calib) -> base.Partial:
+def _attend_pallas(fmt, slot, index, q, lengths, calib, table=None) -> base.Partial:
     """The dense Pallas kernel (`pallas_kernels.dense_decode_attention`; interpret mode off a GPU)."""
+    attention.contiguous_only(table, "the Pallas (Triton) kernel")
     return _kernel_partial(dense_decode_attention, slot, index, q, lengths, interpret=attention.target() != "cuda")
 
 
 @attention.DENSE.register("pallas-tpu")
-def _attend_pallas_tpu(fmt, slot, index, q, lengths, calib) -> base.Partial:
+def _attend_pallas_tpu(fmt, slot, index, q, lengths, calib, table=None) -> base.Partial:
     """The dense Mosaic kernel (`pallas_kernels.tpu_dense_attention`; TPU interpret mode off a TPU)."""
+    attention.contiguous_only(table, "the Mosaic kernel")
     return _kernel_partial(tpu_dense_decode_attention, slot, index, q, lengths, interpret=attention.target() != "tpu")

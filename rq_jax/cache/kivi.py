@@ -63,6 +63,11 @@ from rq_jax.shapes import Lengths, NumNew, Queries, SlotKV, Visible
 _RESIDUAL_DTYPES = ("bfloat16", "float16", "float32")
 
 
+def _contiguous(table) -> None:
+    if table is not None:
+        raise ValueError("the kivi cache keeps per-row windows of full-precision tokens: it has no paged layout")
+
+
 class KiviState(NamedTuple):
     """Quantized and full-precision K/V of every (loop, layer) slot; layout in the module docstring."""
 
@@ -113,6 +118,7 @@ class Kivi(base.CacheFormat):
     clip: float = 1.0
     group_size: int | None = None
     name: str = dataclasses.field(default="kivi", init=False)
+    pageable: ClassVar[bool] = False
     full_precision_part: ClassVar[str] = "kivi's window of recent tokens, residual_length"
     group_len: int = dataclasses.field(default=1, init=False)
     needs_calib: bool = dataclasses.field(default=False, init=False)
@@ -195,7 +201,7 @@ class Kivi(base.CacheFormat):
             v_full=jnp.zeros((*lead, wv, head_dim), res)),)
 
     def write(self, state: tuple[KiviState], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
-              lengths: Lengths, num_new: NumNew, calib) -> base.Written:
+              lengths: Lengths, num_new: NumNew, calib, table: base.Table | None = None) -> base.Written:
         """Store new K/V [G, 1, N, B, K, T, D], tokens t < num_new[b] at positions lengths[b] + t.
 
         Keys join the row's full-precision buffer; every R-block this fills — up to ⌈T / R⌉ of them — is
@@ -204,6 +210,7 @@ class Kivi(base.CacheFormat):
         the codes do not depend on how the tokens were split into calls. Tokens past max_len are
         dropped. Fixed shapes, no per-row or per-token Python loop.
         """
+        _contiguous(table)
         return base.Written((_write(self, state[0], k[:, 0], v[:, 0], lengths, num_new),), base.nothing_lost(lengths))
 
     def _write(self, st: KiviState, k, v, lengths, num_new) -> KiviState:
@@ -255,10 +262,12 @@ class Kivi(base.CacheFormat):
         return KiviState(k_codes, k_scale, k_offset, k_full, v_codes, v_scale, v_offset, v_full)
 
     def attend(self, state: tuple[KiviState], index: base.Index, loop: int, q: Queries,
-               lengths: Lengths, calib, visible: Visible | None = None) -> base.Partial:
+               lengths: Lengths, calib, visible: Visible | None = None,
+               table: base.Table | None = None) -> base.Partial:
         """Partial attention (float32) of q [B, T, H, D] to the stored tokens s < lengths[b] of a slot
         (those `visible` [B, S] shows), one context tile at a time (`base.tiled_partial`): each tile's
         keys and values decoded at its positions (`_decode_at`), then dense attention."""
+        _contiguous(table)
         b, t, h, d = q.shape
         st = state[0]
         max_len = st.v_codes.shape[base.TOKEN_AXIS] + st.v_full.shape[base.TOKEN_AXIS]

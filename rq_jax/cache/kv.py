@@ -50,6 +50,11 @@ class KVCache:
 
     `bit_dtypes` is None while the K/V state holds its values; after `as_bits` it names every state
     leaf's dtype and the floating leaves hold their bits (see `as_bits`).
+
+    `block_table` [B, N] (a paged cache, `init_paged_cache`; else None) names the pool page of each row's
+    logical page: the state's leaves are a pool of pages [G, N, NP, K, P, ...] shared by every row, and
+    row b's position s lies in page block_table[b, s // P]; `max_len` is N·P. The rows (B) are a step's
+    requests: the server sets `lengths` and `block_table` for each step and keeps the pool.
     """
 
     __no_type_check__ = True  # jax rebuilds this pytree with placeholder leaves: the suite's checker skips its fields
@@ -66,6 +71,14 @@ class KVCache:
     max_len: int = struct.field(pytree_node=False)
     head_dim: int = struct.field(pytree_node=False)
     bit_dtypes: tuple[str, ...] | None = struct.field(pytree_node=False, default=None)
+    block_table: Int[Array, "b pages"] | None = None
+
+    @property
+    def page_size(self) -> int | None:
+        """Tokens per page of a paged cache (None: contiguous rows)."""
+        if self.block_table is None:
+            return None
+        return jax.tree_util.tree_leaves(self.looped)[0].shape[base.TOKEN_AXIS]
 
     def as_bits(self) -> "KVCache":
         """This cache with every floating leaf of its K/V state (`looped`, `plain`) held as its bits,
@@ -124,12 +137,16 @@ class KVCache:
         raise ValueError(f"loop {loop} outside 0..{self.num_loops - 1}")
 
     def read(self, group: Group, loop: int, layer: int, calib: Any = None) -> KV:
-        """The stored K and V of slot (loop, layer) decoded to float32 [B, K, S, D] (0 past each row);
+        """The stored K and V of slot (loop, layer) decoded to float32 [B, K, S, D] (0 past each row; a paged
+        cache's rows gathered from their pages);
         `calib` is the cache's `rq_jax.cache.calib.CacheCalib` (None for formats that read none)."""
         fmt = self.schedule(group)[0]
         seg, index, r = self.locate(group, loop, layer)
         calib = None if calib is None else calib.part(group)
-        return fmt.reconstruct(self.values(group)[seg], index, r, self.lengths, None if calib is None else calib[seg])
+        state = self.values(group)[seg]
+        if self.block_table is not None:  # each row's pages in its order: a contiguous view of the rows
+            state = jax.tree_util.tree_map(lambda x: _rows_of_pages(x, self.block_table), state)
+        return fmt.reconstruct(state, index, r, self.lengths, None if calib is None else calib[seg])
 
     def dense_kv(self, group: Group = "looped") -> KV:
         """K and V [L, N, B, K, S, D] of a dense cache's looped (L = num_loops) or plain (L = 1) layers."""
@@ -138,6 +155,13 @@ class KVCache:
             raise ValueError(f"dense_kv needs a dense cache, this one stores {group} layers as {fmt.name!r}")
         ((slot,),) = self.values(group)
         return slot.k, slot.v
+
+
+def _rows_of_pages(leaf: Array, table: Int[Array, "b pages"]) -> Array:
+    """A pool leaf [G, N, NP, K, P, ...] as contiguous rows [G, N, B, K, N'·P, ...] through `table` [B, N']."""
+    pages = jnp.take(leaf, jnp.clip(table, 0, leaf.shape[2] - 1), axis=2)  # [G, N, B, N', K, P, ...]
+    pages = jnp.moveaxis(pages, 3, 4)  # [G, N, B, K, N', P, ...]
+    return pages.reshape(*pages.shape[:4], -1, *pages.shape[6:])
 
 
 def cache_nbytes(cache: KVCache) -> int:
@@ -246,6 +270,32 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, fmt: base.CacheFor
     steps = jnp.zeros((batch, max_len), jnp.int32) if track_steps else None
     return KVCache(looped, plain, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
                    jnp.zeros((batch,), jnp.int32), steps, fmt, plain_fmt, num_loops, max_len, config.head_dim)
+
+
+def init_paged_cache(config: ModelConfig, rows: int, pages: int, page_size: int, pages_per_row: int,
+                     fmt: base.CacheFormat | None = None, *, num_loops: int | None = None,
+                     plain_fmt: base.CacheFormat | None = None) -> KVCache:
+    """An empty paged cache: a pool of `pages` pages of `page_size` tokens (every loop and layer), and
+    `rows` rows of up to `pages_per_row` pages each, their block tables zero (the server fills in each
+    step's rows, lengths and tables: `KVCache.block_table`). Raises ValueError for a format whose state
+    cannot be paged (kivi), or rows longer than the model's positions."""
+    fmt = fmt or Dense()
+    plain_fmt = plain_fmt or fmt
+    for f in {fmt, plain_fmt}:
+        if not f.pageable:
+            raise ValueError(f"the {f.name!r} cache format has no paged layout (its state is not one entry per "
+                             "stored position: see its module)")
+    if min(rows, pages, page_size, pages_per_row) <= 0:
+        raise ValueError(f"rows ({rows}), pages ({pages}), page_size ({page_size}) and pages_per_row "
+                         f"({pages_per_row}) must be positive")
+    max_len = pages_per_row * page_size
+    if max_len > config.max_position_embeddings:
+        raise ValueError(f"rows of {pages_per_row} pages of {page_size} tokens ({max_len}) exceed the model's max "
+                         f"positions {config.max_position_embeddings}")
+    pool = init_cache(config, pages, page_size, fmt, num_loops=num_loops, plain_fmt=plain_fmt)
+    return pool.replace(lengths=jnp.zeros((rows,), jnp.int32), overflow=jnp.zeros((rows,), bool),
+                        out_of_range=jnp.zeros((rows,), jnp.int32), max_len=max_len,
+                        block_table=jnp.zeros((rows, pages_per_row), jnp.int32))
 
 
 def check_overflow(cache: KVCache) -> None:

@@ -94,20 +94,19 @@ class LoopOperands(NamedTuple):
     k_mean: tuple[Array | None, ...]
 
 
-def attend_rotated(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
+def attend_rotated(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths, table: base.Table | None = None,
                    visible: Visible | None = None) -> base.Partial:
-    """Softmax partial of rotated queries over a slot's stored tokens s < lengths[b] that `visible`
-    (None: all) shows (XLA), one context tile at a time (`base.tiled_partial`): only a tile's codes,
-    metadata and α are read out of the stacked state and dequantized.
+    """Softmax partial of rotated queries over a slot's stored tokens s < lengths[b] (read through `table`
+    when paged) that `visible` (None: all) shows (XLA), one context tile at a time (`base.tiled_partial`):
+    only a tile's codes, metadata and α are read out of the stacked state and dequantized.
 
     q_rot: [B, T, K, H/K, D] float32. Returns acc [B, T, H, D] in the rotated value basis, m, l [B, T, H].
     """
     b, t, heads, per_kv, d = q_rot.shape
-    max_len = ops.k[0].codes.shape[base.TOKEN_AXIS]
-    tile = base.context_tile(b, t, heads * per_kv, heads, d, max_len)
+    max_len, tile = base.tiling(ops.k[0].codes, table, b, t, heads * per_kv, d)
 
     def part(stored, start, valid):
-        k, v, k_alpha, v_alpha = base.slot_tile(stored, ops.index, start, tile)
+        k, v, k_alpha, v_alpha = base.slot_tile(stored, ops.index, start, tile, table)
         return _rotated_partial(q_rot, k, v, k_alpha, v_alpha, ops.k_mean, valid)
 
     stored = (ops.k, ops.v, ops.k_alpha, ops.v_alpha)
@@ -168,26 +167,32 @@ def _kernel_partial(kernel, q_rot: GroupedQueries, ops: LoopOperands, lengths: L
 
 
 @attention.PACKED.register("pallas")
-def attend_pallas(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths) -> base.Partial:
+def attend_pallas(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
+                  table: base.Table | None = None) -> base.Partial:
     """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
     compiled for Triton on a GPU, run in interpret mode elsewhere. Raises NotImplementedError (at
-    trace time) for configurations the kernel does not cover."""
+    trace time) for configurations the kernel does not cover (a paged pool among them)."""
+    attention.contiguous_only(table, "the Pallas (Triton) kernel")
     return _kernel_partial(residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "cuda")
 
 
 @attention.PACKED.register("native")
-def attend_native(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths) -> base.Partial:
+def attend_native(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
+                  table: base.Table | None = None) -> base.Partial:
     """`attend_rotated` through the native CPU kernel (`cpu_kernels.residual_decode_attention`, XLA FFI),
-    reading the codes where they lie. Raises NotImplementedError (at trace time) for configurations it
-    does not cover, or when the kernels cannot be built here."""
-    return _kernel_partial(cpu_kernels.residual_decode_attention, q_rot, ops, lengths, flat=False)
+    reading the codes where they lie, rows through `table` when paged. Raises NotImplementedError (at
+    trace time) for configurations it does not cover, or when the kernels cannot be built here."""
+    return _kernel_partial(cpu_kernels.residual_decode_attention, q_rot, ops, lengths, flat=False,
+                           **({} if table is None else {"block_table": table}))
 
 
 @attention.PACKED.register("pallas-tpu")
-def attend_pallas_tpu(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths) -> base.Partial:
+def attend_pallas_tpu(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
+                      table: base.Table | None = None) -> base.Partial:
     """`attend_rotated` through the Mosaic kernel (`pallas_kernels.tpu_residual_attention`): compiled for
     the TPU a program is lowered for, run in TPU interpret mode elsewhere. Raises NotImplementedError (at
-    trace time) for configurations the kernel does not cover."""
+    trace time) for configurations the kernel does not cover (a paged pool among them)."""
+    attention.contiguous_only(table, "the Mosaic kernel")
     return _kernel_partial(tpu_residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "tpu")
 
 
@@ -409,13 +414,13 @@ class LoopQuant(base.CacheFormat):
             means = means.at[r].set(mean)
         return jnp.moveaxis(means[:, :, :, 0, :, 0], 0, 2)
 
-    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib: RotationCalib
-              ) -> base.Written:
+    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib: RotationCalib,
+              table: base.Table | None = None) -> base.Written:
         """Rotate K/V [G, p, N, B, K, T, D] (XLA; non-finite entries zeroed and counted), encode every group
         through `write_impl` (the encode op: XLA, or the native encoder on a CPU, the same bits) and store
-        at lengths[b] + t. Per row, the new tokens' (t < num_new[b]) metadata values the metadata dtype
-        could not hold (saturated or flushed to zero) plus their non-finite entries, summed over slots, are
-        the out-of-range count."""
+        at lengths[b] + t (through `table` when paged). Per row, the new tokens' (t < num_new[b]) metadata
+        values the metadata dtype could not hold (saturated or flushed to zero) plus their non-finite
+        entries, summed over slots, are the out-of-range count."""
         cfg = self.group_config(k.shape[1], "k")  # the α layout (which positions have one) is the same for K and V
         coded, lost = {}, 0
         for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
@@ -432,7 +437,7 @@ class LoopQuant(base.CacheFormat):
                     for r in range(cfg.num_loops))
         fresh = jnp.arange(k.shape[5])[None, :] < num_new[:, None]  # [B, T]
         lost = jnp.sum(jnp.where(fresh[:, None], lost, 0), axis=(0, 1, 3, 4))
-        return base.Written(base.scatter_tokens(state, new, lengths, num_new), lost.astype(lengths.dtype))
+        return base.Written(base.scatter_tokens(state, new, lengths, num_new, table), lost.astype(lengths.dtype))
 
     def _encode(self, z: Float[Array, "p ... d"], cfg, mean) -> residual.EncodedGroup:
         """Residual group coding, or (direct) every position coded on its own."""
@@ -477,18 +482,18 @@ class LoopQuant(base.CacheFormat):
             tuple(None if means is None else means[r] for r in links))
 
     def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib: RotationCalib,
-               visible: Visible | None = None) -> base.Partial:
-        """Rotate the queries, run `attend_impl` on the slot's operands (XLA fallback; XLA too under a
-        `visible` mask), un-rotate."""
+               visible: Visible | None = None, table: base.Table | None = None) -> base.Partial:
+        """Rotate the queries, run `attend_impl` on the slot's operands (through `table` when paged; XLA
+        fallback; XLA too under a `visible` mask), un-rotate."""
         b, t, h, d = q.shape
         key_rot, value_rot = calib.key_rot[index], calib.value_rot[index]  # [K, D, D]
         q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, key_rot.shape[0]).astype(jnp.float32),
                            key_rot, precision=_HI)
         ops = self.operands(state, index, loop, calib)
         if visible is not None:  # the kernels take no mask
-            part = attend_rotated(q_rot, ops, lengths, visible)
+            part = attend_rotated(q_rot, ops, lengths, table, visible)
         else:
-            part = attention.PACKED(self.attend_impl, q_rot, ops, lengths, who=self.name)
+            part = attention.PACKED(self.attend_impl, q_rot, ops, lengths, table, who=self.name)
         acc = part.acc.reshape(q_rot.shape)
         acc = jnp.einsum("btkqe,ked->btkqd", acc, value_rot, precision=_HI)
         return part._replace(acc=acc.reshape(b, t, h, d))

@@ -196,7 +196,8 @@ class ResidualVQ(base.CacheFormat):
                      for codes, books in ((slot.k, calib.k), (slot.v, calib.v)))
 
     def attend(self, state: tuple[RVQSlot], index: base.Index, loop: int, q: Queries,
-               lengths: Lengths, calib: RVQCalib, visible: Visible | None = None) -> base.Partial:
+               lengths: Lengths, calib: RVQCalib, visible: Visible | None = None,
+               table: base.Table | None = None) -> base.Partial:
         """Partial attention of q [B, T, H, D] to the stored tokens s < lengths[b] of slot `index` (those
         `visible` [B, S] shows), one context tile at a time (`base.tiled_partial`).
 
@@ -204,11 +205,12 @@ class ResidualVQ(base.CacheFormat):
         once, then looked up by each tile's key bytes; each tile's values are decoded.
         """
         b, t, h, d = q.shape
-        heads, max_len, groups = state[0].k.shape[3:]
+        heads, groups = state[0].k.shape[3], state[0].k.shape[5]
+        max_len = base.tiling(state[0].k, table, b, t, h, d)[0]
         rows = t * (h // heads)
         use_lut = self.attend_path == "lut" or (self.attend_path == "auto" and max_len * self.group > _NIBBLE**2 * rows)
         if not use_lut:
-            return base.tiled_attend(self, state, index, loop, q, lengths, calib, visible)
+            return base.tiled_attend(self, state, index, loop, q, lengths, calib, visible, table)
         books = calib.k
         # Per-query tables: qs[b, t, k, g, G, j] = q·scale/sqrt(D) over group G; LUT over the code byte.
         qs = base.group_queries(q.astype(jnp.float32), heads) * books.scale[index][:, None, :] * d**-0.5
@@ -216,10 +218,11 @@ class ResidualVQ(base.CacheFormat):
         lut1, lut2 = (jnp.einsum("btkhGj,cj->bktGhc", qs, _pad_codes(c[index])) for c in (books.c1, books.c2))
         lut = (lut2[..., :, None] + lut1[..., None, :]).reshape(b, heads, t, groups, -1, _NIBBLE**2)
         value_books = _slot_books(calib.v, index)
-        tile = base.context_tile(b, t * groups, h, heads, d, max_len)  # the gathered table entries dominate
+        # The gathered table entries dominate a tile (a page, when paged).
+        tile = base.tiling(state[0].k, table, b, t * groups, h, d)[1]
 
         def part(state, start, valid):
-            slot = base.slot_tile(state[0], index, start, tile)
+            slot = base.slot_tile(state[0], index, start, tile, table)
             # scores[b, k, t, h, s] = Σ_G lut[b, k, t, G, h, byte[b, k, s, G]]
             codes = jnp.moveaxis(slot.k.astype(jnp.int32), -1, 2)  # [B, K, G, S]
             gathered = jnp.take_along_axis(lut, codes[:, :, None, :, None, :], axis=-1)  # [B, K, T, G, Hg, S]
@@ -232,10 +235,10 @@ class ResidualVQ(base.CacheFormat):
         return base.tiled_partial(part, state, (b, t, h, d), lengths, max_len, tile, visible)
 
     def write(self, state: tuple[RVQSlot], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
-              lengths: Lengths, num_new: NumNew, calib: RVQCalib) -> base.Written:
+              lengths: Lengths, num_new: NumNew, calib: RVQCalib, table: base.Table | None = None) -> base.Written:
         """Encode the new K/V [G, 1, N, B, K, T, D] of every slot at once; store t < num_new[b] at lengths[b] + t."""
         new = RVQSlot(_encode_slots(k[:, 0], calib.k), _encode_slots(v[:, 0], calib.v))
-        return base.Written((base.scatter_tokens(state[0], new, lengths, num_new),), base.nothing_lost(lengths))
+        return base.Written((base.scatter_tokens(state[0], new, lengths, num_new, table),), base.nothing_lost(lengths))
 
     def bits_per_element(self, num_loops: int, head_dim: int, context_len: int | None = None) -> Fraction:
         """Two 4-bit indices per group: 8 / group bits (2 for groups of 4); codebooks/scales excluded."""

@@ -123,11 +123,13 @@ class _Stored(base.CacheFormat):
         return tuple(self.anchor.init(self._one(seg), num_layers, batch, max_len, num_kv_heads, head_dim)[0]
                      for _ in self.writers(seg.size))
 
-    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib) -> base.Written:
+    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib,
+              table: base.Table | None = None) -> base.Written:
         """Store every slot's K/V (`stored` of K/V [G, p, N, B, K, T, D]) through the anchor."""
         new, lost = [], base.nothing_lost(lengths)
         for j in range(len(self.writers(k.shape[1]))):
-            written = self.anchor.write((state[j],), self.stored(k, j), self.stored(v, j), lengths, num_new, calib)
+            written = self.anchor.write((state[j],), self.stored(k, j), self.stored(v, j), lengths, num_new, calib,
+                                        table)
             new.append(written.state[0])
             lost = lost + written.out_of_range
         return base.Written(tuple(new), lost)
@@ -136,10 +138,10 @@ class _Stored(base.CacheFormat):
         """Loop `loop`'s K/V: its slot's, decoded by the anchor ([B, K, S, D] each)."""
         return self.anchor.reconstruct((state[self.slot_of(loop)],), index, 0, lengths, calib)
 
-    def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib, visible: Visible | None = None
-               ) -> base.Partial:
+    def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib, visible: Visible | None = None,
+               table: base.Table | None = None) -> base.Partial:
         """Attention to loop `loop`'s slot through the anchor's attention."""
-        return self.anchor.attend((state[self.slot_of(loop)],), index, 0, q, lengths, calib, visible)
+        return self.anchor.attend((state[self.slot_of(loop)],), index, 0, q, lengths, calib, visible, table)
 
     def default_calib(self, seg, num_layers, num_kv_heads, head_dim):
         """The anchor's data-free calibration (rotations for a `rotated` anchor, else None)."""

@@ -217,7 +217,8 @@ class TurboQuant(base.CacheFormat):
                           jnp.zeros(lead + (head_dim * self.value_bits // 8,), jnp.uint8),
                           jnp.zeros(lead, jnp.float16), jnp.zeros(lead, jnp.float16)),)
 
-    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib) -> base.Written:
+    def write(self, state, k: SegmentKV, v: SegmentKV, lengths: Lengths, num_new: NumNew, calib,
+              table: base.Table | None = None) -> base.Written:
         """Encode new K/V [G, 1, N, B, K, T, D] and store them at lengths[b] + t, t < num_new[b]. Per row,
         the new tokens' non-finite entries (stored as 0) and keys outside FP8's range (k8v4: clamped to
         ±448) are the out-of-range count."""
@@ -229,7 +230,7 @@ class TurboQuant(base.CacheFormat):
         new = TurboSlot(*self.encode_keys(k), *self.encode_values(v))
         fresh = jnp.arange(k.shape[4])[None, :] < num_new[:, None]  # [B, T]
         lost = jnp.sum(jnp.where(fresh[:, None], lost, 0), axis=(0, 1, 3, 4))
-        return base.Written((base.scatter_tokens(state[0], new, lengths, num_new),), lost.astype(lengths.dtype))
+        return base.Written((base.scatter_tokens(state[0], new, lengths, num_new, table),), lost.astype(lengths.dtype))
 
     def reconstruct(self, state, index, loop, lengths: Lengths, calib) -> tuple[SlotKV, SlotKV]:
         """The stored K, V of slot `index` decoded to float32 [B, K, S, D] (0 past each row's length)."""

@@ -94,13 +94,13 @@ class Spy(LoopQuant):
     def __hash__(self):
         return id(self)
 
-    def attend(self, state, index, loop, q, lengths, calib, visible=None):
+    def attend(self, state, index, loop, q, lengths, calib, visible=None, table=None):
         jax.debug.callback(lambda n: self.log.append(("attend", np.asarray(n).tolist())), lengths)
-        return super().attend(state, index, loop, q, lengths, calib, visible)
+        return super().attend(state, index, loop, q, lengths, calib, visible, table)
 
-    def write(self, state, k, v, lengths, num_new, calib):
+    def write(self, state, k, v, lengths, num_new, calib, table=None):
         jax.debug.callback(lambda n: self.log.append(("write", np.asarray(n).tolist())), lengths)
-        return super().write(state, k, v, lengths, num_new, calib)
+        return super().write(state, k, v, lengths, num_new, calib, table)
 
 
 def test_current_tokens_are_never_read_back_during_their_loops(ouro):

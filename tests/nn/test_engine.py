@@ -115,7 +115,7 @@ def test_attend_impl_falls_back_to_xla_with_a_logged_reason(monkeypatch, caplog)
     from rq_jax.cache import attention
     from rq_jax.cache.base import Segment
 
-    def declines(q_rot, ops, lengths):
+    def declines(q_rot, ops, lengths, table=None):
         raise NotImplementedError("head dim 16 not covered")
 
     monkeypatch.setitem(attention.IMPLEMENTATIONS, "declining", None)

@@ -1,0 +1,78 @@
+"""A paged cache (a pool of pages read and written through per-row block tables) computes what a contiguous
+cache does: the model's logits through a prompt and decode steps, every format that pages, on the XLA path
+and the native kernels; the pool's pages no row holds are never touched; kivi refuses to page."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from rq_jax.cache import base, default_calib, get_format, init_cache
+from rq_jax.cache.kv import init_paged_cache
+from rq_jax.config import preset
+from rq_jax.models import init_model
+
+CONFIG = preset("ouro-tiny")
+PAGE, PAGES_PER_ROW, POOL = 4, 8, 40
+FORMATS = {"dense": get_format("dense", dtype="float32"), "residual": get_format("residual", group_size=8),
+           "uniform INT4": get_format("uniform", bits=4, group_size=8),
+           "turboquant": get_format("turboquant", preset="k8v4"), "share last": get_format("share")}
+IMPLS = ["xla"] + (["native"] if cpu_kernels.available() else [])
+
+
+def with_impl(fmt, impl):
+    fields = {f.name for f in dataclasses.fields(fmt)}
+    return dataclasses.replace(fmt, **{k: impl for k in ("attend_impl", "write_impl") if k in fields})
+
+
+def tables(rows: int, seed: int = 0) -> np.ndarray:
+    """Each row's logical pages scattered over the pool (POOL > rows × PAGES_PER_ROW: some pages unused)."""
+    return np.random.default_rng(seed).permutation(POOL)[: rows * PAGES_PER_ROW].reshape(rows, PAGES_PER_ROW)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CONFIG, seed=0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FORMATS)
+def test_paged_cache_computes_what_a_contiguous_one_does(model, name, impl):
+    fmt = with_impl(FORMATS[name], impl)
+    rows = 3
+    contiguous = init_cache(CONFIG, rows, PAGE * PAGES_PER_ROW, fmt)
+    paged = init_paged_cache(CONFIG, rows, POOL, PAGE, PAGES_PER_ROW, fmt)
+    table = jnp.asarray(tables(rows), jnp.int32)
+    paged = paged.replace(block_table=table)
+    # The pages no row holds: filled with a marker the rows must never read or overwrite.
+    unused = np.setdiff1d(np.arange(POOL), np.asarray(table))
+    paged = paged.replace(looped=jax.tree_util.tree_map(
+        lambda x: x.at[:, :, unused].set(jnp.asarray(7, x.dtype)), paged.looped))
+    calib = default_calib(contiguous)
+    tokens = jax.random.randint(jax.random.key(1), (rows, 7), 0, CONFIG.vocab_size)
+    steps = [(tokens, jnp.array([7, 3, 5])), (tokens[:, :1], jnp.array([1, 1, 1])),
+             (tokens[:, 1:3], jnp.array([2, 1, 2])), (tokens[:, 3:4], jnp.array([1, 1, 1]))]
+    step = jax.jit(lambda toks, cache, n: model(toks, cache, num_new=n, calib=calib))
+    for i, (toks, n) in enumerate(steps):
+        a, b = step(toks, contiguous, n), step(toks, paged, n)
+        # Float32 rounding apart: tiles of a page against a row's tile merge the softmax in another order.
+        np.testing.assert_allclose(np.asarray(b.logits), np.asarray(a.logits), rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(np.asarray(b.cache.lengths), np.asarray(a.cache.lengths))
+        contiguous, paged = a.cache, b.cache
+        if i == 0:  # the prompt's K/V (no past yet, so the same bits): each row's pages, in its order, hold
+            for loop in range(CONFIG.num_loops):  # what its contiguous row holds
+                for w, g in zip(contiguous.read("looped", loop, 1, calib), paged.read("looped", loop, 1, calib)):
+                    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for leaf in jax.tree_util.tree_leaves(paged.looped):
+        np.testing.assert_array_equal(base.bits_of(leaf[:, :, unused]),
+                                      base.bits_of(jnp.full_like(leaf[:, :, unused], 7)))
+
+
+def test_kivi_has_no_paged_layout():
+    with pytest.raises(ValueError, match="'kivi' cache format has no paged layout"):
+        init_paged_cache(CONFIG, 2, 8, 4, 4, get_format("kivi"))
