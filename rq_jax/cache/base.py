@@ -338,7 +338,8 @@ class CacheFormat:
     #: every value as given report zeros.
     reports_out_of_range: ClassVar[bool] = False
     #: Whether the format's state has one entry per stored position on every leaf's token axis, so that it can
-    #: be held as a pool of pages (`kv.init_paged_cache`); kivi's per-row windows cannot.
+    #: be held as a pool of pages (`kv.init_paged_cache`); kivi's per-row windows cannot, so its pages are
+    #: whole rows (one page of max_len tokens per row).
     pageable: ClassVar[bool] = True
     #: What the format keeps in full precision before it quantizes anything, in a few words (kivi's window
     #: of recent tokens); "" for a format that quantizes every token it stores.

@@ -63,9 +63,20 @@ from rq_jax.shapes import Lengths, NumNew, Queries, SlotKV, Visible
 _RESIDUAL_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _contiguous(table) -> None:
-    if table is not None:
-        raise ValueError("the kivi cache keeps per-row windows of full-precision tokens: it has no paged layout")
+def _row_pages(table: base.Table | None) -> Int[Array, "b"] | None:
+    """The pool page of each row of a paged cache (None: contiguous). kivi's windows of full-precision tokens
+    are per row, so its pages are whole rows: one page per row."""
+    if table is None:
+        return None
+    if table.shape[1] != 1:
+        raise ValueError(f"the kivi cache keeps per-row windows of full-precision tokens: its pages are whole rows "
+                         f"(one page per row), got {table.shape[1]} pages a row")
+    return table[:, 0]
+
+
+def _take_rows(state: "KiviState", rows: Int[Array, "b"] | None) -> "KiviState":
+    """A pool of whole-row pages [G, N, NP, ...] as the rows [G, N, B, ...] (`rows` None: as it is)."""
+    return state if rows is None else jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=2), state)
 
 
 class KiviState(NamedTuple):
@@ -202,7 +213,8 @@ class Kivi(base.CacheFormat):
 
     def write(self, state: tuple[KiviState], k: Float[Array, "g 1 n b k t d"], v: Float[Array, "g 1 n b k t d"],
               lengths: Lengths, num_new: NumNew, calib, table: base.Table | None = None) -> base.Written:
-        """Store new K/V [G, 1, N, B, K, T, D], tokens t < num_new[b] at positions lengths[b] + t.
+        """Store new K/V [G, 1, N, B, K, T, D], tokens t < num_new[b] at positions lengths[b] + t (of a paged
+        cache: in row b's one page, `table` [B, 1]).
 
         Keys join the row's full-precision buffer; every R-block this fills — up to ⌈T / R⌉ of them — is
         quantized and the rest stays. Values join the window; those it pushes out (the oldest, or new
@@ -210,8 +222,12 @@ class Kivi(base.CacheFormat):
         the codes do not depend on how the tokens were split into calls. Tokens past max_len are
         dropped. Fixed shapes, no per-row or per-token Python loop.
         """
-        _contiguous(table)
-        return base.Written((_write(self, state[0], k[:, 0], v[:, 0], lengths, num_new),), base.nothing_lost(lengths))
+        rows = _row_pages(table)
+        new = _write(self, _take_rows(state[0], rows), k[:, 0], v[:, 0], lengths, num_new)
+        if rows is not None:  # back into the pool; a row that stores nothing (padding) writes nothing back
+            dest = jnp.where(num_new > 0, rows, state[0].k_full.shape[2])
+            new = jax.tree_util.tree_map(lambda pool, x: pool.at[:, :, dest].set(x, mode="drop"), state[0], new)
+        return base.Written((new,), base.nothing_lost(lengths))
 
     def _write(self, st: KiviState, k, v, lengths, num_new) -> KiviState:
         """`write`'s body, compiled by `_write` below with the policy static."""
@@ -267,7 +283,7 @@ class Kivi(base.CacheFormat):
         """Partial attention (float32) of q [B, T, H, D] to the stored tokens s < lengths[b] of a slot
         (those `visible` [B, S] shows), one context tile at a time (`base.tiled_partial`): each tile's
         keys and values decoded at its positions (`_decode_at`), then dense attention."""
-        _contiguous(table)
+        state = (_take_rows(state[0], _row_pages(table)),)
         b, t, h, d = q.shape
         st = state[0]
         max_len = st.v_codes.shape[base.TOKEN_AXIS] + st.v_full.shape[base.TOKEN_AXIS]

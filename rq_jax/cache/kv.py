@@ -277,14 +277,14 @@ def init_paged_cache(config: ModelConfig, rows: int, pages: int, page_size: int,
                      plain_fmt: base.CacheFormat | None = None) -> KVCache:
     """An empty paged cache: a pool of `pages` pages of `page_size` tokens (every loop and layer), and
     `rows` rows of up to `pages_per_row` pages each, their block tables zero (the server fills in each
-    step's rows, lengths and tables: `KVCache.block_table`). Raises ValueError for a format whose state
-    cannot be paged (kivi), or rows longer than the model's positions."""
+    step's rows, lengths and tables: `KVCache.block_table`). A format whose state cannot be paged (kivi)
+    takes whole rows as pages (`pages_per_row` 1); rows longer than the model's positions raise ValueError."""
     fmt = fmt or Dense()
     plain_fmt = plain_fmt or fmt
     for f in {fmt, plain_fmt}:
-        if not f.pageable:
-            raise ValueError(f"the {f.name!r} cache format has no paged layout (its state is not one entry per "
-                             "stored position: see its module)")
+        if not f.pageable and pages_per_row != 1:
+            raise ValueError(f"the {f.name!r} cache format pages whole rows only (its state is not one entry per "
+                             f"stored position: see its module), not {pages_per_row} pages a row")
     if min(rows, pages, page_size, pages_per_row) <= 0:
         raise ValueError(f"rows ({rows}), pages ({pages}), page_size ({page_size}) and pages_per_row "
                          f"({pages_per_row}) must be positive")

@@ -1,6 +1,6 @@
 """A paged cache (a pool of pages read and written through per-row block tables) computes what a contiguous
 cache does: the model's logits through a prompt and decode steps, every format that pages, on the XLA path
-and the native kernels; the pool's pages no row holds are never touched; kivi refuses to page."""
+and the native kernels; the pool's pages no row holds are never touched; kivi pages whole rows."""
 
 from __future__ import annotations
 
@@ -73,6 +73,28 @@ def test_paged_cache_computes_what_a_contiguous_one_does(model, name, impl):
                                       base.bits_of(jnp.full_like(leaf[:, :, unused], 7)))
 
 
-def test_kivi_has_no_paged_layout():
-    with pytest.raises(ValueError, match="'kivi' cache format has no paged layout"):
-        init_paged_cache(CONFIG, 2, 8, 4, 4, get_format("kivi"))
+def test_kivi_pages_whole_rows(model):
+    """kivi's windows of full-precision tokens are per row, so its pages are whole rows (one page of max_len a
+    row). Rows scattered over a pool, and a padding row (no tokens) on a page a real row holds, as the
+    engine pads its calls: the logits are the contiguous cache's through 11 tokens (past the 8-token window:
+    keys and values quantized), the prompt's stored bits equal, the unheld pages untouched; more pages a row
+    refused."""
+    fmt = get_format("kivi", key_group=4, value_group=8, residual_length=8)
+    contiguous = init_cache(CONFIG, 4, 32, fmt)  # its row 3 a padding row too: the same shapes, the same bits
+    paged = init_paged_cache(CONFIG, 4, 5, 32, 1, fmt).replace(block_table=jnp.array([[3], [0], [4], [0]]))
+    paged = paged.replace(looped=jax.tree_util.tree_map(lambda x: x.at[:, :, 1:3].set(jnp.asarray(7, x.dtype)),
+                                                        paged.looped))
+    tokens = jax.random.randint(jax.random.key(1), (4, 7), 0, CONFIG.vocab_size)
+    steps = [(tokens, [7, 3, 5]), (tokens[:, :1], [1, 1, 1]), (tokens[:, 1:3], [2, 1, 2]), (tokens[:, 3:4], [1, 1, 1])]
+    step = jax.jit(lambda toks, cache, n: model(toks, cache, num_new=n))
+    for i, (toks, n) in enumerate(steps):
+        a, b = step(toks, contiguous, jnp.array([*n, 0])), step(toks, paged, jnp.array([*n, 0]))
+        np.testing.assert_allclose(np.asarray(b.logits[:3]), np.asarray(a.logits[:3]), rtol=2e-5, atol=2e-5)
+        contiguous, paged = a.cache, b.cache
+        for want, got in zip(jax.tree_util.tree_leaves(contiguous.looped), jax.tree_util.tree_leaves(paged.looped)):
+            if i == 0:  # the prompt's state (no past yet, so the same bits) in each row's page
+                np.testing.assert_array_equal(base.bits_of(got[:, :, jnp.array([3, 0, 4])]),
+                                              base.bits_of(want[:, :, :3]))
+            np.testing.assert_array_equal(base.bits_of(got[:, :, 1:3]), base.bits_of(jnp.full_like(got[:, :, 1:3], 7)))
+    with pytest.raises(ValueError, match="'kivi' cache format pages whole rows only"):
+        init_paged_cache(CONFIG, 2, 8, 4, 4, fmt)
