@@ -205,11 +205,14 @@ def param_specs(state: Any, config: ModelConfig, mesh: Mesh | None) -> Specs:
 def cache_specs(cache: KVCache, mesh: Mesh | None) -> Specs:
     """PartitionSpecs of a cache (concrete or from `jax.eval_shape`), a `KVCache` of specs: state
     leaves [G, N, B, K, S, ...] → P(None, None, data, model); the per-row fields [B] (`lengths`,
-    `overflow`, ...) → P(data)."""
+    `overflow`, ..., a paged cache's block table) → P(data). A paged cache's pool [G, N, NP, K, P, ...]
+    keeps its pages whole on every device (any row may read any page): P(None, None, None, model)."""
     b, k = cache.lengths.shape[0], _kv_heads(cache)
     rows, heads = _split(mesh, DATA, b), _split(mesh, MODEL, k)
+    pages = None if cache.block_table is not None else rows
+
     def slot(x):
-        return P(None, None, rows, heads)
+        return P(None, None, pages, heads)
     per_row = jax.tree_util.tree_map(lambda x: P(rows) if x.ndim and x.shape[0] == b else P(), cache)
     return per_row.replace(looped=jax.tree_util.tree_map(slot, cache.looped),
                            plain=None if cache.plain is None else jax.tree_util.tree_map(slot, cache.plain))

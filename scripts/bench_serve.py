@@ -7,12 +7,12 @@ cold start filled, to time both start-ups), then drives it with an async load ge
 vLLM's own serving benchmark: on 2 cores the client shares the CPU with the server, and httpx's
 streaming cost ~0.75 of a core at 700 tok/s, halving what the server was measured to do; streamed
 completions) over held-out sums in the models' format (12-token prompts):
-fixed-concurrency points (`--concurrency`, `max` = every slot the budget holds) and Poisson arrival
-rates (`--rates`), each bounded by `--requests` and `--max-seconds`. Every request asks for exactly
-`--max-tokens` tokens (greedy, `ignore_eos`). Per request: time to first token, inter-token latency,
-end to end; per point: output tok/s, req/s, peak concurrent sequences (the most requests streaming at
-once, first token to last, from the client's clock: polling the server's /metrics would cost it CPU)
-and medians / p99. Writes PREFIX.md (tables), PREFIX.json and PREFIX.png (throughput and p99 latency
+fixed-concurrency points (`--concurrency`, `max` = as many requests of `--max-len` tokens as the budget
+holds) and Poisson arrival rates (`--rates`), each bounded by `--requests` and `--max-seconds`. Every
+request asks for exactly `--max-tokens` tokens (greedy, `ignore_eos`). Per request: time to first token,
+inter-token latency, end to end; per point: output tok/s, req/s, peak concurrent sequences (the most requests
+streaming at once, first token to last, from the client's clock: polling the server's /metrics would cost it
+CPU) and medians / p99. Writes PREFIX.md (tables), PREFIX.json and PREFIX.png (throughput and p99 latency
 against offered load).
 """
 
@@ -33,11 +33,13 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "ouro-small"))
     p.add_argument("--memory-gb", type=float, default=0.004, help="the one cache budget of every format")
     p.add_argument("--max-slots", type=positive_int,
-                   help="every format's slots instead of a budget: equal slots compare what a format costs per row, "
-                        "an equal budget (--memory-gb) what its capacity buys")
+                   help="every format's pages for this many requests of --max-len (and as many decoding at most) "
+                        "instead of a budget: equal slots compare what a format costs per row, an equal budget "
+                        "(--memory-gb) what its capacity buys")
     p.add_argument("--max-len", type=positive_int, default=32)
     p.add_argument("--max-tokens", type=positive_int, default=8)
-    p.add_argument("--concurrency", default="1,32,max", help="fixed-concurrency points ('max': every slot)")
+    p.add_argument("--concurrency", default="1,32,max",
+                   help="fixed-concurrency points ('max': the requests of --max-len the cache holds)")
     p.add_argument("--rates", default="25,100", help="Poisson arrival rates, requests/s")
     p.add_argument("--requests", type=positive_int, default=64, help="requests per point (at most)")
     p.add_argument("--max-seconds", type=float, default=60.0, help="time per point (at most)")

@@ -32,7 +32,7 @@ from rq_jax.calibrate.data import reads_calibration_data
 from rq_jax.eval import benchmark_report, prompts
 from rq_jax.eval import benchmark_run as br
 from rq_jax.serve.chat import ChatTemplate
-from rq_jax.serve.engine import SamplingParams
+from rq_jax.serve.params import SamplingParams
 from rq_jax.tokenizer import load_tokenizer, stop_token_ids
 
 

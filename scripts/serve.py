@@ -1,12 +1,15 @@
 """Serve a looped model over an OpenAI-compatible HTTP API with continuous batching over a compressed KV cache.
 
     python scripts/serve.py --model huginn --port 8000                     # residual [2,2,2,4] cache
-    python scripts/serve.py --model ouro --cache dense --memory-gb 1       # slots from a cache budget
-    python scripts/serve.py --model ouro --mesh data=4,model=2             # slots over data, heads over model
+    python scripts/serve.py --model ouro --cache dense --memory-gb 1       # pages from a cache budget
+    python scripts/serve.py --model ouro --mesh data=4,model=2             # rows over data, heads over model
 
-Without --checkpoint it serves a small model shipped in checkpoints/ (generate.py's defaults). The
-number of decode slots is --max-slots, or as many slots of --max-len tokens as --memory-gb of cache
-holds in the chosen format (the arrays' own bytes). Every program compiles at start-up (printed with
+Without --checkpoint it serves a small model shipped in checkpoints/ (generate.py's defaults). The cache
+is a pool of pages of --page-size tokens: as many as --memory-gb of cache holds in the chosen format (the
+arrays' own bytes), or room for --max-slots requests of --max-len tokens; requests hold the pages their
+tokens fill, and prompts that start alike share their full pages (--no-prefix-cache: never). At most
+--max-slots requests decode at once (default: as many as the pages allow, up to 256). Every program
+compiles at start-up (printed with
 its seconds) and is kept in the compile cache ($RQ_JAX_COMPILE_CACHE, default ~/.cache/rq_jax/jax), so a
 second start loads them (--no-compile-cache: compile afresh). Listens on 127.0.0.1 by default;
 SIGTERM (or Ctrl-C) stops admitting, lets held requests finish for --drain-timeout seconds, cancels
@@ -18,7 +21,7 @@ import time
 
 import jax.numpy as jnp
 
-from rq_jax import checkpoint, cli, memory
+from rq_jax import checkpoint, cli
 from rq_jax.serve import launch
 from rq_jax.serve.chat import ChatTemplate
 from rq_jax.serve.engine import Engine
@@ -34,17 +37,16 @@ def parse_args(argv=None):
     cli.add_cache_options(p)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--memory-gb", type=cli.positive_float,
-                      help="KV cache budget in GiB: the slots it holds (default 1)")
-    size.add_argument("--max-slots", type=cli.positive_int, help="decode slots (concurrent sequences)")
-    p.add_argument("--max-len", type=cli.positive_int, default=256, help="tokens per slot: prompt + max_tokens - 1")
+                      help="KV cache budget in GiB: the pages it holds (default 1)")
+    size.add_argument("--max-slots", type=cli.positive_int,
+                      help="concurrent requests: pages for this many of --max-len tokens, and the decode step's rows")
+    p.add_argument("--max-len", type=cli.positive_int, default=256, help="tokens per request: prompt + max_tokens - 1")
     p.add_argument("--chunk", type=cli.positive_int, default=256,
-                   help="longest prefill call; longer prompts run in chunks between decode steps")
-    p.add_argument("--prefill-budget", type=cli.positive_int,
-                   help="prefill tokens (bucketed) per engine step before its decode step (default --chunk)")
-    p.add_argument("--prefill-rows", type=cli.positive_int, default=32,
-                   help="waiting one-chunk prompts prefilled together by one program (1: one at a time)")
-    p.add_argument("--prefill-group", type=cli.positive_int, default=4,
-                   help="rows per pass of that program: it runs only the groups that hold requests")
+                   help="prompt chunk: longer prompts run in chunks beside the decoding requests")
+    p.add_argument("--token-budget", type=cli.positive_int,
+                   help="tokens per engine step, decode tokens first (default max(--chunk, 512))")
+    p.add_argument("--page-size", type=cli.positive_int, default=16, help="tokens per cache page")
+    p.add_argument("--no-prefix-cache", action="store_true", help="never share pages between requests")
     p.add_argument("--max-waiting", type=cli.positive_int, default=256, help="queued requests before 429")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -91,11 +93,8 @@ def main(argv=None):
         engine = Engine(model, tokenizer, fmt, eos_ids=cli.stop_token_ids(tokenizer, folder), max_len=args.max_len,
                         num_slots=args.max_slots, memory_bytes=None if args.memory_gb is None else
                         int(args.memory_gb * 2**30), calib=calib, mesh=mesh, chunk=args.chunk,
-                        prefill_budget=args.prefill_budget, prefill_rows=args.prefill_rows,
-                        prefill_group=args.prefill_group, metrics=metrics, **cli.model_kwargs(args))
-        memory.check_fits(model, fmt, batch=engine.num_slots, prompt_len=1, max_len=args.max_len,
-                          num_loops=loops, compute_itemsize=jnp.dtype(args.dtype).itemsize, what="this server",
-                          advice="use a smaller --memory-gb, --max-slots or --max-len")
+                        token_budget=args.token_budget, page_size=args.page_size,
+                        prefix_cache=not args.no_prefix_cache, metrics=metrics, **cli.model_kwargs(args))
     except (ValueError, MemoryError) as err:
         p.error(str(err))
     runner = EngineThread(engine, max_waiting=args.max_waiting, warm_up_echo=args.warmup_echo)

@@ -40,7 +40,8 @@ from rq_jax.cache.schemes import PaperRow, Scheme, catalog, table2_rows
 from rq_jax.calibrate.scheme import NeedsCalibration, scheme_calibration
 from rq_jax.eval import benchmarks as bm
 from rq_jax.scoring import paired_bootstrap
-from rq_jax.serve.engine import Engine, completion
+from rq_jax.serve.engine import Engine
+from rq_jax.serve.output import completion
 from rq_jax.serve.metrics import PREFIX, ServeMetrics
 
 

@@ -10,7 +10,8 @@ server's /metrics would cost it CPU), medians / p99, and the engine's seconds an
 from /metrics before and after.
 
 `args` below is bench_serve.py's parsed command line: model, checkpoint, memory_gb (or max_slots), max_len,
-max_tokens, levels (concurrencies, 'max': every slot), arrivals (rates), requests, max_seconds, out.
+max_tokens, levels (concurrencies, 'max': as many requests of max_len as the cache holds), arrivals (rates),
+requests, max_seconds, out.
 """
 
 from __future__ import annotations
@@ -116,12 +117,14 @@ def metric(text: str, name: str, phase: str | None = None) -> float:
 
 
 def engine_counters(text: str) -> dict:
-    """The engine's seconds and calls per program, the decode steps' rows and the requests that entered
-    through batched prefills, from /metrics."""
+    """The engine's seconds and calls per program, the decode steps' rows, the prompt tokens it computed,
+    the prompt tokens the prefix index served and its preemptions, from /metrics."""
     out = {f"{phase}_{what}": metric(text, f"engine_{what}_total", phase)
            for phase in PHASES for what in ("seconds", "calls")}
     return dict(out, decode_rows=metric(text, "decode_rows_total"),
-                batch_prefill_requests=metric(text, "batch_prefill_requests_total"))
+                prompt_tokens=metric(text, "prompt_tokens_total"),
+                prefix_hit_tokens=metric(text, "prefix_cache_hit_tokens"),
+                preemptions=metric(text, "preemptions_total"))
 
 
 async def one_request(http, url: str, prompt: str, max_tokens: int) -> dict:
@@ -217,9 +220,9 @@ def bench_format(label: str, args, prompts: list[str], cache_dir: str) -> dict:
     cold.stop()
     server = ServerProcess(args, FORMATS[label], cache_dir)
     out["startup_s"] = server.startup
-    out["slots"] = int(server.metric("slots_total"))
-    print(f"{label}: {out['slots']} slots, started in {out['startup_cold_s']:.1f} s cold, {server.startup:.1f} s "
-          "from the compile cache", flush=True)
+    out["slots"] = int(server.metric("cache_capacity_tokens")) // args.max_len
+    print(f"{label}: room for {out['slots']} requests of {args.max_len} tokens, started in "
+          f"{out['startup_cold_s']:.1f} s cold, {server.startup:.1f} s from the compile cache", flush=True)
     try:
         for c in dict.fromkeys(out["slots"] if c == "max" else c for c in args.levels):  # 'max' may repeat one
             point = asyncio.run(run_point(server, prompts[: max(args.requests, c)], args, concurrency=c))
@@ -250,7 +253,7 @@ def markdown(runs: list[dict], args) -> str:
     """The run's tables: every load point, where the engine's time went, dense against residual, and the
     vLLM comparison workload (when both formats ran concurrency 1 and 32)."""
     row = report.row
-    lines = [f"Ouro-small ({args.checkpoint}), {args.max_len}-token slots{sizing_words(args)}, "
+    lines = [f"Ouro-small ({args.checkpoint}), requests of {args.max_len} tokens{sizing_words(args)}, "
              f"12-token prompts, {args.max_tokens} output tokens (greedy, ignore_eos); medians and p99 of one run.",
              "", row(["format", "load", "requests", "output tok/s", "req/s", "peak sequences", "TTFT p50 / p99 ms",
                       "ITL p50 / p99 ms", "e2e p50 / p99 ms"]), _rule(9)]
@@ -262,8 +265,8 @@ def markdown(runs: list[dict], args) -> str:
                               f"{p['e2e_ms_p50']:.0f} / {p['e2e_ms_p99']:.0f}"]))
     lines += ["", "Where the engine's time went (wall seconds of each program with its results ready, from /metrics; "
               "busy: their sum over the point's wall time):", "",
-              row(["format", "load", "prefill calls × ms", "admit calls × ms", "batched prefill calls × ms (requests)",
-                   "decode steps × ms (mean rows)", "busy"]), _rule(7)]
+              row(["format", "load", "prompt chunk calls × ms (tokens)", "decode steps × ms (mean rows)",
+                   "preemptions", "busy"]), _rule(6)]
     for run in runs:
         for p in run["points"]:
             e = p["engine"]
@@ -274,9 +277,8 @@ def markdown(runs: list[dict], args) -> str:
 
             busy = sum(e[f"{phase}_seconds"] for phase in PHASES) / p["wall_s"]
             rows = e["decode_rows"] / e["decode_calls"] if e["decode_calls"] else 0
-            lines.append(row([run["format"], load(p), calls("prefill"), calls("admit"),
-                              f"{calls('batch_prefill')} ({e['batch_prefill_requests']:.0f})",
-                              f"{calls('decode')} ({rows:.0f})", f"{busy:.0%}"]))
+            lines.append(row([run["format"], load(p), f"{calls('prefill')} ({e['prompt_tokens']:.0f})",
+                              f"{calls('decode')} ({rows:.0f})", f"{e['preemptions']:.0f}", f"{busy:.0%}"]))
     dense, residual = runs[0], runs[-1]
 
     def at(run, c):
@@ -288,7 +290,8 @@ def markdown(runs: list[dict], args) -> str:
     def peak(run):
         return max(p["peak_sequences"] for p in run["points"])
 
-    lines += ["", row(["", "slots at the budget", "peak concurrent sequences", "saturated output tok/s",
+    lines += ["", row(["", f"requests of {args.max_len} tokens the cache holds", "peak concurrent sequences",
+                       "saturated output tok/s",
                        "start-up s (cold / compile cache)", "peak RSS GB"]), _rule(6)]
     for run in runs:
         lines.append(row([run["format"], run["slots"], peak(run), f"{sat(run):,.0f}",

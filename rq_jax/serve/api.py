@@ -32,7 +32,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rq_jax.serve.chat import ChatTemplate, ChatTemplateError
-from rq_jax.serve.engine import Delta, ParamError, SamplingParams, TokenLogprob
+from rq_jax.serve.output import Delta, TokenLogprob
+from rq_jax.serve.params import ParamError, SamplingParams
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, request_error, sampling_params
 from rq_jax.serve.runner import EngineThread, NotReady, QueueFull

@@ -33,9 +33,12 @@ def run(runner, tokenizer, name: str, chat_template, metrics, *, source: str, me
     JSON line says what was left. `started`: the process's start (perf_counter), for the "ready after"
     line."""
     engine = runner.engine
-    print(f"model: {name} from {source}; cache {engine.fmt.name}: {engine.num_slots} slots of {engine.max_len} tokens, "
-          f"{engine.slot_bytes:,} bytes each (dense bf16: {engine.dense_slot_bytes:,}); prefill buckets "
-          f"{list(engine.buckets)}, decode buckets {list(engine.decode_buckets)}"
+    runs = engine.runner
+    print(f"model: {name} from {source}; cache {engine.fmt.name}: {engine.num_pages} pages of {engine.page_size} "
+          f"tokens, {engine.page_bytes:,} bytes each (dense bf16: {engine.dense_token_bytes * engine.page_size:,}), "
+          f"requests of {engine.max_len} tokens, at most {engine.max_rows} decoding; prompt chunks of {engine.chunk}, "
+          f"{engine.token_budget} tokens a step; prefill widths {list(runs.token_buckets)}, decode rows "
+          f"{list(runs.decode_rows)}; prefix cache {'on' if engine.scheduler.cache_key else 'off'}"
           + ("" if chat_template else "; no chat template"), flush=True)
     if mesh is not None:
         print("\n".join(sharding.describe(engine.config, mesh, batch=engine.num_slots)), flush=True)

@@ -8,18 +8,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "rq_serve_"
 #: The engine's programs, as `ServeMetrics.ran` counts them.
-PHASES = ("prefill", "admit", "batch_prefill", "decode")
+PHASES = ("prefill", "decode")
 
 
 class ServeMetrics:
     """Gauges of the engine's state, counters of tokens and requests, latency histograms.
 
-    running / waiting requests, slots used / total, cache bytes of the used slots and what a dense
-    bf16 cache would take for them, prompt / generated tokens, finished requests by reason, values the
-    cache could not store (`KVCache.out_of_range` of finished requests), time to first token,
-    inter-token latency and end-to-end latency; the engine's wall seconds and calls per program
-    (`phase`: prefill chunks, admits, batched prefills that admit several requests, decode steps), which
-    tell what bounds its throughput.
+    running / waiting requests, decode rows used / at most, pages used / total (and the tokens they hold),
+    cache bytes of the used pages and what a dense bf16 cache would take for their tokens, prefix-cache tokens
+    looked up and found, preemptions, prompt / generated tokens, finished requests by reason, values the cache
+    could not store (`KVCache.out_of_range` of each step), time to first token, inter-token latency and
+    end-to-end latency; the engine's wall seconds and calls per program (`phase`: prompt chunks, decode
+    steps), which tell what bounds its throughput.
     """
 
     def __init__(self, model_name: str, cache_format: str):
@@ -38,10 +38,17 @@ class ServeMetrics:
 
         self.running = gauge("requests_running", "requests holding a decode slot (prefill included)")
         self.waiting = gauge("requests_waiting", "requests queued for a slot")
-        self.slots_used = gauge("slots_used", "decode slots holding a request")
-        self.slots_total = gauge("slots_total", "decode slots of the batched cache")
-        self.cache_bytes = gauge("cache_bytes_in_use", "KV cache bytes of the used slots (the arrays' own bytes)")
-        self.dense_bytes = gauge("cache_dense_bf16_equivalent_bytes", "what a dense bf16 cache would take for them")
+        self.slots_used = gauge("slots_used", "requests decoding (rows of the decode step)")
+        self.slots_total = gauge("slots_total", "requests that may decode at once")
+        self.pages_used = gauge("pages_used", "cache pages held by requests")
+        self.pages_total = gauge("pages_total", "cache pages in the pool")
+        self.capacity_tokens = gauge("cache_capacity_tokens", "tokens the pool's pages hold")
+        self.cache_bytes = gauge("cache_bytes_in_use", "KV cache bytes of the held pages (the arrays' own bytes)")
+        self.dense_bytes = gauge("cache_dense_bf16_equivalent_bytes",
+                                 "what a dense bf16 cache would take for the tokens the requests hold")
+        self.prefix_queries = gauge("prefix_cache_queried_tokens", "prompt tokens looked up in the prefix index")
+        self.prefix_hits = gauge("prefix_cache_hit_tokens", "prompt tokens whose pages the prefix index shared")
+        self.preemptions = counter("preemptions", "requests that gave their pages back to be recomputed")
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens prefilled")
         self.generated_tokens = counter("generation_tokens", "tokens generated")
         self.out_of_range = counter("cache_out_of_range_values",
@@ -57,9 +64,7 @@ class ServeMetrics:
         for phase in PHASES:
             self._engine_seconds.labels(**self._labels, phase=phase)
             self._engine_calls.labels(**self._labels, phase=phase)
-        self.batch_prefill_requests = counter("batch_prefill_requests",
-                                              "requests that entered through a batched prefill")
-        self.decode_rows = counter("decode_rows", "slots the decode steps ran over (their sum: ÷ decode calls is "
+        self.decode_rows = counter("decode_rows", "rows the decode steps ran over (their sum: ÷ decode calls is "
                                    "the mean step size)")
         self.ttft = histogram("time_to_first_token_seconds", "arrival to first token")
         self.itl = histogram("inter_token_latency_seconds", "time between a request's consecutive tokens")

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rq_jax.serve.engine import ParamError, SamplingParams
+from rq_jax.serve.params import ParamError, SamplingParams
 from rq_jax.serve.programs import TOP_LOGPROBS
 
 

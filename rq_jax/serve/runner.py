@@ -13,7 +13,9 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from rq_jax.serve.engine import Delta, Engine, SamplingParams
+from rq_jax.serve.engine import Engine
+from rq_jax.serve.output import Delta
+from rq_jax.serve.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -60,6 +60,7 @@ class Sequence:
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens whose pages came from the prefix index (the last admission)
     hashes: list[bytes] | None = None  # the prefix hashes of its full prompt pages
+    share: bool = True  # whether its prompt may start from indexed pages
 
     @property
     def tokens(self) -> list[int]:
@@ -180,14 +181,15 @@ def prefix_hashes(tokens: list[int], page_size: int, cache_key: str) -> list[byt
 
 class Scheduler:
     """Plans steps over a page pool (the module docstring). `pages` is the pool's size, `page_size` tokens a
-    page, `chunk` the prompt chunk (a multiple of `page_size`), `token_budget` the tokens of a step (at
-    least `chunk`), `max_len` a request's longest prompt + output, `cache_key` what the prefix index is
-    keyed by besides the tokens (None: no prefix caching)."""
+    page, `chunk` the prompt chunk (a multiple of `page_size` when prefixes are shared), `token_budget` the
+    tokens of a step (at least `chunk`), `max_len` a request's longest prompt + output, `cache_key` what the
+    prefix index is keyed by besides the tokens (None: no prefix caching)."""
 
     def __init__(self, pages: int, page_size: int, chunk: int, token_budget: int, max_len: int,
                  cache_key: str | None = None, max_running: int | None = None):
-        if page_size < 1 or chunk < page_size or chunk % page_size:
-            raise ValueError(f"the chunk ({chunk}) must be a positive multiple of the page size ({page_size})")
+        if page_size < 1 or chunk < 1 or cache_key is not None and chunk % page_size:
+            raise ValueError(f"the chunk ({chunk}) must be a positive multiple of the page size ({page_size}) "
+                             "when prefixes are shared")
         if token_budget < chunk:
             raise ValueError(f"the token budget ({token_budget}) must hold a chunk ({chunk})")
         if pages * page_size < max_len:
@@ -204,14 +206,16 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------------------
 
-    def add(self, seq_id: int, prompt: Iterable[int]) -> None:
-        """Queue a request (its prompt non-empty, at most `max_len` tokens with its output)."""
+    def add(self, seq_id: int, prompt: Iterable[int], share: bool = True) -> None:
+        """Queue a request (its prompt non-empty, at most `max_len` tokens with its output). Without `share`
+        its whole prompt runs (the prompt's log-probabilities need every position); its pages are indexed
+        for others either way."""
         prompt = list(prompt)
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
         if seq_id in self.seqs:
             raise ValueError(f"request {seq_id} is already scheduled")
-        self.seqs[seq_id] = Sequence(seq_id, prompt, self._arrivals)
+        self.seqs[seq_id] = Sequence(seq_id, prompt, self._arrivals, share=share)
         self._arrivals += 1
         self.waiting.append(seq_id)
 
@@ -310,7 +314,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         """Share the indexed pages of `seq`'s prompt prefix (at most up to the last chunk boundary before
         its last prompt token) and start its prefill after them."""
-        if self.cache_key is None:
+        if self.cache_key is None or not seq.share:
             return
         usable = (len(seq.prompt) - 1) // self.chunk * self.chunk  # a chunk boundary short of the last token
         self.prefix_queries += usable

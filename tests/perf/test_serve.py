@@ -29,9 +29,8 @@ def test_metrics_text_sums_samples_by_name_and_phase():
     assert serve.metric(text, "nothing_total") == 0
     counters = serve.engine_counters(text)
     assert set(counters) == {f"{p}_{w}" for p in PHASES for w in ("seconds", "calls")} | {
-        "decode_rows", "batch_prefill_requests"}
-    assert (counters["decode_calls"], counters["prefill_seconds"], counters["admit_calls"],
-            counters["decode_rows"]) == (2, 2.0, 0, 7)
+        "decode_rows", "prompt_tokens", "prefix_hit_tokens", "preemptions"}
+    assert (counters["decode_calls"], counters["prefill_seconds"], counters["decode_rows"]) == (2, 2.0, 7)
 
 
 @pytest.mark.parametrize("spans,peak", [

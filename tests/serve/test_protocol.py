@@ -8,7 +8,8 @@ from fastapi.testclient import TestClient
 
 from rq_jax.serve.api import Server, create_app
 from rq_jax.serve.chat import ChatTemplate
-from rq_jax.serve.engine import Delta, SamplingParams
+from rq_jax.serve.output import Delta
+from rq_jax.serve.params import SamplingParams
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.tokenizer import load_tokenizer
 

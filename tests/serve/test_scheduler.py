@@ -38,8 +38,8 @@ class FakeEngine:
         self.finished_at: dict[int, int] = {}
         self.added_at: dict[int, int] = {}
 
-    def add(self, seq_id: int, prompt: list[int], max_tokens: int) -> None:
-        self.sched.add(seq_id, prompt)
+    def add(self, seq_id: int, prompt: list[int], max_tokens: int, share: bool = True) -> None:
+        self.sched.add(seq_id, prompt, share)
         self.max_tokens[seq_id] = max_tokens
         self.outputs[seq_id] = []
         self.added_at[seq_id] = self.steps
@@ -205,6 +205,25 @@ def test_prefix_hits_stop_short_of_the_last_prompt_token():
     assert eng.outputs[1] == reference(p, 3)
 
 
+def test_a_request_that_does_not_share_computes_its_whole_prompt():
+    """A request added with share=False (the prompt's log-probabilities need every position) runs from
+    position 0 past indexed pages of its prefix; its full pages are indexed for later requests all the same."""
+    sched = Scheduler(pages=16, page_size=4, chunk=8, token_budget=64, max_len=32, cache_key="fmt")
+    eng = FakeEngine(sched)
+    p = list(range(20))
+    eng.add(0, p, max_tokens=1)
+    eng.run()
+    eng.add(1, p + [7], max_tokens=2, share=False)
+    eng.step()
+    assert eng.rows[1][0][0] == 0 and sched.prefix_hits == 0 and sched.seqs[1].cached_tokens == 0
+    eng.run()
+    assert eng.outputs[1] == reference(p + [7], 2)
+    eng.add(2, p + [8], max_tokens=1)
+    eng.step()
+    assert eng.rows[2][0][0] == 16
+    eng.run()
+
+
 def test_other_formats_share_nothing():
     pool_key_a = prefix_hashes(list(range(8)), 4, "residual-b2.2.2.4/calib-1")
     pool_key_b = prefix_hashes(list(range(8)), 4, "dense")
@@ -246,7 +265,8 @@ def test_no_request_starves_at_a_steady_overload():
 
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="multiple of the page size"):
-        Scheduler(pages=8, page_size=4, chunk=6, token_budget=8, max_len=8)
+        Scheduler(pages=8, page_size=4, chunk=6, token_budget=8, max_len=8, cache_key="fmt")
+    Scheduler(pages=8, page_size=4, chunk=6, token_budget=8, max_len=8)  # no prefix sharing: any chunk
     with pytest.raises(ValueError, match="must hold a chunk"):
         Scheduler(pages=8, page_size=4, chunk=8, token_budget=4, max_len=8)
     with pytest.raises(ValueError, match="cannot hold one request"):

@@ -1,6 +1,7 @@
 """scripts/serve.py as a real server process, driven by real clients: the official `openai` client, 64
 concurrent httpx requests, a killed client, bad requests, lm-evaluation-harness, 8 simulated devices, and
-SIGTERM. One server (Huginn-small, residual [2,2,2,4] cache, 4 slots) is shared by the module."""
+SIGTERM. One server (Huginn-small, residual [2,2,2,4] cache, pages for 4 requests of 48 tokens) is shared by
+the module."""
 
 import asyncio
 import json
@@ -90,10 +91,9 @@ def test_warming_up_answers_503_and_startup_is_printed(server):
     deadline = time.monotonic() + 30  # serve.py prints the line from its own thread once /health says ready
     while "compiled in" not in (out := server.output()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert re.search(r"compiled in [\d.]+ s \(prefill 16 [\d.]+, prefill 32 [\d.]+, admit 16 [\d.]+, "
-                     r"admit 32 [\d.]+, admit 48 [\d.]+, prefill 16 x4 [\d.]+, prefill 32 x4 [\d.]+, "
-                     r"decode 4 [\d.]+\)", out), out
-    assert "4 slots of 48 tokens" in out
+    assert re.search(r"compiled in [\d.]+ s \(decode 1 [\d.]+, decode 4 [\d.]+, prefill 16 x1 [\d.]+, "
+                     r"prefill 16 x4 [\d.]+, prefill 32 x1 [\d.]+, prefill 32 x4 [\d.]+\)", out), out
+    assert "12 pages of 16 tokens" in out and "requests of 48 tokens, at most 4 decoding" in out
 
 
 def test_openai_client_completion_chat_and_streaming(server, reference):
@@ -144,12 +144,12 @@ def test_logprobs_and_echo(server, reference):
 
 def test_64_concurrent_mixed_requests_on_4_slots(server, reference):
     """64 requests at once (sums and a retrieval prompt, 6 or 3 new tokens, seeds): each completes exactly
-    once with the Sampler's tokens for its prompt alone, and every slot is free afterwards."""
+    once with the Sampler's tokens for its prompt alone, and every page is free afterwards."""
     prompts = additions(32, offset=1)
     jobs = [(prompts[i // 2] if i % 2 == 0 else RETRIEVAL, 6 if i % 2 == 0 else 3, i % 5) for i in range(64)]
     generated = metric(server, "generation_tokens_total")
-    calls = {phase: metric(server, "engine_calls_total", phase=phase) for phase in ("prefill", "admit", "decode")}
-    batched = metric(server, "batch_prefill_requests_total")
+    prompt_tokens = metric(server, "prompt_tokens_total")
+    decode_calls = metric(server, "engine_calls_total", phase="decode")
     busy = metric(server, "engine_seconds_total")
 
     async def one(http, prompt, max_tokens, seed):
@@ -176,16 +176,16 @@ def test_64_concurrent_mixed_requests_on_4_slots(server, reference):
                                                                          for r in results)
     assert metric(server, "slots_used") == 0 and metric(server, "slots_total") == 4
     assert metric(server, "requests_running") == 0 and metric(server, "requests_waiting") == 0
-    # Every prompt fits one 32-token chunk: it enters alone (a prefill and an admit) or with other waiting
-    # requests (a batched prefill); a request of n tokens takes its first from its prefill and the rest
-    # from n - 1 decode steps, 4 slots at a time at best.
-    alone = metric(server, "engine_calls_total", phase="prefill") - calls["prefill"]
-    together = metric(server, "batch_prefill_requests_total") - batched
-    assert alone + together == 64 and together > 0
-    assert metric(server, "engine_calls_total", phase="admit") - calls["admit"] == alone
-    steps = metric(server, "engine_calls_total", phase="decode") - calls["decode"]
+    # Every prompt runs once (each fits one 32-token chunk: no prefix to share, no preemption with 12 pages
+    # for 4 requests of at most 2); a request of n tokens takes its first from its prompt chunk and the
+    # rest from n - 1 decode steps, 4 rows at a time at best.
+    assert metric(server, "prompt_tokens_total") - prompt_tokens == sum(
+        len(reference.tokenizer.encode(prompt).ids) for prompt, _, _ in jobs)
+    assert metric(server, "preemptions_total") == 0
+    steps = metric(server, "engine_calls_total", phase="decode") - decode_calls
     later = sum(r["usage"]["completion_tokens"] - 1 for r in results)
     assert later / 4 <= steps <= later
+    assert metric(server, "pages_used") == 0
     assert metric(server, "engine_seconds_total") > busy
 
 
@@ -209,7 +209,7 @@ def test_a_killed_client_frees_its_slot(server):
     while time.monotonic() < deadline and (metric(server, "slots_used") or
                                            metric(server, "requests_finished_total", "cancelled") == cancelled):
         time.sleep(0.1)
-    assert metric(server, "slots_used") == 0
+    assert metric(server, "slots_used") == 0 and metric(server, "pages_used") == 0
     assert metric(server, "requests_finished_total", "cancelled") == cancelled + 1
     assert metric(server, "generation_tokens_total") - generated < 44
     out = client(server).completions.create(model=MODEL, prompt=additions(1)[0], max_tokens=8, temperature=0)
@@ -220,7 +220,7 @@ def test_a_killed_client_frees_its_slot(server):
     (b"{not json", None, "not valid JSON"),
     (dict(prompt="1+1=", min_p=0.1), "min_p", "Unrecognized request argument supplied: min_p"),
     (dict(prompt="1+1=", max_tokens=0), "max_tokens", "max_tokens must be an integer"),
-    (dict(prompt="1+1=", max_tokens=200), "max_tokens", "a slot holds 48"),
+    (dict(prompt="1+1=", max_tokens=200), "max_tokens", "a request holds 48"),
     (b'{"prompt": "1+1=", "temperature": NaN}', "temperature", "finite number"),
     (dict(prompt="1+1=", temperature=-0.5), "temperature", "finite number"),
     (dict(prompt="1+1=", top_p=0), "top_p", "(0, 1]"),

@@ -1,0 +1,226 @@
+"""The serving engine's model runner: the compiled programs over a step plan. It owns the model's parameters,
+the calibration and the paged cache (a pool of pages, held as bits and donated to every call, so that each
+step writes it in place), and each request's PRNG chain; it knows nothing of text or scheduling.
+
+A plan's rows run in at most three calls: the decode rows (one token each) in one call over the fewest
+rows of `decode_rows` (1, 4, 16, ... `max_rows`) that hold them, the prompt chunks in calls over
+`token_buckets` (16, 32, ... `chunk` tokens) × `prefill_rows` (1, 4, ... as the token budget allows; each
+chunk padded to the bucket of the longest), and a prompt whose log-probabilities are asked for
+(`echo`) alone in a call of its own. Padding rows feed nothing and store nothing. Each call's picks come
+back to the host in one copy.
+
+    runner = ModelRunner(model, fmt, pages=1024, page_size=16, max_len=256, max_rows=64, chunk=256, ...)
+    results = runner.run(plan, requests)          # {request: (token, logprob, top ids, top logprobs)}
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rq_jax import sharding
+from rq_jax.cache.base import CacheFormat
+from rq_jax.cache.calib import CacheCalib, default_calib
+from rq_jax.cache.kv import cache_bytes, init_cache, init_paged_cache
+from rq_jax.serve import programs
+from rq_jax.serve.scheduler import Chunk, StepPlan
+
+
+def geometric(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
+    """lo, ratio·lo, ... below hi, then hi: the compiled sizes of a dimension (a call padded to the next
+    size wastes less than `ratio`x on it)."""
+    out = []
+    b = lo
+    while b < hi:
+        out.append(b)
+        b *= ratio
+    return tuple(out) + (hi,)
+
+
+class RowSpec(NamedTuple):
+    """What the runner needs of a row's request: its seed, sampling parameters, prompt (for the chunking
+    of its PRNG keys and its prompt log-probabilities) and whether it asked for those."""
+
+    seed: int
+    temperature: float
+    top_k: int
+    top_p: float
+    prompt: Sequence[int]
+    echo: bool
+
+
+class RowResult(NamedTuple):
+    """A row's pick: the token, its log-probability, the top ids and log-probabilities [n], and for an echo
+    row the prompt's per-position log-probabilities of its chunk (logprob [n], ids [n, k], values [n, k])."""
+
+    token: int
+    logprob: float
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    prompt: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+class ModelRunner:
+    """The compiled programs over a pool of `pages` pages of `page_size` tokens of `fmt` (`plain_fmt` for
+    Huginn's prelude and coda), rows of up to `max_len` tokens, at most `max_rows` of them decoding at once
+    and prompt chunks of at most `chunk` tokens, `token_budget` tokens a step. `calib`, `mesh` and
+    `model_kwargs` (e.g. `num_loops`) are the Sampler's; on a mesh the pool's kv heads are split over
+    `model` and the rows over `data` (`sharding.cache_specs`). `timer(phase, began, result)` is called after
+    each program (the engine's metrics)."""
+
+    def __init__(self, model, fmt: CacheFormat, *, pages: int, page_size: int, max_len: int, max_rows: int,
+                 chunk: int, token_budget: int, plain_fmt: CacheFormat | None = None, calib: CacheCalib | None = None,
+                 mesh=None, timer: Callable[[str, float, object], None] | None = None, **model_kwargs):
+        config = model.config
+        self.config, self.fmt, self.plain_fmt, self.mesh = config, fmt, plain_fmt or fmt, mesh
+        self.page_size, self.max_len, self.chunk = page_size, max_len, chunk
+        self.pages_per_row = -(-max_len // page_size)
+        self.model_kwargs = model_kwargs
+        self.timer = timer or (lambda phase, began, result: None)
+        self.decode_rows = geometric(1, max_rows, 4)
+        self.token_buckets = geometric(min(16, chunk), chunk, 2)
+        self.prefill_rows = {t: geometric(1, max(1, min(max_rows, token_budget // t)), 4) for t in self.token_buckets}
+        self._graphdef, params = nnx.split(model)
+        self.params = sharding.shard_state(params, config, mesh)
+        num_loops = model_kwargs.get("num_loops")
+
+        def pool():  # built by a compiled program: no two leaves share a buffer (the calls donate it)
+            return init_paged_cache(config, 1, pages, page_size, self.pages_per_row, fmt, num_loops=num_loops,
+                                    plain_fmt=self.plain_fmt).as_bits()
+
+        self._template = jax.eval_shape(pool)
+        self.state = jax.jit(lambda: _state(pool()), out_shardings=self._state_shardings(self._template))()
+        if calib is None:
+            calib = default_calib(jax.eval_shape(lambda: init_cache(config, 1, 1, fmt, num_loops=num_loops,
+                                                                    plain_fmt=self.plain_fmt)))
+        self.calib = sharding.shard_calib(calib, mesh, fmt, self.plain_fmt)
+        self._call = jax.jit(self._call_fn, donate_argnums=2, static_argnames=("prefill", "echo"))
+        self._rng: dict[int, np.ndarray] = {}  # per request: its chain key (raw data) after its last call
+
+    # ---- programs ------------------------------------------------------------------------------------
+
+    def _state_shardings(self, template):
+        if self.mesh is None:
+            return None
+        return sharding.named(self.mesh, _state(sharding.cache_specs(template, self.mesh)))
+
+    def _call_fn(self, params, calib, state, tokens, num_new, lengths, table, params_rows, keys, targets, *,
+                 prefill: bool, echo: bool):
+        model = nnx.merge(self._graphdef, params)
+        rows = tokens.shape[0]
+        cache = self._template.replace(looped=state[0], plain=state[1], lengths=lengths, block_table=table,
+                                       overflow=jnp.zeros((rows,), bool), out_of_range=jnp.zeros((rows,), jnp.int32))
+        cache, picked, next_rng, prompt = programs.run_rows(model, calib, cache, tokens, num_new, params_rows, keys,
+                                                            prefill, targets if echo else None, **self.model_kwargs)
+        state = _state(cache)
+        if self.mesh is not None:
+            state = sharding.constrain(state, _state(sharding.cache_specs(cache, self.mesh)), self.mesh)
+        return state, (picked, next_rng, prompt, cache.out_of_range)
+
+    # ---- a step ----------------------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan, rows: dict[int, RowSpec]) -> tuple[dict[int, RowResult], int]:
+        """Run `plan` (`rows`: each request's `RowSpec`); returns each row's result by request and the values
+        the cache could not store in this step (summed over rows)."""
+        results, lost = {}, 0
+        echo = [c for c in plan.prefill if rows[c.seq].echo]
+        prefill = [c for c in plan.prefill if not rows[c.seq].echo]
+        for chunks, phase, kind in ((plan.decode, "decode", "decode"), (prefill, "prefill", "prefill"),
+                                    *(([c], "prefill", "echo") for c in echo)):
+            if chunks:
+                out, n = self._run_rows(list(chunks), rows, kind)
+                results.update(out)
+                lost += n
+        return results, lost
+
+    def _run_rows(self, chunks: list[Chunk], rows: dict[int, RowSpec], kind: str) -> tuple[dict[int, RowResult], int]:
+        prefill = kind != "decode"
+        width = 1 if not prefill else next(t for t in self.token_buckets if t >= max(len(c.tokens) for c in chunks))
+        sizes = self.decode_rows if not prefill else self.prefill_rows[width]
+        count = next((r for r in sizes if r >= len(chunks)), None)
+        if count is None:  # more prompt chunks than a call holds: split (a plan's budget allows it only past 1)
+            half = len(chunks) // 2
+            first, lost_a = self._run_rows(chunks[:half], rows, kind)
+            second, lost_b = self._run_rows(chunks[half:], rows, kind)
+            return {**first, **second}, lost_a + lost_b
+        tokens = np.zeros((count, width), np.int32)
+        targets = np.zeros((count, width), np.int32)
+        num_new, lengths = np.zeros(count, np.int32), np.zeros(count, np.int32)
+        table = np.zeros((count, self.pages_per_row), np.int32)
+        temperature, top_k, top_p = np.zeros(count, np.float32), np.zeros(count, np.int32), np.ones(count, np.float32)
+        seed, chunk_index = np.zeros(count, np.int32), np.full(count, -1, np.int32)
+        rng = np.zeros((count, 2), np.uint32)
+        for i, c in enumerate(chunks):
+            spec = rows[c.seq]
+            n = len(c.tokens)
+            tokens[i, :n], num_new[i], lengths[i] = c.tokens, n, c.start
+            table[i, : len(c.table)] = c.table
+            temperature[i], top_k[i], top_p[i], seed[i] = spec.temperature, spec.top_k, spec.top_p, spec.seed
+            if prefill:
+                chunk_index[i] = -1 if len(spec.prompt) <= self.chunk else c.start // self.chunk
+                following = spec.prompt[c.start + 1 : c.start + n + 1]
+                targets[i, : len(following)] = following
+            else:
+                rng[i] = self._rng[c.seq]
+        began = time.perf_counter()
+        self.state, out = self._call(
+            self.params, self.calib, self.state, tokens, num_new, lengths, table,
+            programs.Sampling(temperature, top_k, top_p), programs.RowKeys(seed, chunk_index, rng), targets,
+            prefill=prefill, echo=kind == "echo")
+        self.timer("decode" if kind == "decode" else "prefill", began, out)
+        picked, next_rng, prompt, lost = sharding.to_host(out)
+        results = {}
+        for i, c in enumerate(chunks):
+            spec = rows[c.seq]
+            if not prefill or c.start + len(c.tokens) >= len(spec.prompt):  # the chain goes on from here
+                self._rng[c.seq] = next_rng[i]
+            echoed = None if prompt is None else tuple(x[i, : len(c.tokens)] for x in prompt)
+            results[c.seq] = RowResult(int(picked.tokens[i]), float(picked.logprob[i]), picked.top_ids[i],
+                                       picked.top_logprobs[i], echoed)
+        return results, int(np.sum(lost[: len(chunks)]))
+
+    def forget(self, seq: int) -> None:
+        """Drop a request's chain key (finished, or preempted: its prompt starts the chain again)."""
+        self._rng.pop(seq, None)
+
+    # ---- compiling -----------------------------------------------------------------------------------
+
+    def programs(self, echo: bool = False) -> list[tuple[str, Callable[[], None]]]:
+        """Every program a step can call, as (name, a call compiling it by running it on padding rows that
+        store nothing): each decode size, each prompt width × row count, and with `echo` one echo program per
+        width."""
+        out = [(f"decode {r}", functools.partial(self._warm, r, 1, False, False)) for r in self.decode_rows]
+        for t in self.token_buckets:
+            out += [(f"prefill {t} x{r}", functools.partial(self._warm, r, t, True, False))
+                    for r in self.prefill_rows[t]]
+            if echo:
+                out.append((f"prefill {t} echo", functools.partial(self._warm, 1, t, True, True)))
+        return out
+
+    def _warm(self, count: int, width: int, prefill: bool, echo: bool) -> None:
+        zeros = np.zeros((count, width), np.int32)
+        ints = np.zeros(count, np.int32)
+        self.state, out = self._call(
+            self.params, self.calib, self.state, zeros, ints, ints, np.zeros((count, self.pages_per_row), np.int32),
+            programs.Sampling(np.zeros(count, np.float32), ints, np.ones(count, np.float32)),
+            programs.RowKeys(ints, np.full(count, -1, np.int32), np.zeros((count, 2), np.uint32)), zeros,
+            prefill=prefill, echo=echo)
+        jax.block_until_ready(out)
+
+
+def _state(cache):
+    """The pool's leaves a call donates and returns: (looped, plain)."""
+    return cache.looped, cache.plain
+
+
+def page_budget(config, fmt: CacheFormat, page_size: int, memory_bytes: int, *, num_loops: int | None = None,
+                plain_fmt: CacheFormat | None = None) -> tuple[int, int]:
+    """(pages that `memory_bytes` of cache hold, bytes per page) for pages of `page_size` tokens of `fmt`."""
+    per_page = cache_bytes(config, fmt, page_size, num_loops=num_loops, plain_fmt=plain_fmt).total
+    return memory_bytes // per_page, per_page
