@@ -2,11 +2,11 @@
 the calibration and the paged cache (a pool of pages, held as bits and donated to every call, so that each
 step writes it in place), and each request's PRNG chain; it knows nothing of text or scheduling.
 
-A plan's rows run in at most three calls: the decode rows (one token each) in one call over the fewest
-rows of `decode_rows` (1, 4, 16, ... `max_rows`) that hold them, the prompt chunks in calls over
-`token_buckets` (16, 32, ... `chunk` tokens) × `prefill_rows` (1, 4, ... as the token budget allows; each
-chunk padded to the bucket of the longest), and a prompt whose log-probabilities are asked for
-(`echo`) alone in a call of its own. Padding rows feed nothing and store nothing. Each call's picks come
+A plan's rows run in at most three calls: the decode rows (one token each) in one call over the fewest rows of
+`decode_rows` (1, 2, 4, ... `max_rows`: a call's cost grows with its rows) that hold them, the prompt chunks in
+calls over `token_buckets` (16, 32, ... `chunk` tokens) × `prefill_rows` (1, 2, 4, ... as the token budget
+allows; each chunk padded to the bucket of the longest), and a prompt whose log-probabilities are asked
+for (`echo`) alone in a call of its own. Padding rows feed nothing and store nothing. Each call's picks come
 back to the host in one copy.
 
     runner = ModelRunner(model, fmt, pages=1024, page_size=16, max_len=256, max_rows=64, chunk=256, ...)
@@ -83,9 +83,9 @@ class ModelRunner:
         self.pages_per_row = -(-max_len // page_size)
         self.model_kwargs = model_kwargs
         self.timer = timer or (lambda phase, began, result: None)
-        self.decode_rows = geometric(1, max_rows, 4)
+        self.decode_rows = geometric(1, max_rows, 2)
         self.token_buckets = geometric(min(16, chunk), chunk, 2)
-        self.prefill_rows = {t: geometric(1, max(1, min(max_rows, token_budget // t)), 4) for t in self.token_buckets}
+        self.prefill_rows = {t: geometric(1, max(1, min(max_rows, token_budget // t)), 2) for t in self.token_buckets}
         self._graphdef, params = nnx.split(model)
         self.params = sharding.shard_state(params, config, mesh)
         num_loops = model_kwargs.get("num_loops")

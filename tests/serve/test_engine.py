@@ -53,7 +53,7 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_leaves_is_preempted_or_
     metrics = ServeMetrics("ouro-small", cache)
     engine = Engine(model, tokenizer, fmt, eos_ids=stops, max_len=32, num_slots=2, max_rows=6, page_size=4,
                     chunk=8, token_budget=16, metrics=metrics)
-    assert engine.num_pages == (2 if cache == "kivi" else 16) and engine.runner.decode_rows == (1, 4, 6)
+    assert engine.num_pages == (2 if cache == "kivi" else 16) and engine.runner.decode_rows == (1, 2, 4, 6)
     engine.warm_up()
     sums = additions(tokenizer, 6)
     prompts = sums[:4] + [tokenizer.encode(RETRIEVAL[0]).ids] + sums[4:] + [tokenizer.encode(q).ids
@@ -93,7 +93,7 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_leaves_is_preempted_or_
 def ouro():
     model, tokenizer, stops = load("ouro-small")
     engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=16, chunk=16)
-    assert engine.runner.decode_rows == (1, 4, 16) and engine.runner.token_buckets == (16,)
+    assert engine.runner.decode_rows == (1, 2, 4, 8, 16) and engine.runner.token_buckets == (16,)
     engine.warm_up()
     return model, tokenizer, stops, engine
 
@@ -162,7 +162,7 @@ def test_cancel_frees_the_pages_at_once(ouro):
 
 def test_decode_steps_run_the_running_rows(ouro, monkeypatch):
     """Nine requests decode in steps of 16 rows (the smallest compiled size that holds them), whichever
-    pages they hold; as they finish the steps shrink to 4 rows. Every request still gets the
+    pages they hold; as they finish the steps shrink to 8, 4 rows. Every request still gets the
     Sampler's tokens."""
     model, tokenizer, stops, engine = ouro
     sizes = []
