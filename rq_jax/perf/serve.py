@@ -4,6 +4,13 @@
 httpx's streaming cost ~0.75 of a core at 700 tok/s, halving what the server was measured to do) with
 streamed completions; its tables (`markdown`), JSON and figure (`plot`).
 
+Workloads (`WORKLOADS`, `requests`): `sums`, held-out sums in the models' format (12 tokens) and
+`max_tokens` out each; `mixed`, prompt and output lengths drawn log-uniformly (prompts 8 to max_len / 2
+tokens of held-out sums run together, outputs 4 to max_len / 2), so requests of every length share one
+budget; `prefix`, the GSM8K 3-shot chain-of-thought prompt of `rq_jax.eval.prompts` (Ouro's protocol)
+with a held-out sum as its question, so every request shares a ~770-token prefix, each format run with
+the prefix cache and without it (`--no-prefix-cache`).
+
 Per request: time to first token, inter-token latency, end to end; per load point (fixed concurrency or
 Poisson arrivals): output tok/s, req/s, peak concurrent sequences (from the client's clock: polling the
 server's /metrics would cost it CPU), medians / p99, and the engine's seconds and calls per program
@@ -32,6 +39,8 @@ import numpy as np
 
 from rq_jax import report
 from rq_jax.data import Addition
+from rq_jax.eval import prompts as eval_prompts
+from rq_jax.eval.benchmarks import MathProblem
 from rq_jax.serve.metrics import PHASES
 from rq_jax.tokenizer import load_tokenizer
 
@@ -39,6 +48,49 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 #: The cache formats compared: label -> serve.py options.
 FORMATS = {"dense bf16": ["--cache", "dense"], "residual [2,2,2,4]": ["--cache", "residual"]}
+WORKLOADS = ("sums", "mixed", "prefix")
+#: The label suffix and serve.py option of a run without the prefix cache (the `prefix` workload's baseline).
+UNCACHED = (", no prefix cache", ["--no-prefix-cache"])
+
+
+def variants(args) -> dict[str, list[str]]:
+    """The servers a run compares (label -> serve.py options): every format, and for the `prefix` workload
+    every format again without the prefix cache."""
+    out = dict(FORMATS)
+    if workload_of(args) == "prefix":
+        out.update({label + UNCACHED[0]: [*opts, *UNCACHED[1]] for label, opts in FORMATS.items()})
+    return out
+
+
+def workload_of(args) -> str:
+    return getattr(args, "workload", "sums")
+
+
+def requests(args, tokenizer, n: int) -> list[tuple[str | list[int], int]]:
+    """`n` requests of `args`'s workload (the module docstring): (prompt text or token ids, max_tokens).
+    Raises ValueError when one would not fit `args.max_len`."""
+    held_out = [tokenizer.decode(list(e.prompt())) for e in Addition().examples("eval", 1024)]
+    sums = (held_out * (n // len(held_out) + 1))[:n]
+    kind = workload_of(args)
+    if kind == "sums":
+        out = [(p, args.max_tokens) for p in sums]
+    elif kind == "prefix":
+        protocol = eval_prompts.protocol("ouro", "gsm8k")
+        out = [(eval_prompts.build_prompt(protocol, MathProblem(str(i), "", q, "", "")), args.max_tokens)
+               for i, q in enumerate(sums)]
+    else:
+        rng = np.random.default_rng(0)
+        stream = [t for p in held_out for t in tokenizer.encode(p).ids]
+        top = max(args.max_len // 2, 8)
+        lengths = np.exp(rng.uniform(np.log(8), np.log(top), n)).astype(int)
+        outputs = np.exp(rng.uniform(np.log(4), np.log(top), n)).astype(int)
+        starts = rng.integers(0, len(stream) - top, n)
+        out = [(stream[a : a + int(k)], int(m)) for a, k, m in zip(starts, lengths, outputs)]
+    longest = max(len(tokenizer.encode(p).ids) if isinstance(p, str) else len(p) for p, _ in out)
+    if longest + max(m for _, m in out) - 1 > args.max_len:
+        raise ValueError(f"the {kind} workload's prompts reach {longest} tokens: --max-len {args.max_len} cannot "
+                         f"hold them with their output")
+    return out
 #: vLLM 0.32's CPU build serving checkpoints/ouro-lastloop on this 2-core machine (issue 24; not rerun here).
 VLLM = {"c1_tok_s": "282-380", "c1_ttft_ms": "7-9", "c32_tok_s": "1,430-1,640", "c32_ttft_ms": "67-90",
         "startup_cold_s": "78", "startup_cached_s": "40", "rss_gb": "3.3"}
@@ -127,7 +179,7 @@ def engine_counters(text: str) -> dict:
                 preemptions=metric(text, "preemptions_total"))
 
 
-async def one_request(http, url: str, prompt: str, max_tokens: int) -> dict:
+async def one_request(http, url: str, prompt: str | list[int], max_tokens: int) -> dict:
     """A streamed completion over aiohttp session `http`: time to first token, the gaps between tokens,
     end to end, tokens received (counted from the chunks' token ids; a chunk carries the tokens of one
     engine step)."""
@@ -155,9 +207,10 @@ def peak_streaming(spans: list[tuple[float, float]]) -> int:
     return max(itertools.accumulate(d for _, d in events), default=0)
 
 
-async def run_point(server: ServerProcess, prompts: list[str], args, concurrency: int | None = None,
-                    rate: float | None = None) -> dict:
-    """One load point: fixed `concurrency`, or Poisson arrivals at `rate` requests/s."""
+async def run_point(server: ServerProcess, prompts: list[tuple[str | list[int], int]], args,
+                    concurrency: int | None = None, rate: float | None = None) -> dict:
+    """One load point over `prompts` ((prompt, max_tokens) each): fixed `concurrency`, or Poisson arrivals
+    at `rate` requests/s."""
     import aiohttp  # optional: aiohttp (the [test] extra)
 
     rng = np.random.default_rng(0)
@@ -175,18 +228,18 @@ async def run_point(server: ServerProcess, prompts: list[str], args, concurrency
         if concurrency is not None:
             gate = asyncio.Semaphore(concurrency)
 
-            async def gated(p):
+            async def gated(p, n):
                 async with gate:
                     if time.perf_counter() > deadline:
                         return None
-                    return await one_request(http, server.url, p, args.max_tokens)
+                    return await one_request(http, server.url, p, n)
 
-            tasks = [asyncio.create_task(gated(p)) for p in prompts]
+            tasks = [asyncio.create_task(gated(p, n)) for p, n in prompts]
         else:
-            for p in prompts:
+            for p, n in prompts:
                 if time.perf_counter() > deadline:
                     break
-                tasks.append(asyncio.create_task(one_request(http, server.url, p, args.max_tokens)))
+                tasks.append(asyncio.create_task(one_request(http, server.url, p, n)))
                 await asyncio.sleep(rng.exponential(1 / rate))
         results = [r for r in await asyncio.gather(*tasks) if r is not None]
         wall = time.perf_counter() - start
@@ -212,13 +265,15 @@ def point_summary(results: list[dict], wall: float, concurrency: int | None, rat
                 e2e_ms_p99=ms([r["e2e"] for r in ok], 99), engine=engine)
 
 
-def bench_format(label: str, args, prompts: list[str], cache_dir: str) -> dict:
-    """Start-ups (cold, then from the compile cache the cold start filled) and every load point of one format."""
+def bench_format(label: str, options: list[str], args, prompts: list[tuple[str | list[int], int]],
+                 cache_dir: str) -> dict:
+    """Start-ups (cold, then from the compile cache the cold start filled) and every load point of one server
+    (`label`, serve.py `options`)."""
     out = dict(format=label, points=[])
-    cold = ServerProcess(args, FORMATS[label], cache_dir)
+    cold = ServerProcess(args, options, cache_dir)
     out["startup_cold_s"] = cold.startup
     cold.stop()
-    server = ServerProcess(args, FORMATS[label], cache_dir)
+    server = ServerProcess(args, options, cache_dir)
     out["startup_s"] = server.startup
     out["slots"] = int(server.metric("cache_capacity_tokens")) // args.max_len
     print(f"{label}: room for {out['slots']} requests of {args.max_len} tokens, started in "
@@ -249,12 +304,22 @@ def _rule(n: int) -> str:
     return report.row(["---"] * n)
 
 
+def workload_words(args) -> str:
+    """The workload's prompts and outputs in words."""
+    top = max(args.max_len // 2, 8)
+    return {"sums": f"12-token prompts, {args.max_tokens} output tokens",
+            "mixed": f"prompts of 8-{top} tokens and outputs of 4-{top} (log-uniform)",
+            "prefix": f"GSM8K 3-shot prompts sharing a ~770-token prefix, {args.max_tokens} output tokens"
+            }[workload_of(args)]
+
+
 def markdown(runs: list[dict], args) -> str:
-    """The run's tables: every load point, where the engine's time went, dense against residual, and the
-    vLLM comparison workload (when both formats ran concurrency 1 and 32)."""
+    """The run's tables: every load point, where the engine's time went, dense against residual, the
+    prefix cache against none (the `prefix` workload), and the vLLM comparison workload (when both formats
+    ran concurrency 1 and 32 of the `sums` workload)."""
     row = report.row
     lines = [f"Ouro-small ({args.checkpoint}), requests of {args.max_len} tokens{sizing_words(args)}, "
-             f"12-token prompts, {args.max_tokens} output tokens (greedy, ignore_eos); medians and p99 of one run.",
+             f"{workload_words(args)} (greedy, ignore_eos); medians and p99 of one run.",
              "", row(["format", "load", "requests", "output tok/s", "req/s", "peak sequences", "TTFT p50 / p99 ms",
                       "ITL p50 / p99 ms", "e2e p50 / p99 ms"]), _rule(9)]
     for run in runs:
@@ -265,8 +330,8 @@ def markdown(runs: list[dict], args) -> str:
                               f"{p['e2e_ms_p50']:.0f} / {p['e2e_ms_p99']:.0f}"]))
     lines += ["", "Where the engine's time went (wall seconds of each program with its results ready, from /metrics; "
               "busy: their sum over the point's wall time):", "",
-              row(["format", "load", "prompt chunk calls × ms (tokens)", "decode steps × ms (mean rows)",
-                   "preemptions", "busy"]), _rule(6)]
+              row(["format", "load", "prompt chunk calls × ms (tokens)", "prefix hit tokens",
+                   "decode steps × ms (mean rows)", "preemptions", "busy"]), _rule(7)]
     for run in runs:
         for p in run["points"]:
             e = p["engine"]
@@ -278,8 +343,9 @@ def markdown(runs: list[dict], args) -> str:
             busy = sum(e[f"{phase}_seconds"] for phase in PHASES) / p["wall_s"]
             rows = e["decode_rows"] / e["decode_calls"] if e["decode_calls"] else 0
             lines.append(row([run["format"], load(p), f"{calls('prefill')} ({e['prompt_tokens']:.0f})",
-                              f"{calls('decode')} ({rows:.0f})", f"{e['preemptions']:.0f}", f"{busy:.0%}"]))
-    dense, residual = runs[0], runs[-1]
+                              f"{e['prefix_hit_tokens']:.0f}", f"{calls('decode')} ({rows:.0f})",
+                              f"{e['preemptions']:.0f}", f"{busy:.0%}"]))
+    dense, residual = runs[0], runs[1]
 
     def at(run, c):
         return next((p for p in run["points"] if p["concurrency"] == c), None)
@@ -298,8 +364,22 @@ def markdown(runs: list[dict], args) -> str:
                           f"{run['startup_cold_s']:.1f} / {run['startup_s']:.1f}", f"{run['rss_gb']:.2f}"]))
     lines.append(row(["residual / dense", f"{residual['slots'] / dense['slots']:.2f}x",
                       f"{peak(residual) / peak(dense):.2f}x", f"{sat(residual) / sat(dense):.2f}x", "", ""]))
+    uncached = {r["format"].removesuffix(UNCACHED[0]): r for r in runs if r["format"].endswith(UNCACHED[0])}
+    if uncached:
+        lines += ["", "The prefix cache against none (same requests; prompt tokens computed, TTFT p50):", "",
+                  row(["format", "load", "prompt tokens cached / uncached", "TTFT p50 ms cached / uncached",
+                       "TTFT ratio"]), _rule(5)]
+        for run in runs:
+            base = uncached.get(run["format"])
+            for p in run["points"] if base else []:
+                q = next((q for q in base["points"] if load(q) == load(p)), None)
+                if q:
+                    lines.append(row([run["format"], load(p), f"{p['engine']['prompt_tokens']:,.0f} / "
+                                      f"{q['engine']['prompt_tokens']:,.0f}",
+                                      f"{p['ttft_ms_p50']:.1f} / {q['ttft_ms_p50']:.1f}",
+                                      f"{p['ttft_ms_p50'] / q['ttft_ms_p50']:.2f}"]))
     c1, c32, r1, r32 = at(dense, 1), at(dense, 32), at(residual, 1), at(residual, 32)
-    if c1 and c32 and r1 and r32:
+    if workload_of(args) == "sums" and c1 and c32 and r1 and r32:
         lines += ["", "The vLLM comparison workload (vLLM's figures quoted from issue 24, not rerun here):", "",
                   row(["", "vLLM 0.32 CPU (quoted)", "rq_jax dense bf16", "rq_jax residual [2,2,2,4]"]), _rule(4),
                   row(["output tok/s, concurrency 1", VLLM["c1_tok_s"], f"{c1['output_tok_s']:,.0f}",
@@ -351,11 +431,10 @@ def write(runs: list[dict], args) -> str:
 
 
 def run(args) -> list[dict]:
-    """Every format of `FORMATS` under every load point (each server stopped on the way out, whatever
-    happens); prompts: held-out sums in the models' format, repeated to at least 4096."""
+    """Every server of `variants` under every load point (each stopped on the way out, whatever happens),
+    over at least 4096 requests of the workload (ValueError when they do not fit `args.max_len`)."""
     tokenizer = load_tokenizer(args.checkpoint)
-    need = max(args.requests, 4096)
-    prompts = [tokenizer.decode(list(e.prompt())) for e in Addition().examples("eval", min(need, 1024))]
-    prompts = (prompts * (need // len(prompts) + 1))[:need]
+    prompts = requests(args, tokenizer, max(args.requests, 4096))
     with tempfile.TemporaryDirectory() as cache_dir:
-        return [bench_format(label, args, prompts, os.path.join(cache_dir, str(i))) for i, label in enumerate(FORMATS)]
+        return [bench_format(label, options, args, prompts, os.path.join(cache_dir, str(i)))
+                for i, (label, options) in enumerate(variants(args).items())]

@@ -8,12 +8,15 @@ import math
 import pathlib
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from rq_jax.perf import serve
 from rq_jax.serve.metrics import PHASES, ServeMetrics
+from rq_jax.tokenizer import load_tokenizer
 
-RESULTS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = REPO / "docs" / "results"
 
 
 def test_metrics_text_sums_samples_by_name_and_phase():
@@ -65,3 +68,44 @@ def test_the_checked_in_run_writes_the_same_tables_and_keys(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     without = [dict(r, points=[p for p in r["points"] if p["concurrency"] != 32]) for r in run["runs"]]
     assert "vLLM comparison" not in serve.markdown(without, args)
+
+
+def test_the_workloads_requests():
+    """sums: 12-token prompts at max_tokens; mixed: log-uniform lengths within their stated ranges, every
+    request fitting max_len; prefix: GSM8K 3-shot prompts sharing their first ~770 tokens, each format also
+    run without the prefix cache; a workload that cannot fit max_len is refused by name."""
+    tokenizer = load_tokenizer(REPO / "checkpoints" / "ouro-small")
+    sums = serve.requests(SimpleNamespace(workload="sums", max_len=32, max_tokens=8), tokenizer, 300)
+    assert len(sums) == 300 and all(len(tokenizer.encode(p).ids) == 12 and n == 8 for p, n in sums)
+    mixed = serve.requests(SimpleNamespace(workload="mixed", max_len=512, max_tokens=8), tokenizer, 2000)
+    lengths, outputs = np.array([len(p) for p, _ in mixed]), np.array([n for _, n in mixed])
+    assert lengths.min() >= 8 and lengths.max() <= 256 and outputs.min() >= 4 and outputs.max() <= 256
+    assert np.median(lengths) < 80 and (lengths > 128).sum() > 100  # log-uniform: many short, a tail of long
+    args = SimpleNamespace(workload="prefix", max_len=1024, max_tokens=8)
+    prefix = [tokenizer.encode(p).ids for p, _ in serve.requests(args, tokenizer, 4)]
+    shared = next(i for i, (a, b) in enumerate(zip(prefix[0], prefix[1])) if a != b)
+    assert 700 < shared < min(map(len, prefix)) and all(p[:shared] == prefix[0][:shared] for p in prefix)
+    assert list(serve.variants(args)) == [*serve.FORMATS, *(f + serve.UNCACHED[0] for f in serve.FORMATS)]
+    assert list(serve.variants(SimpleNamespace(workload="sums"))) == list(serve.FORMATS)
+    with pytest.raises(ValueError, match="prefix workload's prompts reach 790 tokens: --max-len 512"):
+        serve.requests(SimpleNamespace(workload="prefix", max_len=512, max_tokens=8), tokenizer, 4)
+
+
+def test_the_prefix_table_sets_each_format_against_its_uncached_run():
+    def point(concurrency, ttft, prompt_tokens):
+        engine = {f"{p}_{w}": 1.0 for p in PHASES for w in ("seconds", "calls")}
+        engine.update(decode_rows=1, prompt_tokens=prompt_tokens, prefix_hit_tokens=0, preemptions=0)
+        return dict(concurrency=concurrency, rate=None, requests=8, errors=0, wall_s=1.0, output_tok_s=10.0,
+                    req_s=1.0, peak_sequences=concurrency, ttft_ms_p50=ttft, ttft_ms_p99=ttft, itl_ms_p50=1.0,
+                    itl_ms_p99=1.0, e2e_ms_p50=1.0, e2e_ms_p99=1.0, engine=engine)
+
+    runs = [dict(format=label, slots=4, startup_cold_s=1.0, startup_s=1.0, rss_gb=1.0,
+                 points=[point(8, ttft, tokens)])
+            for label, ttft, tokens in [("dense bf16", 10.0, 100), ("residual [2,2,2,4]", 12.0, 100),
+                                        ("dense bf16" + serve.UNCACHED[0], 40.0, 800),
+                                        ("residual [2,2,2,4]" + serve.UNCACHED[0], 60.0, 800)]]
+    args = SimpleNamespace(workload="prefix", checkpoint="c", max_len=1024, max_tokens=8, memory_gb=1.0)
+    tables = serve.markdown(runs, args)
+    assert "| dense bf16 | concurrency 8 | 100 / 800 | 10.0 / 40.0 | 0.25 |" in tables
+    assert "| residual [2,2,2,4] | concurrency 8 | 100 / 800 | 12.0 / 60.0 | 0.20 |" in tables
+    assert "GSM8K 3-shot prompts sharing a ~770-token prefix" in tables and "vLLM comparison" not in tables
