@@ -17,9 +17,9 @@ processor turns the new tokens into deltas and says which requests are finished,
 Memory follows the tokens: a request holds the pages its tokens fill (`page_size` tokens each, every loop and
 layer), so the cache holds as many requests as their lengths allow, not a fixed number of `max_len` slots;
 full prompt pages are shared between requests with the same prefix (the same tokens from the first on, the
-same format and calibration), so a prompt that starts with cached pages computes only the rest. kivi, whose
-windows of full-precision tokens are per row, takes whole rows as pages (`max_len` tokens each) and shares
-nothing.
+same format and calibration, and for Huginn's random initial state the same seed), so a prompt that starts
+with cached pages computes only the rest. kivi, whose windows of full-precision tokens are per row, takes
+whole rows as pages (`max_len` tokens each) and shares nothing.
 
 Exactness: a request's greedy tokens are the `Sampler`'s for its prompt alone with the engine's prompt
 chunk (`SamplingConfig(prefill_chunk=chunk)`), whatever joins, leaves, is preempted or hits the prefix
@@ -95,6 +95,8 @@ class Engine:
         self.plain_fmt = plain_fmt or self.fmt
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.num_loops = model_kwargs.get("num_loops") or config.num_loops
+        #: Huginn's random initial state is drawn from each request's seed: its K/V depend on the seed too.
+        self.seeded_state = config.family == "huginn" and model_kwargs.get("init_scale", 1.0) != 0
         model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None}
         model_kwargs["num_loops"] = self.num_loops
         if not 1 <= max_len <= config.max_position_embeddings:
@@ -194,7 +196,8 @@ class Engine:
         if params.prompt_logprobs:
             request.prompt_logprobs = [None]
         self._requests[seq] = request
-        self.scheduler.add(seq, request.prompt, share=not params.prompt_logprobs)  # echo: every position runs
+        self.scheduler.add(seq, request.prompt, share=not params.prompt_logprobs,  # echo: every position runs
+                           salt=f"/seed={params.seed}" if self.seeded_state else "")
         self._update_gauges()
         return request_id
 

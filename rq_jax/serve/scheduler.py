@@ -61,6 +61,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens whose pages came from the prefix index (the last admission)
     hashes: list[bytes] | None = None  # the prefix hashes of its full prompt pages
     share: bool = True  # whether its prompt may start from indexed pages
+    salt: str = ""  # what its pages' K/V depend on besides their tokens (a random initial state's seed)
 
     @property
     def tokens(self) -> list[int]:
@@ -206,16 +207,17 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------------------
 
-    def add(self, seq_id: int, prompt: Iterable[int], share: bool = True) -> None:
+    def add(self, seq_id: int, prompt: Iterable[int], share: bool = True, salt: str = "") -> None:
         """Queue a request (its prompt non-empty, at most `max_len` tokens with its output). Without `share`
         its whole prompt runs (the prompt's log-probabilities need every position); its pages are indexed
-        for others either way."""
+        for others either way. `salt`: what its K/V depend on besides the tokens (Huginn's random initial
+        state: the request's seed), so that only requests of the same salt share pages."""
         prompt = list(prompt)
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
         if seq_id in self.seqs:
             raise ValueError(f"request {seq_id} is already scheduled")
-        self.seqs[seq_id] = Sequence(seq_id, prompt, self._arrivals, share=share)
+        self.seqs[seq_id] = Sequence(seq_id, prompt, self._arrivals, share=share, salt=salt)
         self._arrivals += 1
         self.waiting.append(seq_id)
 
@@ -353,7 +355,7 @@ class Scheduler:
     def _hashes(self, seq: Sequence) -> list[bytes]:
         """The prefix hashes of `seq`'s full prompt pages (computed once)."""
         if seq.hashes is None:
-            seq.hashes = prefix_hashes(seq.prompt, self.page_size, self.cache_key)
+            seq.hashes = prefix_hashes(seq.prompt, self.page_size, self.cache_key + seq.salt)
         return seq.hashes
 
     def _index_prompt_pages(self, seq: Sequence) -> None:

@@ -89,6 +89,27 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_leaves_is_preempted_or_
         assert "".join(d.text for d in collected[rid]) == tokenizer.decode([t for t in want if t not in stops])
 
 
+def test_huginns_random_state_shares_pages_only_between_requests_of_one_seed():
+    """Huginn draws its initial state from each request's seed, so a page's K/V depend on the seed as well as
+    the tokens: the same 29-token prompt under seeds 0, 1, 0 — the second computes its whole prompt, the third
+    shares the first's three full chunks — and each gets the Sampler's tokens for its prompt and seed."""
+    model, tokenizer, stops = load("huginn-small")
+    fmt = get_format("residual")
+    engine = Engine(model, tokenizer, fmt, eos_ids=stops, max_len=40, num_slots=2, page_size=4, chunk=8,
+                    token_budget=16, init_scale=1.0)
+    prompt = tokenizer.encode(RETRIEVAL[0][:-1] + "m9;B1;k").ids
+    assert len(prompt) == 29
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=4, stop_tokens=stops, prefill_chunk=8), fmt,
+                      init_scale=1.0)
+    hits = []
+    for seed in (0, 1, 0):
+        (out,) = engine.generate([prompt], SamplingParams(max_tokens=4, seed=seed))
+        hits.append(engine.scheduler.prefix_hits)
+        ref = sampler([prompt], seed=seed)
+        assert list(out.tokens) == ref.tokens[0, : int(ref.num_generated[0])].tolist(), seed
+    assert hits == [0, 0, 24]
+
+
 @pytest.fixture(scope="module")
 def ouro():
     model, tokenizer, stops = load("ouro-small")

@@ -38,8 +38,8 @@ class FakeEngine:
         self.finished_at: dict[int, int] = {}
         self.added_at: dict[int, int] = {}
 
-    def add(self, seq_id: int, prompt: list[int], max_tokens: int, share: bool = True) -> None:
-        self.sched.add(seq_id, prompt, share)
+    def add(self, seq_id: int, prompt: list[int], max_tokens: int, share: bool = True, salt: str = "") -> None:
+        self.sched.add(seq_id, prompt, share, salt)
         self.max_tokens[seq_id] = max_tokens
         self.outputs[seq_id] = []
         self.added_at[seq_id] = self.steps
@@ -221,6 +221,23 @@ def test_a_request_that_does_not_share_computes_its_whole_prompt():
     eng.add(2, p + [8], max_tokens=1)
     eng.step()
     assert eng.rows[2][0][0] == 16
+    eng.run()
+
+
+def test_requests_of_another_salt_share_nothing():
+    """Pages are shared only between requests of the same salt (Huginn's random initial state: the seed)."""
+    sched = Scheduler(pages=16, page_size=4, chunk=8, token_budget=64, max_len=32, cache_key="fmt")
+    eng = FakeEngine(sched)
+    p = list(range(20))
+    eng.add(0, p, max_tokens=1, salt="/seed=1")
+    eng.run()
+    eng.add(1, p + [7], max_tokens=1, salt="/seed=2")
+    eng.step()
+    assert eng.rows[1][0][0] == 0 and sched.prefix_hits == 0
+    eng.run()
+    eng.add(2, p + [8], max_tokens=1, salt="/seed=1")
+    eng.step()
+    assert eng.rows[2][0][0] == 16 and sched.prefix_hits == 16
     eng.run()
 
 
