@@ -105,10 +105,13 @@ class Server:
         except (NotReady, QueueFull, ParamError) as err:
             self.cancel(choices)
             if isinstance(err, NotReady):
-                raise APIError(503, str(err), None, "service_unavailable") from None
-            if isinstance(err, QueueFull):
-                raise APIError(429, f"the server is busy: {err}; retry later", None, "rate_limit_exceeded") from None
-            raise APIError(400, str(err), err.param) from None
+                error = APIError(503, str(err), None, "service_unavailable")
+            elif isinstance(err, QueueFull):
+                error = APIError(429, f"the server is busy: {err}; retry later", None, "rate_limit_exceeded")
+            else:
+                error = APIError(400, str(err), err.param)
+            self.metrics.refused(error.status)
+            raise error from None
         return choices, events
 
     def cancel(self, choices: list[_Choice]) -> None:

@@ -9,6 +9,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 PREFIX = "rq_serve_"
 #: The engine's programs, as `ServeMetrics.ran` counts them.
 PHASES = ("prefill", "decode")
+#: HTTP statuses of requests refused when submitted, as `ServeMetrics.refused` counts them.
+REFUSALS = (400, 429, 503)
 
 
 class ServeMetrics:
@@ -57,6 +59,11 @@ class ServeMetrics:
                                  labelnames=("model", "cache", "reason"), registry=self.registry)
         for reason in ("stop", "length", "cancelled"):  # exported at 0 from the start
             self._finished.labels(**self._labels, reason=reason)
+        self._refused = Counter(PREFIX + "requests_refused", "requests refused when submitted, by HTTP status "
+                                "(400 a parameter the engine cannot serve, 429 the queue full, 503 not ready)",
+                                labelnames=("model", "cache", "status"), registry=self.registry)
+        for status in REFUSALS:
+            self._refused.labels(**self._labels, status=str(status))
         self._engine_seconds = Counter(PREFIX + "engine_seconds", "engine wall seconds by program, results ready",
                                        labelnames=("model", "cache", "phase"), registry=self.registry)
         self._engine_calls = Counter(PREFIX + "engine_calls", "engine program calls by program",
@@ -73,6 +80,10 @@ class ServeMetrics:
     def finished(self, reason: str) -> None:
         """Count a finished request (reason: stop, length, cancelled)."""
         self._finished.labels(**self._labels, reason=reason).inc()
+
+    def refused(self, status: int) -> None:
+        """Count a request refused when submitted (one of `REFUSALS`)."""
+        self._refused.labels(**self._labels, status=str(status)).inc()
 
     def ran(self, phase: str, seconds: float) -> None:
         """Count one call of an engine program (one of `PHASES`) and its wall seconds."""
