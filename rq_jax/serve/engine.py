@@ -128,7 +128,6 @@ class Engine:
             raise ValueError("give num_slots or memory_bytes")
         self.num_pages = pages
         self.max_rows = max_rows or num_slots or min(DEFAULT_MAX_ROWS, pages)
-        self.num_slots = self.max_rows  # requests decoding at once (the API's and the benchmarks' name)
         self.dense_token_bytes = cache_bytes(config, Dense("bfloat16"), 1, **{**kw, "plain_fmt": Dense()}).total
         memory.check_fits(model, self.fmt, batch=pages, prompt_len=1, max_len=self.page_size,  # the pool's bytes
                           num_loops=self.num_loops, compute_itemsize=jnp.dtype(compute_dtype(model)).itemsize,

@@ -41,7 +41,7 @@ def run(runner, tokenizer, name: str, chat_template, metrics, *, source: str, me
           f"{list(runs.decode_rows)}; prefix cache {'on' if engine.scheduler.cache_key else 'off'}"
           + ("" if chat_template else "; no chat template"), flush=True)
     if mesh is not None:
-        print("\n".join(sharding.describe(engine.config, mesh, batch=engine.num_slots)), flush=True)
+        print("\n".join(sharding.describe(engine.config, mesh, batch=engine.max_rows)), flush=True)
     threading.Thread(target=_report_ready, args=(runner, started, f"http://{host}:{port}/v1"),
                      daemon=True).start()
 

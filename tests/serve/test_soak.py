@@ -1,5 +1,5 @@
 """A soak test of scripts/serve.py: a mixed stream of requests at twice what the server holds, with clients
-that disconnect mid-stream and bad requests interleaved, for RQ_SOAK_SECONDS (default 30; longer by setting
+that disconnect mid-stream and bad requests interleaved, for RQ_SOAK_SECONDS (default 20; longer by setting
 it). The server: ouro-small, residual [2,2,2,4], a pool of 12 pages of 16 tokens (fewer than its 12
 decoding rows can fill, so requests are preempted) and 16 queue places.
 
@@ -26,7 +26,7 @@ from rq_jax.data import Addition
 from rq_jax.tokenizer import load_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SECONDS = float(os.environ.get("RQ_SOAK_SECONDS", "30"))
+SECONDS = float(os.environ.get("RQ_SOAK_SECONDS", "20"))
 #: Pages for 12 × 16 tokens of the residual cache (13,056 bytes a page), up to 12 decoding, 16 waiting.
 ARGS = ["--model", "ouro", "--cache", "residual", "--memory-gb", "0.000146", "--max-len", "64", "--chunk", "16",
         "--max-waiting", "16", "--drain-timeout", "120"]
