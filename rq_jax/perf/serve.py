@@ -399,10 +399,12 @@ def markdown(runs: list[dict], args) -> str:
 
 def plot(runs: list[dict], path: str) -> None:
     """Output tok/s and p99 end-to-end latency against offered load: the fixed-concurrency points
-    (concurrent requests) above, the Poisson points (arrival rate) below."""
-    fig, axes = report.pyplot().subplots(2, 2, figsize=(11, 7))
-    for (a, b), kind, xlabel in ((axes[0], "concurrency", "concurrent requests (fixed concurrency)"),
-                                 (axes[1], "rate", "arrival rate, requests/s (Poisson)")):
+    (concurrent requests) above, the Poisson points (arrival rate) below; a row for each kind the run has."""
+    kinds = [(kind, xlabel) for kind, xlabel in (("concurrency", "concurrent requests (fixed concurrency)"),
+                                                 ("rate", "arrival rate, requests/s (Poisson)"))
+             if any(p[kind] for run in runs for p in run["points"])]
+    fig, axes = report.pyplot().subplots(len(kinds), 2, figsize=(11, 3.5 * len(kinds)), squeeze=False)
+    for (a, b), (kind, xlabel) in zip(axes, kinds):
         for run in runs:
             pts = sorted((p for p in run["points"] if p[kind]), key=lambda p: p[kind])
             x = [p[kind] for p in pts]
