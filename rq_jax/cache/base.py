@@ -484,6 +484,13 @@ def policy_fields(name: str) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(fmt) if f.init and f.name != "name")
 
 
+def rows_of_pages(leaf: Array, table: Table) -> Array:
+    """A pool leaf [G, N, NP, K, P, ...] as contiguous rows [G, N, B, K, N'·P, ...] through `table` [B, N']."""
+    pages = jnp.take(leaf, jnp.clip(table, 0, leaf.shape[2] - 1), axis=2)  # [G, N, B, N', K, P, ...]
+    pages = jnp.moveaxis(pages, 3, 4)  # [G, N, B, K, N', P, ...]
+    return pages.reshape(*pages.shape[:4], -1, *pages.shape[6:])
+
+
 def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew, table: Table | None = None) -> Any:
     """Write every leaf of `new` into the same leaf of `store` along the token axis, in place.
 

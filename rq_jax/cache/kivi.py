@@ -63,20 +63,15 @@ from rq_jax.shapes import Lengths, NumNew, Queries, SlotKV, Visible
 _RESIDUAL_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _row_pages(table: base.Table | None) -> Int[Array, "b"] | None:
-    """The pool page of each row of a paged cache (None: contiguous). kivi's windows of full-precision tokens
-    are per row, so its pages are whole rows: one page per row."""
+def _rows(state: "KiviState", table: base.Table | None) -> "KiviState":
+    """The rows of a paged cache's pool through `table` [B, 1] (`base.rows_of_pages`; None: contiguous, the
+    state as it is). kivi's windows of full-precision tokens are per row, so its pages are whole rows."""
     if table is None:
-        return None
+        return state
     if table.shape[1] != 1:
         raise ValueError(f"the kivi cache keeps per-row windows of full-precision tokens: its pages are whole rows "
                          f"(one page per row), got {table.shape[1]} pages a row")
-    return table[:, 0]
-
-
-def _take_rows(state: "KiviState", rows: Int[Array, "b"] | None) -> "KiviState":
-    """A pool of whole-row pages [G, N, NP, ...] as the rows [G, N, B, ...] (`rows` None: as it is)."""
-    return state if rows is None else jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=2), state)
+    return jax.tree_util.tree_map(lambda x: base.rows_of_pages(x, table), state)
 
 
 class KiviState(NamedTuple):
@@ -222,10 +217,9 @@ class Kivi(base.CacheFormat):
         the codes do not depend on how the tokens were split into calls. Tokens past max_len are
         dropped. Fixed shapes, no per-row or per-token Python loop.
         """
-        rows = _row_pages(table)
-        new = _write(self, _take_rows(state[0], rows), k[:, 0], v[:, 0], lengths, num_new)
-        if rows is not None:  # back into the pool; a row that stores nothing (padding) writes nothing back
-            dest = jnp.where(num_new > 0, rows, state[0].k_full.shape[2])
+        new = _write(self, _rows(state[0], table), k[:, 0], v[:, 0], lengths, num_new)
+        if table is not None:  # back into the pool; a row that stores nothing (padding) writes nothing back
+            dest = jnp.where(num_new > 0, table[:, 0], state[0].k_full.shape[2])
             new = jax.tree_util.tree_map(lambda pool, x: pool.at[:, :, dest].set(x, mode="drop"), state[0], new)
         return base.Written((new,), base.nothing_lost(lengths))
 
@@ -283,7 +277,7 @@ class Kivi(base.CacheFormat):
         """Partial attention (float32) of q [B, T, H, D] to the stored tokens s < lengths[b] of a slot
         (those `visible` [B, S] shows), one context tile at a time (`base.tiled_partial`): each tile's
         keys and values decoded at its positions (`_decode_at`), then dense attention."""
-        state = (_take_rows(state[0], _row_pages(table)),)
+        state = (_rows(state[0], table),)
         b, t, h, d = q.shape
         st = state[0]
         max_len = st.v_codes.shape[base.TOKEN_AXIS] + st.v_full.shape[base.TOKEN_AXIS]

@@ -145,7 +145,7 @@ class KVCache:
         calib = None if calib is None else calib.part(group)
         state = self.values(group)[seg]
         if self.block_table is not None:  # each row's pages in its order: a contiguous view of the rows
-            state = jax.tree_util.tree_map(lambda x: _rows_of_pages(x, self.block_table), state)
+            state = jax.tree_util.tree_map(lambda x: base.rows_of_pages(x, self.block_table), state)
         return fmt.reconstruct(state, index, r, self.lengths, None if calib is None else calib[seg])
 
     def dense_kv(self, group: Group = "looped") -> KV:
@@ -155,13 +155,6 @@ class KVCache:
             raise ValueError(f"dense_kv needs a dense cache, this one stores {group} layers as {fmt.name!r}")
         ((slot,),) = self.values(group)
         return slot.k, slot.v
-
-
-def _rows_of_pages(leaf: Array, table: Int[Array, "b pages"]) -> Array:
-    """A pool leaf [G, N, NP, K, P, ...] as contiguous rows [G, N, B, K, N'·P, ...] through `table` [B, N']."""
-    pages = jnp.take(leaf, jnp.clip(table, 0, leaf.shape[2] - 1), axis=2)  # [G, N, B, N', K, P, ...]
-    pages = jnp.moveaxis(pages, 3, 4)  # [G, N, B, K, N', P, ...]
-    return pages.reshape(*pages.shape[:4], -1, *pages.shape[6:])
 
 
 def cache_nbytes(cache: KVCache) -> int:

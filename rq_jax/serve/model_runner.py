@@ -149,13 +149,8 @@ class ModelRunner:
             first, lost_a = self._run_rows(chunks[:half], rows, kind)
             second, lost_b = self._run_rows(chunks[half:], rows, kind)
             return {**first, **second}, lost_a + lost_b
-        tokens = np.zeros((count, width), np.int32)
-        targets = np.zeros((count, width), np.int32)
-        num_new, lengths = np.zeros(count, np.int32), np.zeros(count, np.int32)
-        table = np.zeros((count, self.pages_per_row), np.int32)
-        temperature, top_k, top_p = np.zeros(count, np.float32), np.zeros(count, np.int32), np.ones(count, np.float32)
-        seed, chunk_index = np.zeros(count, np.int32), np.full(count, -1, np.int32)
-        rng = np.zeros((count, 2), np.uint32)
+        call = self._padding(count, width)
+        tokens, num_new, lengths, table, (temperature, top_k, top_p), (seed, chunk_index, rng), targets = call
         for i, c in enumerate(chunks):
             spec = rows[c.seq]
             n = len(c.tokens)
@@ -169,10 +164,7 @@ class ModelRunner:
             else:
                 rng[i] = self._rng[c.seq]
         began = time.perf_counter()
-        self.state, out = self._call(
-            self.params, self.calib, self.state, tokens, num_new, lengths, table,
-            programs.Sampling(temperature, top_k, top_p), programs.RowKeys(seed, chunk_index, rng), targets,
-            prefill=prefill, echo=kind == "echo")
+        self.state, out = self._call(self.params, self.calib, self.state, *call, prefill=prefill, echo=kind == "echo")
         self.timer("decode" if kind == "decode" else "prefill", began, out)
         picked, next_rng, prompt, lost = sharding.to_host(out)
         results = {}
@@ -203,14 +195,21 @@ class ModelRunner:
                 out.append((f"prefill {t} echo", functools.partial(self._warm, 1, t, True, True)))
         return out
 
+    def _padding(self, count: int, width: int) -> tuple:
+        """A call's arguments after the state for `count` padding rows of `width` tokens (no tokens, greedy,
+        a one-chunk prompt's keys): tokens, num_new, lengths, block tables, `programs.Sampling`,
+        `programs.RowKeys`, targets — as numpy arrays a step fills in for its rows."""
+        def ints():  # a fresh array for each field
+            return np.zeros(count, np.int32)
+
+        return (np.zeros((count, width), np.int32), ints(), ints(), np.zeros((count, self.pages_per_row), np.int32),
+                programs.Sampling(np.zeros(count, np.float32), ints(), np.ones(count, np.float32)),
+                programs.RowKeys(ints(), np.full(count, -1, np.int32), np.zeros((count, 2), np.uint32)),
+                np.zeros((count, width), np.int32))
+
     def _warm(self, count: int, width: int, prefill: bool, echo: bool) -> None:
-        zeros = np.zeros((count, width), np.int32)
-        ints = np.zeros(count, np.int32)
-        self.state, out = self._call(
-            self.params, self.calib, self.state, zeros, ints, ints, np.zeros((count, self.pages_per_row), np.int32),
-            programs.Sampling(np.zeros(count, np.float32), ints, np.ones(count, np.float32)),
-            programs.RowKeys(ints, np.full(count, -1, np.int32), np.zeros((count, 2), np.uint32)), zeros,
-            prefill=prefill, echo=echo)
+        self.state, out = self._call(self.params, self.calib, self.state, *self._padding(count, width),
+                                     prefill=prefill, echo=echo)
         jax.block_until_ready(out)
 
 
