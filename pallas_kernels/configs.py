@@ -23,7 +23,9 @@ batch 1.
 * with FP8 metadata, α and key means (the most work per token), and, at 1 and 64 rows, one-at-a-time
   variations of them: bf16 / f16 / f32 metadata (f32 is also what a super-scale folds into), α off,
   key means off;
-* dense: bf16 and f32 K/V at each head dim and row count.
+* dense: bf16 and f32 K/V at each head dim and row count;
+* paged (`PAGED`): issue 23's table over a pool of the serving engine's 16-token pages, rows read through a
+  block table (`page`).
 
 `CI_SUBSET` names the configurations compiled on every test run (see tests/kernels/test_compile.py).
 """
@@ -37,6 +39,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import decode_common as dc
 from pallas_kernels import dense_attention as da
 from pallas_kernels import deviceless, launch
 from pallas_kernels import residual_attention as ra
@@ -64,6 +67,7 @@ class KernelConfig:
     seq: int = 4096
     batch: int = 1
     slots: int = 4
+    page: int = 0  # tokens per page of a paged pool read through a block table (0: contiguous rows)
 
     @property
     def kernel(self) -> str:
@@ -78,8 +82,10 @@ class KernelConfig:
         return launch.key(self.kernel, self.dim, self.rows, self.groups())
 
     def launch(self) -> launch.Launch:
-        """The launch parameters the dispatch picks for this call (`pallas_kernels.launch`)."""
-        return launch.lookup(self.kernel, self.dim, self.rows, self.groups())
+        """The launch parameters the dispatch picks for this call (`pallas_kernels.launch`; a paged call's
+        tiles at most a page, `decode_common.tile_block`)."""
+        lp = launch.lookup(self.kernel, self.dim, self.rows, self.groups())
+        return lp._replace(block_s=dc.tile_block(lp.block_s, self.page))
 
     def compile(self, target: deviceless.Target, cache_dir=None, override: launch.Launch | None = None):
         """`deviceless.Resources` of this call compiled for `target` with the dispatch's launch
@@ -101,9 +107,13 @@ class KernelConfig:
         q = sds((b, k, r, d), jnp.dtype(self.q_dtype))
         lengths, slot = sds((b,), jnp.int32), sds((), jnp.int32)
         lead = (self.slots, b, k, self.seq)
+        table = ()
+        if self.page:  # every row's pages in a pool of as many
+            n = self.seq // self.page
+            lead, table = (self.slots, b * n, k, self.page), (sds((b, n), jnp.int32),)
         if not self.links:
             kv = sds(lead + (d,), jnp.dtype(self.kv))
-            return da.dense_decode_attention, (q, kv, kv, lengths, slot)
+            return da.dense_decode_attention, (q, kv, kv, lengths, slot, *table)
 
         def stream(bits, g):
             meta = sds(lead + (d // g,), jnp.dtype(self.meta))
@@ -116,12 +126,14 @@ class KernelConfig:
         fn = functools.partial(ra.residual_decode_attention, k_bits=tuple(x for x, _ in self.links),
                                v_bits=tuple(x for x, _ in v_links), k_group_sizes=tuple(g for _, g in self.links),
                                v_group_sizes=tuple(g for _, g in v_links))
-        return fn, (q, keys, values, alphas, alphas, means, lengths, slot)
+        return fn, (q, keys, values, alphas, alphas, means, lengths, slot, *table)
 
     def tpu_call(self, generation: str):
         """(fn, args): `call()` for the TPU (Mosaic) kernel of `generation` ("v5e", ...: its `tpu_launch`
         entry), the same ShapeDtypeStruct inputs and chain arguments, contiguous (no block table). Tracing
         it raises NotImplementedError for what the TPU kernel declines."""
+        if self.page:
+            raise NotImplementedError("the TPU kernels read their own page layout, not the engine's pool")
         fn, args = self.call()
         tpu = tra.tpu_residual_decode_attention if self.links else tda.tpu_dense_decode_attention
         return functools.partial(tpu, generation=generation, **getattr(fn, "keywords", {})), args
@@ -188,17 +200,24 @@ ISSUE_TABLE = (
     KernelConfig("dense-d128-bfloat16kv", 128, 1),
 )
 
-MATRIX = ISSUE_TABLE + _matrix()
+#: The issue table's calls over a paged pool of 16-token pages (the serving engine's default page), rows read
+#: through a block table.
+PAGED = tuple(dataclasses.replace(c, name=f"paged16-{c.name}", page=16) for c in ISSUE_TABLE)
+
+MATRIX = ISSUE_TABLE + _matrix() + PAGED
 BY_NAME = {c.name: c for c in MATRIX}
 
 #: Compiled on every test run (tests/kernels/test_compile.py), for both targets: the issue's table, then
-#: the largest codes (INT8), dense float32 K/V at 64 rows and the two heaviest chains of the reconstructed-
-#: key path (4-link g16 at head dims 128 and 96, launch.OVERRIDES): 24 compiles, which keeps a cold cache
-#: near two minutes (docs/performance.md). The rest of MATRIX is compiled by scripts/kernel_report.py or
+#: the largest codes (INT8), dense float32 K/V at 64 rows, the two heaviest chains of the reconstructed-
+#: key path (4-link g16 at head dims 128 and 96, launch.OVERRIDES) and Ouro's loop and dense bf16 over the
+#: engine's 16-token pages: 28 compiles, which keeps a cold cache near two minutes (docs/performance.md).
+#: The rest of MATRIX is compiled by scripts/kernel_report.py or
 #: RQ_KERNEL_COMPILE=all.
 CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + ("d128-r1-int8g32", "dense-d96-r64-float32kv",
                                                  "d128-r1-int2g16-int2g16-int2g16-int4g16",
-                                                 "d96-r1-int2g16-int2g16-int2g16-int4g16")
+                                                 "d96-r1-int2g16-int2g16-int2g16-int4g16",
+                                                 "paged16-ouro-loop-d128-int2g32-int4g32",
+                                                 "paged16-dense-d128-bfloat16kv")
 
 #: Compiled for v5e and v6e on every test run where libtpu is installed (tests/kernels/test_tpu_report.py):
 #: Ouro's loop and anchor, the 3-link chain, Huginn's head dim, the 4-link g16 chain that takes the most

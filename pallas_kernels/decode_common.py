@@ -161,6 +161,91 @@ def num_tiles(length: jax.Array, split: jax.Array, plan: DecodePlan) -> jax.Arra
     return jnp.clip((left + plan.block_s - 1) // plan.block_s, 0, plan.split_len // plan.block_s)
 
 
+class Tokens(NamedTuple):
+    """Where a tile's block_s tokens lie in a cache operand, as ref indices: `at(*rest)` for a [bs, ...] read
+    whose trailing index is a slice or scalars, `gather(cols)` for a [bs, len(cols)] read of arbitrary
+    channel indices.
+
+    Contiguous (a stack [M, S', ...] whose BlockSpec already offsets it to the program's split): (slot, the
+    tile's slice). Paged (a pool [M, NP, P, ...] seen whole; the page of logical page n is the row's block
+    table [N'] at n, clipped into the pool by the caller):
+      - a tile inside one page (block_s divides P, `tile_block`'s choice for a power-of-two P >= 16): (slot,
+        its page, the tile's slice of it), the contiguous code with one scalar lookup per tile;
+      - else per token its page and offset, integer indexers that Triton turns into per-token pointers, so a
+        tile may span pages of any size; a channel slice becomes an integer indexer too (interpret mode does
+        not mix integer arrays with slices)."""
+
+    lead: tuple
+    rows: tuple
+    gathered: bool = False
+
+    @staticmethod
+    def of_tile(slot, t0, split, tok_ok, plan: "DecodePlan", table_ref=None, page: int = 0) -> "Tokens":
+        """The tokens of the tile starting at t0 of `split`; `table_ref` and `page` (tokens per page) for a
+        pool. A tile starts before the row's length (`num_tiles`), so its first token's page is in the table;
+        per-token pages of tokens past the length (`tok_ok` false) read page 0, and every load masks them."""
+        bs = plan.block_s
+        if table_ref is None:
+            return Tokens((slot, pl.ds(t0, bs)), (slot, (t0 + jnp.arange(bs))[:, None]))
+        start = split * plan.split_len + t0
+        if page % bs == 0:
+            at, off = table_ref[start // page], start % page
+            return Tokens((slot, at, pl.ds(off, bs)), (slot, at, (off + jnp.arange(bs))[:, None]))
+        pos = start + jnp.arange(bs)
+        pages = load(table_ref.at[pos // page], mask=tok_ok, other=jnp.zeros((), table_ref.dtype))
+        return Tokens((slot, pages, pos % page), (slot, pages[:, None], (pos % page)[:, None]), True)
+
+    def at(self, *rest) -> tuple:
+        if self.gathered and rest and isinstance(rest[-1], pl.Slice):
+            return self.gather(rest[-1].start + jnp.arange(rest[-1].size))
+        return (*self.lead, *rest)
+
+    def gather(self, cols: jax.Array) -> tuple:
+        return (*self.rows, cols[None, :])
+
+
+def tile_block(block_s: int, page: int) -> int:
+    """Tokens per tile of a call with the launch table's `block_s` over pages of `page` tokens (0: contiguous):
+    at most a page when the page is a power of two >= 16, so each tile lies inside one page (`Tokens`)."""
+    if page >= 16 and page == next_pow2(page):
+        return min(block_s, page)
+    return block_s
+
+
+def paged_lengths(lengths: jax.Array, block_table: jax.Array | None, stored: tuple[int, ...]):
+    """(lengths clipped to the capacity, the clipped table or None, tokens per page (0: contiguous), capacity
+    S) of a call whose cache operand has leading axes `stored`: [M, B, K, S] contiguous, or a pool
+    [M, NP, K, P] with `block_table` [B, N'] (capacity N'·P; entries clipped into the pool's NP pages)."""
+    if block_table is None:
+        return jnp.clip(lengths.astype(jnp.int32), 0, stored[3]), None, 0, stored[3]
+    page, s = stored[3], block_table.shape[1] * stored[3]
+    table = jnp.clip(block_table.astype(jnp.int32), 0, stored[1] - 1)
+    return jnp.clip(lengths.astype(jnp.int32), 0, s), table, page, s
+
+
+def rows_of_pages(x: jax.Array, block_table: jax.Array) -> jax.Array:
+    """A pool [M, NP, K, P, ...] read through `block_table` [B, N'] as contiguous rows [M, B, K, N'·P, ...]
+    (the references' view of a paged call; entries clipped into the pool)."""
+    pages = jnp.take(x, jnp.clip(block_table, 0, x.shape[1] - 1), axis=1)  # [M, B, N', K, P, ...]
+    pages = jnp.moveaxis(pages, 2, 3)
+    return pages.reshape(*pages.shape[:3], -1, *pages.shape[5:])
+
+
+def check_table(block_table: jax.Array | None, batch: int, stored: tuple[int, ...], kv_heads: int) -> None:
+    """ValueError unless the cache's leading axes `stored` fit a call of `batch` rows and `kv_heads` heads:
+    [M, batch, kv_heads, S] contiguous, or a pool [M, NP, kv_heads, P] with an integer `block_table`
+    [batch, N']."""
+    if block_table is None:
+        if tuple(stored[1:3]) != (batch, kv_heads):
+            raise ValueError(f"cache batch/heads {tuple(stored[1:3])} != queries' {(batch, kv_heads)} "
+                             "(a paged pool needs a block_table)")
+    elif (block_table.ndim != 2 or block_table.shape[0] != batch
+          or not jnp.issubdtype(block_table.dtype, jnp.integer)):
+        raise ValueError(f"block_table must be integer [{batch}, N], got {block_table.dtype}{list(block_table.shape)}")
+    elif stored[2] != kv_heads:
+        raise ValueError(f"pool kv heads {stored[2]} != queries' {kv_heads}")
+
+
 def scalar_spec() -> pl.BlockSpec:
     """A 0-d operand (the slot index) seen whole by every program."""
     return pl.BlockSpec((), lambda *_: ())

@@ -36,6 +36,10 @@ Layout (fixed by rq_jax; M stacks the slots, `slot` picks one inside the kernel)
     codes  uint8 [M, B, K, S, D·bits/8], planar packing, bits ∈ {2, 4, 8}
     scale, offset [M, B, K, S, D/g]  float8_e4m3fn | bfloat16 | float16 | float32
     alpha  [M, B, K, S] bfloat16 (link i's α scales link i + 1), or None (α = 1)
+With a block table [B, N'] every operand is a pool of pages instead, [M, NP, K, P, ...] (the paged cache of
+`rq_jax.cache.base`: codes, metadata and α of a page at one pool index), and row b's position s lies at offset
+s mod P of page block_table[b, s // P]; the kernel reads each tile's tokens page-indexed
+(`decode_common.Tokens`), so a tile may span pages and P need not be a power of two.
 """
 
 from __future__ import annotations
@@ -138,10 +142,10 @@ def _links(streams: Sequence[QuantStream], bits: Sequence[int] | None, groups: S
     return links
 
 
-def check_chain(q, lengths, keys, values, k_alpha, v_alpha, mean_scores) -> None:
+def check_chain(q, lengths, keys, values, k_alpha, v_alpha, mean_scores, block_table=None) -> None:
     """ValueError for the operands of a packed decode kernel (`residual_decode_attention`'s signature) that
-    disagree: q [B, K, R, D], every link [M, B, K, S, ...], α [M, B, K, S], mean scores [B, K, R] (one
-    entry per link), lengths [B]."""
+    disagree: q [B, K, R, D], every link [M, B, K, S, ...] (a pool [M, NP, K, P, ...] with `block_table`
+    [B, N']), α of the links' leading shape, mean scores [B, K, R] (one entry per link), lengths [B]."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, K, R, D], got {q.shape}")
     if not keys:
@@ -155,11 +159,11 @@ def check_chain(q, lengths, keys, values, k_alpha, v_alpha, mean_scores) -> None
         raise ValueError(f"mean_scores: {len(mean_scores)} entries for a chain of {len(keys)} links")
     b, k, r, _ = q.shape
     lead = keys[0].codes.shape[:4]
-    if lead[1:3] != (b, k):
-        raise ValueError(f"cache batch/heads {lead[1:3]} != queries' {(b, k)}")
+    dc.check_table(block_table, b, lead, k)
     for st in (*keys, *values):
         if st.codes.ndim != 5 or st.codes.shape[:4] != lead:
-            raise ValueError(f"every link must be [M, B, K, S, ...] with [M, B, K, S] = {lead}, got {st.codes.shape}")
+            raise ValueError(f"every link must be [M, B, K, S, ...] (or a pool [M, NP, K, P, ...]) with leading "
+                             f"axes {lead}, got {st.codes.shape}")
     for a in (*k_alpha, *v_alpha):
         if a is not None and a.shape != lead:
             raise ValueError(f"alpha shape {a.shape} != {lead}")
@@ -191,9 +195,11 @@ def _f32(raw: jax.Array) -> jax.Array:
 
 
 def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha, v_has_alpha, has_mean,
-            q_split: bool, dequant_keys: bool, rows: int, dim: int):
+            q_split: bool, dequant_keys: bool, rows: int, dim: int, page: int):
     it = iter(refs)
-    slot_ref, len_ref, qhi_ref = next(it), next(it), next(it)
+    slot_ref, len_ref = next(it), next(it)
+    table_ref = next(it) if page else None
+    qhi_ref = next(it)
     qlo_ref = next(it) if q_split else None
     qsum_ref = None if dequant_keys else next(it)
     k_refs = [(next(it), next(it), next(it)) for _ in k_links]
@@ -228,21 +234,21 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha,
         m_prev, l_prev, acc = carry
         t0 = t * bs
         tok_ok = (split * plan.split_len + t0 + jnp.arange(bs)) < length
-        tile = pl.ds(t0, bs)
+        tok = dc.Tokens.of_tile(slot, t0, split, tok_ok, plan, table_ref, page)
 
         def vec(ref, *idx):  # a per-token vector [bs] as float32 (α, or one group's metadata)
-            return _f32(dc.load(ref.at[(slot, tile, *idx)], mask=tok_ok, other=_zero(ref)))
+            return _f32(dc.load(ref.at[tok.at(*idx)], mask=tok_ok, other=_zero(ref)))
 
         def codes(c_ref, link: Link, start: int, width: int):
             """Codes of channels [start, start + width) [bs, width] as float32 (exact; 0 past the head dim)."""
             plane, last = start // link.nbytes, (start + width - 1) // link.nbytes
             if plane == last:  # one plane: a slice of the byte row, one shift
-                raw = dc.load(c_ref.at[slot, tile, pl.ds(start - plane * link.nbytes, width)],
+                raw = dc.load(c_ref.at[tok.at(pl.ds(start - plane * link.nbytes, width))],
                               mask=tok_ok[:, None], other=_zero(c_ref))
                 shift = jnp.uint8(plane * link.bits)
             else:  # across planes: gather each channel's byte, shift by its own plane
                 ch = start + jnp.arange(width)
-                raw = dc.load(c_ref.at[slot, (t0 + jnp.arange(bs))[:, None], (ch % link.nbytes)[None, :]],
+                raw = dc.load(c_ref.at[tok.gather(ch % link.nbytes)],
                               mask=tok_ok[:, None] & (ch < dim)[None, :], other=_zero(c_ref))
                 shift = ((ch // link.nbytes) * link.bits).astype(jnp.uint8)[None, :]
             if link.bits < 8:
@@ -255,7 +261,7 @@ def _kernel(*refs, plan: dc.DecodePlan, k_links, v_links, k_pieces, k_has_alpha,
             mask = tok_ok[:, None] & (jnp.arange(n) < link.ngroups)[None, :]
 
             def per_channel(ref):  # [bs, n] group metadata, each repeated over its group's channels
-                x = _f32(dc.load(ref.at[slot, tile, pl.ds(0, n)], mask=mask, other=_zero(ref)))
+                x = _f32(dc.load(ref.at[tok.at(pl.ds(0, n))], mask=mask, other=_zero(ref)))
                 return jnp.broadcast_to(x[:, :, None], (bs, n, link.group)).reshape(bs, dpad)
             return per_channel(o_ref) + per_channel(s_ref) * codes(c_ref, link, 0, dpad)
 
@@ -340,6 +346,7 @@ def residual_decode_attention(
     mean_scores: Sequence[jax.Array | None] | None,  # per key link: q·μ_i [B, K, R] float32, or None
     lengths: jax.Array,                       # [B] int32 valid stored tokens per row
     slot: jax.Array | int,                    # [] int32: which of the M stacked slots
+    block_table: jax.Array | None = None,     # [B, N'] int32 pool page of each row's logical page; None: contiguous
     *,
     k_bits: tuple[int, ...] | None = None,    # per key link; None: read from the shapes
     v_bits: tuple[int, ...] | None = None,
@@ -353,7 +360,8 @@ def residual_decode_attention(
     dequant_keys: bool | None = None,         # keys as one reconstructed tile; None: the launch table's
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Unnormalised attention partial of rotated queries over a slot's packed stored tokens.
+    """Unnormalised attention partial of rotated queries over a slot's packed stored tokens (read through
+    `block_table` from a pool of pages when given; entries past a row's length are never read).
 
     Returns acc [B, K, R, D] float32 (rotated value basis, not divided by l), m [B, K, R] float32 and
     l [B, K, R] float32; a row with no valid token gives m = -1e30, l = 0, acc = 0. Raises
@@ -361,24 +369,24 @@ def residual_decode_attention(
     parameters left unset come from `pallas_kernels.launch` (the split count from `plan_decode`).
     """
     keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
-    check_chain(q, lengths, keys, values, k_alpha, v_alpha, mean_scores)
+    check_chain(q, lengths, keys, values, k_alpha, v_alpha, mean_scores, block_table)
     _check_dtypes(q)
     b, k, r, d = q.shape
-    m_slots, s = keys[0].codes.shape[0], keys[0].codes.shape[3]
+    m_slots, n_pages = keys[0].codes.shape[:2]
+    lengths, table, page, s = dc.paged_lengths(lengths, block_table, keys[0].codes.shape[:4])
     k_links = _links(keys, k_bits, k_group_sizes, d, "keys")
     v_links = _links(values, v_bits, v_group_sizes, d, "values")
     k_pieces = _pieces(k_links, d)
     if s == 0:
         return dc.empty_partial(b, k, r, d)
     lp = launch.lookup("residual", d, r, tuple(min(kl.group, vl.group) for kl, vl in zip(k_links, v_links)))
-    plan = dc.plan_decode(b, k, r, s, block_s=block_s or lp.block_s, num_splits=num_splits, block_r=block_r,
-                          num_warps=num_warps or lp.num_warps, num_stages=num_stages or lp.num_stages,
+    plan = dc.plan_decode(b, k, r, s, block_s=block_s or dc.tile_block(lp.block_s, page), num_splits=num_splits,
+                          block_r=block_r, num_warps=num_warps or lp.num_warps, num_stages=num_stages or lp.num_stages,
                           max_block_r=lp.max_block_r)
     dequant_keys = lp.dequant_keys if dequant_keys is None else bool(dequant_keys)
     dpad, br, sl = dc.next_pow2(d), plan.block_r, plan.split_len
     n_rb = pl.cdiv(r, br)
     means = tuple(mean_scores) if mean_scores is not None else (None,) * len(keys)
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
     slot = jnp.asarray(slot, jnp.int32).reshape(())
     # Outside the kernel, once per call: the query's bfloat16 halves and, for the grouped key path, per key
     # link the sums of its float32 channels over each metadata group (the offset terms; MAX_GROUPS columns
@@ -393,15 +401,24 @@ def residual_decode_attention(
     def rows_spec(n):
         return pl.BlockSpec((None, None, br, n), lambda b, k, r, j: (b, k, r, 0))
 
-    def stream_specs(link: Link):
-        codes = pl.BlockSpec((m_slots, None, None, sl, dc.next_pow2(link.nbytes)), lambda b, k, r, j: (0, b, k, j, 0))
-        meta = pl.BlockSpec((m_slots, None, None, sl, max(dpad // link.group, dc.next_pow2(link.ngroups))),
-                            lambda b, k, r, j: (0, b, k, j, 0))
-        return [codes, meta, meta]
+    def token_spec(*width):  # a link's stream (or α) over the program's tokens: its split, or the whole pool
+        rest = (0,) * len(width)
+        if page:
+            return pl.BlockSpec((m_slots, n_pages, None, page, *width), lambda b, k, r, j: (0, 0, k, 0, *rest))
+        return pl.BlockSpec((m_slots, None, None, sl, *width), lambda b, k, r, j: (0, b, k, j, *rest))
 
-    alpha_spec = pl.BlockSpec((m_slots, None, None, sl), lambda b, k, r, j: (0, b, k, j))
-    in_specs = [dc.scalar_spec(), pl.BlockSpec((None,), lambda b, k, r, j: (b,)), rows_spec(dpad)]
-    args = [slot, lengths, q_hi]
+    def stream_specs(link: Link):
+        meta = token_spec(max(dpad // link.group, dc.next_pow2(link.ngroups)))
+        return [token_spec(dc.next_pow2(link.nbytes)), meta, meta]
+
+    alpha_spec = token_spec()
+    in_specs = [dc.scalar_spec(), pl.BlockSpec((None,), lambda b, k, r, j: (b,))]
+    args = [slot, lengths]
+    if page:
+        in_specs.append(pl.BlockSpec((None, table.shape[1]), lambda b, k, r, j: (b, 0)))
+        args.append(table)
+    in_specs.append(rows_spec(dpad))
+    args.append(q_hi)
     if q_split:
         in_specs.append(rows_spec(dpad))
         args.append((q32 - q_hi.astype(jnp.float32)).astype(jnp.bfloat16))
@@ -427,7 +444,8 @@ def residual_decode_attention(
     kernel = functools.partial(
         _kernel, plan=plan, k_links=k_links, v_links=v_links, k_pieces=k_pieces,
         k_has_alpha=tuple(a is not None for a in k_alpha), v_has_alpha=tuple(a is not None for a in v_alpha),
-        has_mean=tuple(mu is not None for mu in means), q_split=q_split, dequant_keys=dequant_keys, rows=r, dim=d)
+        has_mean=tuple(mu is not None for mu in means), q_split=q_split, dequant_keys=dequant_keys, rows=r, dim=d,
+        page=page)
     rtot, ns = n_rb * br, plan.num_splits
     acc, m, l = pl.pallas_call(
         kernel,
@@ -469,13 +487,17 @@ def dequantize(stream: QuantStream, bits: int, slot) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def residual_decode_attention_reference(
-    q, keys, values, k_alpha, v_alpha, mean_scores, lengths, slot, *, k_bits=None, v_bits=None,
+    q, keys, values, k_alpha, v_alpha, mean_scores, lengths, slot, block_table=None, *, k_bits=None, v_bits=None,
     k_group_sizes=None, v_group_sizes=None, block_s=None, num_splits=None, block_r=None, num_warps=None,
     num_stages=None, dequant_keys=None, interpret=False,
 ):
-    """`residual_decode_attention` in plain jnp (float32, HIGHEST precision); launch arguments ignored."""
+    """`residual_decode_attention` in plain jnp (float32, HIGHEST precision; a pool read as contiguous rows
+    first); launch arguments ignored."""
     del block_s, num_splits, block_r, num_warps, num_stages, dequant_keys, interpret
     keys, values = tuple(keys), tuple(values)
+    if block_table is not None:
+        keys, values, k_alpha, v_alpha = jax.tree.map(lambda x: dc.rows_of_pages(x, block_table),
+                                                      (keys, values, tuple(k_alpha), tuple(v_alpha)))
     b, k, r, d = q.shape
     k_bits = k_bits or tuple(8 * st.codes.shape[-1] // d for st in keys)
     v_bits = v_bits or tuple(8 * st.codes.shape[-1] // d for st in values)

@@ -59,8 +59,8 @@ def compile_row(cfg: configs.KernelConfig, generation: str) -> dict:
     compiled for `generation`."""
     row = dict(config=cfg.name, generation=generation, launch_kernel=cfg.kernel)
     start = time.perf_counter()
-    fn, args = cfg.tpu_call(generation)
     try:
+        fn, args = cfg.tpu_call(generation)
         grids = pallas_grids(jax.make_jaxpr(fn)(*args).jaxpr)
     except NotImplementedError as e:
         return row | dict(status="declined", error=str(e), seconds=round(time.perf_counter() - start, 3))

@@ -118,9 +118,10 @@ def _attend_native(fmt, slot, index, q, lengths, calib, table=None) -> base.Part
 
 @attention.DENSE.register("pallas")
 def _attend_pallas(fmt, slot, index, q, lengths, calib, table=None) -> base.Partial:
-    """The dense Pallas kernel (`pallas_kernels.dense_decode_attention`; interpret mode off a GPU)."""
-    attention.contiguous_only(table, "the Pallas (Triton) kernel")
-    return _kernel_partial(dense_decode_attention, slot, index, q, lengths, interpret=attention.target() != "cuda")
+    """The dense Pallas kernel (`pallas_kernels.dense_decode_attention`; interpret mode off a GPU), rows
+    through `table` when paged."""
+    return _kernel_partial(dense_decode_attention, slot, index, q, lengths, interpret=attention.target() != "cuda",
+                           block_table=table)
 
 
 @attention.DENSE.register("pallas-tpu")

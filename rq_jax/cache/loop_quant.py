@@ -170,10 +170,10 @@ def _kernel_partial(kernel, q_rot: GroupedQueries, ops: LoopOperands, lengths: L
 def attend_pallas(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
                   table: base.Table | None = None) -> base.Partial:
     """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
-    compiled for Triton on a GPU, run in interpret mode elsewhere. Raises NotImplementedError (at
-    trace time) for configurations the kernel does not cover (a paged pool among them)."""
-    attention.contiguous_only(table, "the Pallas (Triton) kernel")
-    return _kernel_partial(residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "cuda")
+    compiled for Triton on a GPU, run in interpret mode elsewhere; rows through `table` when paged. Raises
+    NotImplementedError (at trace time) for configurations the kernel does not cover."""
+    return _kernel_partial(residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "cuda",
+                           block_table=table)
 
 
 @attention.PACKED.register("native")

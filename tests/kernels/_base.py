@@ -91,6 +91,33 @@ def random_bytes(rng, shape):
     return rng.integers(0, 256, shape, dtype=np.uint8)
 
 
+def to_pool(x: jax.Array, page: int, table: np.ndarray, pool_pages: int, fill) -> jax.Array:
+    """Contiguous leaves x [M, B, K, S, ...] as a pool [M, NP, K, P, ...] (P = `page`): row b's logical page n
+    stored at page table[b, n], every other page filled with `fill`."""
+    m, b, k, s = x.shape[:4]
+    n, rest = s // page, x.shape[4:]
+    pages = x.reshape(m, b, k, n, page, *rest).swapaxes(2, 3).reshape(m, b * n, k, page, *rest)
+    pool = jnp.full((m, pool_pages, k, page, *rest), fill, x.dtype)
+    return pool.at[:, table.reshape(-1)].set(pages)
+
+
+def paged_case(cache, lengths: tuple, page: int, seed: str):
+    """(`cache`, a pytree of contiguous leaves [M, B, K, S, ...], as pools; block table [B, S/P]): a random
+    placement of each row's pages among twice as many pages, NaN (metadata, α, K/V) or 0xff (codes) in the
+    pages no row holds, and the table past each row's length pointing nowhere (-1 or past the pool: a kernel
+    must not read there)."""
+    rng = seeded(seed)
+    leaves, tree = jax.tree.flatten(cache)
+    b, s = leaves[0].shape[1], leaves[0].shape[3]
+    n = s // page
+    placed = rng.permutation(2 * b * n)[: b * n].reshape(b, n).astype(np.int32)
+    pools = [to_pool(x, page, placed, 2 * b * n, 0xFF if x.dtype == jnp.uint8 else jnp.nan) for x in leaves]
+    table = placed.copy()
+    for row, length in enumerate(lengths):
+        table[row, -(-length // page):] = rng.choice([-1, 10**6])
+    return jax.tree.unflatten(tree, pools), jnp.asarray(table)
+
+
 def assert_partial_close(out, ref, lengths, tol: float):
     """Compare partials (acc [B, K, R, D], m, l [B, K, R]): exact empty rows, relative elsewhere."""
     acc, m, l = (np.asarray(x, np.float64) for x in out)
@@ -114,6 +141,10 @@ class DecodeKernelTestBase:
 
     CASES: tuple = ()
     LOWER_CASES: tuple = ()
+    #: (case, page size) pairs: the case's cache as a shuffled pool of pages read through a block table.
+    PAGED_CASES: tuple = ()
+    #: The positions of the kernel's cache operands among its arguments (the block table comes last).
+    CACHE_ARGS = slice(1, 3)
     #: A case with block_s 16, at most 16 query rows (one row block) and lengths far below S; its shapes
     #: are its own, so its trace (with the counting step below) is not one another test has cached.
     SKIP_CASE = None
@@ -129,6 +160,20 @@ class DecodeKernelTestBase:
             pytest.skip("RQ_PALLAS_INTERPRET=0 needs a GPU")
         args, kw = self.make(case, seeded(case.name))
         out = type(self).kernel(*args, **kw, interpret=INTERPRET)
+        ref = type(self).reference(*args, **kw)
+        assert_partial_close(out, ref, case.lengths, TOL[case.q_dtype])
+
+    def test_paged_matches_reference(self, paged):
+        """Rows read through a block table from a shuffled pool (pages of any size, tiles spanning pages or
+        inside one) equal the reference over the contiguous rows; pages no row's length reaches (NaN-filled,
+        or named by garbage table entries) are never read."""
+        if not INTERPRET and not has_gpu():
+            pytest.skip("RQ_PALLAS_INTERPRET=0 needs a GPU")
+        case, page = paged
+        args, kw = self.make(case, seeded(case.name))
+        at = self.CACHE_ARGS
+        pools, table = paged_case(args[at], case.lengths, page, case.name)
+        out = type(self).kernel(*args[:at.start], *pools, *args[at.stop:], table, **kw, interpret=INTERPRET)
         ref = type(self).reference(*args, **kw)
         assert_partial_close(out, ref, case.lengths, TOL[case.q_dtype])
 

@@ -3,10 +3,10 @@ and ptxas (the pip `triton` wheel pinned in the test extra) on the IR jax lowers
 parameters the dispatch picks. A configuration fails when it does not compile, spills, needs more
 shared memory or registers than its target has, or runs its dots without tensor cores.
 
-Every run compiles `configs.CI_SUBSET` (12 configurations, both targets: 24 compiles); RQ_KERNEL_COMPILE=all
-compiles the whole `configs.MATRIX` (as scripts/kernel_report.py does). Results are cached by IR hash
-under $RQ_KERNEL_CACHE (default ~/.cache/rq_jax/kernels): a cold cache costs 5-60 s per compile, a warm
-one only the lowering (docs/performance.md, "What CI compiles").
+Every run compiles `configs.CI_SUBSET` (14 configurations, two of them paged, both targets: 28 compiles);
+RQ_KERNEL_COMPILE=all compiles the whole `configs.MATRIX` (as scripts/kernel_report.py does). Results are
+cached by IR hash under $RQ_KERNEL_CACHE (default ~/.cache/rq_jax/kernels): a cold cache costs 5-60 s per
+compile, a warm one only the lowering (docs/performance.md, "What CI compiles").
 """
 
 from __future__ import annotations

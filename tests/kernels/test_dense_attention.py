@@ -54,6 +54,10 @@ LOWER_CASES = tuple(
 class TestDenseDecodeAttention(DecodeKernelTestBase):
     CASES = CASES
     LOWER_CASES = LOWER_CASES
+    #: 16-token pages (the engine's: a tile per page), 32-token tiles across 48-token pages (per-token pages),
+    #: float32 K/V with GQA rows.
+    PAGED_CASES = ((Case("d128-paged", 128, 1, lengths=(100, 0, 257), s=320), 16),
+                   (Case("d96-paged-f32kv-gqa", 96, 3, lengths=(47, 96), s=96, kv_dtype="float32", block_s=32), 48))
     SKIP_CASE = Case("skip", 32, 2, lengths=(0, 1, 16, 17, 33), s=96, block_s=16, num_splits=2)
     kernel = staticmethod(da.dense_decode_attention)
     reference = staticmethod(da.dense_decode_attention_reference)

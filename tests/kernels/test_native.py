@@ -26,7 +26,7 @@ from rq_jax.cache import base, get_format
 from rq_jax.cache.dense import Dense
 
 from . import test_dense_attention as dense_cases, test_residual_attention as quant_cases
-from ._base import assert_partial_close, seeded
+from ._base import assert_partial_close, paged_case, seeded
 
 TOL = 2e-5
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
@@ -68,31 +68,6 @@ def test_dense_matches_the_reference(cfg):
     assert_partial_close(out, da.dense_decode_attention_reference(*args), cfg.lengths, TOL)
 
 
-def to_pool(x: jax.Array, page: int, table: np.ndarray, pool_pages: int, fill) -> jax.Array:
-    """Contiguous leaves x [M, B, K, S, ...] as a pool [M, NP, K, P, ...] (P = `page`): row b's logical page n
-    stored at page table[b, n], every other page filled with `fill`."""
-    m, b, k, s = x.shape[:4]
-    n, rest = s // page, x.shape[4:]
-    pages = x.reshape(m, b, k, n, page, *rest).swapaxes(2, 3).reshape(m, b * n, k, page, *rest)
-    pool = jnp.full((m, pool_pages, k, page, *rest), fill, x.dtype)
-    return pool.at[:, table.reshape(-1)].set(pages)
-
-
-def paged_case(leaves, lengths: tuple, page: int, seed: str):
-    """(pool of every leaf, block table [B, S/P]): a random placement of each row's pages among twice as many
-    pages, NaN (metadata, α, K/V) or 0xff (codes) in the pages no row holds, and the table past each row's
-    length pointing nowhere (-1 or past the pool: the kernel must not read there)."""
-    rng = seeded(seed)
-    b, s = leaves[0].shape[1], leaves[0].shape[3]
-    n = s // page
-    placed = rng.permutation(2 * b * n)[: b * n].reshape(b, n).astype(np.int32)
-    pools = [to_pool(x, page, placed, 2 * b * n, 0xFF if x.dtype == jnp.uint8 else jnp.nan) for x in leaves]
-    table = placed.copy()
-    for row, length in enumerate(lengths):
-        table[row, -(-length // page):] = rng.choice([-1, 10**6])
-    return pools, jnp.asarray(table)
-
-
 PAGED_CASES = (  # (case, page size): pages inside a 64-token chunk, across it, and one page per row
     (Q("d128-loop-g32-paged", 128, 1, ((2, 32), (4, 32)), lengths=(37, 0, 160), s=192), 16),
     (Q("d96-int2-g16-paged", 96, 2, ((2, 16), (4, 32)), lengths=(130, 1), s=256, means=(True, False)), 128),
@@ -105,13 +80,7 @@ def test_packed_chains_through_a_block_table(cfg, page):
     """Rows read through a block table from a shuffled pool of pages equal the reference over the contiguous
     rows; pages no row's length reaches (NaN-filled, or named by garbage table entries) are never read."""
     (q, keys, values, k_alpha, v_alpha, means, lengths, slot), kw = quant_cases.make_inputs(cfg, seeded(cfg.name))
-    streams = [x for st in (*keys, *values) for x in st] + [a for a in (*k_alpha, *v_alpha) if a is not None]
-    pools, table = paged_case(streams, cfg.lengths, page, cfg.name)
-    it = iter(pools)
-    paged = [ra.QuantStream(*(next(it) for _ in range(3))) for _ in (*keys, *values)]
-    pk, pv = paged[: len(keys)], paged[len(keys):]
-    pka = tuple(None if a is None else next(it) for a in k_alpha)
-    pva = tuple(None if a is None else next(it) for a in v_alpha)
+    (pk, pv, pka, pva), table = paged_case((keys, values, k_alpha, v_alpha), cfg.lengths, page, cfg.name)
     out = jax.jit(lambda *a: cpu_kernels.residual_decode_attention(*a, **kw))(
         q, pk, pv, pka, pva, means, lengths, slot, table)
     want = ra.residual_decode_attention_reference(q, keys, values, k_alpha, v_alpha, means, lengths, slot, **kw)
@@ -121,7 +90,7 @@ def test_packed_chains_through_a_block_table(cfg, page):
 def test_dense_through_a_block_table():
     cfg = dense_cases.Case("d128-paged", 128, 1, lengths=(100, 0, 257), s=320)
     q, k, v, lengths, slot = dense_cases.make_inputs(cfg, seeded(cfg.name))[0]
-    (pk, pv), table = paged_case([k, v], cfg.lengths, 32, cfg.name)
+    (pk, pv), table = paged_case((k, v), cfg.lengths, 32, cfg.name)
     out = jax.jit(cpu_kernels.dense_decode_attention)(q, pk, pv, lengths, slot, table)
     assert_partial_close(out, da.dense_decode_attention_reference(q, k, v, lengths, slot), cfg.lengths, TOL)
 
@@ -129,7 +98,7 @@ def test_dense_through_a_block_table():
 def test_a_page_outside_the_pool_is_named():
     cfg = dense_cases.Case("d64-bad-page", 64, 1, lengths=(40, 8), s=64)
     q, k, v, lengths, slot = dense_cases.make_inputs(cfg, seeded(cfg.name))[0]
-    (pk, pv), table = paged_case([k, v], cfg.lengths, 16, cfg.name)
+    (pk, pv), table = paged_case((k, v), cfg.lengths, 16, cfg.name)
     with pytest.raises(Exception, match="block table names page 99 of a pool of 16 .row 1, page 0."):
         jax.block_until_ready(cpu_kernels.dense_decode_attention(q, pk, pv, lengths, slot, table.at[1, 0].set(99)))
     with pytest.raises(ValueError, match="block_table must be integer"):

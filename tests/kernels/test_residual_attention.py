@@ -134,6 +134,14 @@ def _lower_cases():
 class TestResidualDecodeAttention(DecodeKernelTestBase):
     CASES = CASES + ALLOCATED_CASES
     LOWER_CASES = _lower_cases()
+    #: Ouro's loop in 16-token pages (a tile per page); Huginn's straddling planes, bf16 metadata and key
+    #: means on the reconstructed-key path, 32-token tiles across 48-token pages (per-token pages); the anchor
+    #: in one 64-token page per row.
+    PAGED_CASES = ((Case("d128-loop-g32-paged", 128, 1, LOOP_G32, lengths=(37, 0, 160), s=192), 16),
+                   (Case("d96-loop-g16-means-paged", 96, 3, LOOP_G16, lengths=(50, 96), s=96, meta="bfloat16",
+                         means=(True, True), block_s=32, dequant_keys=True), 48),
+                   (Case("d64-anchor-paged-bf16q", 64, 1, ANCHOR, lengths=(64, 63), s=64, q_dtype="bfloat16"), 64))
+    CACHE_ARGS = slice(1, 5)
     SKIP_CASE = Case("skip", 64, 2, LOOP_G32, lengths=(0, 1, 16, 17, 33), s=96, block_s=16, num_splits=2)
     kernel = staticmethod(ra.residual_decode_attention)
     reference = staticmethod(ra.residual_decode_attention_reference)
