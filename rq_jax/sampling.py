@@ -20,10 +20,10 @@ from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from rq_jax import sharding
+from rq_jax import setup, sharding
 from rq_jax.cache.base import CacheFormat, policy_fields
 from rq_jax.cache.dense import Dense
-from rq_jax.cache.calib import CacheCalib, default_calib, fit_calib
+from rq_jax.cache.calib import CacheCalib, fit_calib
 from rq_jax.cache.kv import KVCache, cache_bytes, cache_nbytes, init_cache
 from rq_jax.compilation import CompileClock
 from rq_jax.nn.common import ModelOutput
@@ -244,8 +244,6 @@ class Sampler:
                  calib: CacheCalib | None = None, decode_kwargs: dict | None = None, mesh: Mesh | None = None,
                  **model_kwargs):
         self.mesh = mesh
-        self.graphdef, self.params = nnx.split(model)
-        self.params = sharding.shard_state(self.params, model.config, mesh)
         self.model_config = model.config
         self.cfg, self.return_logits = cfg, return_logits
         self.fmt = fmt or Dense()
@@ -258,12 +256,9 @@ class Sampler:
         self.prefill_kwargs = {k: v for k, v in model_kwargs.items() if k != "adaptive"}
         if rule is not None and rule.exit_in_prefill:
             self.prefill_kwargs["adaptive"] = rule
-        loops = [model_kwargs.get(k) for k in ("num_loops", "num_steps") if model_kwargs.get(k) is not None]
-        self.num_loops = loops[0] if loops else model.config.num_loops
-        self.needs_data = self.fmt.needs_data or self.plain_fmt.needs_data
-        if calib is None and not self.needs_data:  # built once, here, and passed to the compiled steps
-            calib = default_calib(jax.eval_shape(lambda: self._empty_cache(1, 1)))
-        self.calib = sharding.shard_calib(calib, mesh, self.fmt, self.plain_fmt)
+        # The default calibration is built once, here, and passed to the compiled steps.
+        self.graphdef, self.params, self.num_loops, self.calib, self.needs_data = setup.prepare(
+            model, self.fmt, self.plain_fmt, calib=calib, mesh=mesh, **model_kwargs)
         self._calibrate = jax.jit(self._calibrate_fn)
         # The cache is donated to both (updated in place): the prefill's empty cache, the decode loop's state.
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=4)

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int
 
-from rq_jax import sharding
+from rq_jax import setup, sharding
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.dense import Dense
 from rq_jax.cache.calib import CacheCalib, default_calib, fit_calib
@@ -86,18 +86,12 @@ class CacheScorer:
     def __init__(self, model, fmt: CacheFormat, *, plain_fmt: CacheFormat | None = None,
                  reference: CacheFormat = Dense("float32"), calib: CacheCalib | None = None, seed: int = 0,
                  mesh: Mesh | None = None, **model_kwargs):
-        self.graphdef, self.params = nnx.split(model)
         self.mesh = mesh
-        self.params = sharding.shard_state(self.params, model.config, mesh)
         self.config = model.config
         self.fmt, self.plain_fmt, self.reference = fmt, plain_fmt or fmt, reference
         self.model_kwargs, self.seed = model_kwargs, seed
-        loops = [model_kwargs.get(k) for k in ("num_loops", "num_steps") if model_kwargs.get(k) is not None]
-        self.num_loops = loops[0] if loops else model.config.num_loops
-        self.needs_data = self.fmt.needs_data or self.plain_fmt.needs_data
-        if calib is None and not self.needs_data:
-            calib = default_calib(jax.eval_shape(lambda: self._cache(self.fmt, self.plain_fmt, 1, 1)))
-        self.calib = sharding.shard_calib(calib, mesh, self.fmt, self.plain_fmt)
+        self.graphdef, self.params, self.num_loops, self.calib, self.needs_data = setup.prepare(
+            model, self.fmt, self.plain_fmt, calib=calib, mesh=mesh, **model_kwargs)
         self.ref_calib = sharding.shard_calib(
             default_calib(jax.eval_shape(lambda: self._cache(reference, reference, 1, 1))), mesh, reference)
         self._calibrate = jax.jit(self._calibrate_fn)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rq_jax import memory
+from rq_jax import memory, setup
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.calib import CacheCalib
 from rq_jax.cache.dense import Dense
@@ -94,10 +94,10 @@ class Engine:
         self.fmt = fmt or Dense()
         self.plain_fmt = plain_fmt or self.fmt
         self.eos_ids = frozenset(int(t) for t in eos_ids)
-        self.num_loops = model_kwargs.get("num_loops") or config.num_loops
+        self.num_loops = setup.num_loops(config, model_kwargs)
         #: Huginn's random initial state is drawn from each request's seed: its K/V depend on the seed too.
         self.seeded_state = config.family == "huginn" and model_kwargs.get("init_scale", 1.0) != 0
-        model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None}
+        model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None and k != "num_steps"}
         model_kwargs["num_loops"] = self.num_loops
         if not 1 <= max_len <= config.max_position_embeddings:
             raise ValueError(f"max_len must lie in [1, {config.max_position_embeddings}], got {max_len}")

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rq_jax import sharding
+from rq_jax import setup, sharding
 from rq_jax.cache.base import CacheFormat
-from rq_jax.cache.calib import CacheCalib, default_calib
-from rq_jax.cache.kv import cache_bytes, init_cache, init_paged_cache
+from rq_jax.cache.calib import CacheCalib
+from rq_jax.cache.kv import cache_bytes, init_paged_cache
 from rq_jax.serve import programs
 from rq_jax.serve.scheduler import Chunk, StepPlan
 
@@ -86,9 +86,10 @@ class ModelRunner:
         self.decode_rows = geometric(1, max_rows, 2)
         self.token_buckets = geometric(min(16, chunk), chunk, 2)
         self.prefill_rows = {t: geometric(1, max(1, min(max_rows, token_budget // t)), 2) for t in self.token_buckets}
-        self._graphdef, params = nnx.split(model)
-        self.params = sharding.shard_state(params, config, mesh)
-        num_loops = model_kwargs.get("num_loops")
+        self._graphdef, self.params, num_loops, self.calib, needs_data = setup.prepare(
+            model, fmt, self.plain_fmt, calib=calib, mesh=mesh, **model_kwargs)
+        if self.calib is None:
+            raise ValueError(f"the {fmt.describe()} cache needs a calibration fitted on data (scripts/calibrate.py)")
 
         def pool():  # built by a compiled program: no two leaves share a buffer (the calls donate it)
             return init_paged_cache(config, 1, pages, page_size, self.pages_per_row, fmt, num_loops=num_loops,
@@ -96,10 +97,6 @@ class ModelRunner:
 
         self._template = jax.eval_shape(pool)
         self.state = jax.jit(lambda: _state(pool()), out_shardings=self._state_shardings(self._template))()
-        if calib is None:
-            calib = default_calib(jax.eval_shape(lambda: init_cache(config, 1, 1, fmt, num_loops=num_loops,
-                                                                    plain_fmt=self.plain_fmt)))
-        self.calib = sharding.shard_calib(calib, mesh, fmt, self.plain_fmt)
         self._call = jax.jit(self._call_fn, donate_argnums=2, static_argnames=("prefill", "echo"))
         self._rng: dict[int, np.ndarray] = {}  # per request: its chain key (raw data) after its last call
 

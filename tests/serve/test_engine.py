@@ -92,15 +92,19 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_leaves_is_preempted_or_
 def test_huginns_random_state_shares_pages_only_between_requests_of_one_seed():
     """Huginn draws its initial state from each request's seed, so a page's K/V depend on the seed as well as
     the tokens: the same 29-token prompt under seeds 0, 1, 0 — the second computes its whole prompt, the third
-    shares the first's three full chunks — and each gets the Sampler's tokens for its prompt and seed."""
+    shares the first's three full chunks — and each gets the Sampler's tokens for its prompt and seed. Both
+    run 6 of the model's 8 recurrence steps, given by the reference's name (`num_steps`): the pool holds 6
+    loops and every call runs 6."""
     model, tokenizer, stops = load("huginn-small")
     fmt = get_format("residual")
     engine = Engine(model, tokenizer, fmt, eos_ids=stops, max_len=40, num_slots=2, page_size=4, chunk=8,
-                    token_budget=16, init_scale=1.0)
+                    token_budget=16, init_scale=1.0, num_steps=6)
+    assert model.config.num_loops == 8 and engine.num_loops == 6
+    assert engine.runner._template.num_loops == 6
     prompt = tokenizer.encode(RETRIEVAL[0][:-1] + "m9;B1;k").ids
     assert len(prompt) == 29
     sampler = Sampler(model, SamplingConfig(max_new_tokens=4, stop_tokens=stops, prefill_chunk=8), fmt,
-                      init_scale=1.0)
+                      init_scale=1.0, num_steps=6)
     hits = []
     for seed in (0, 1, 0):
         (out,) = engine.generate([prompt], SamplingParams(max_tokens=4, seed=seed))
@@ -226,6 +230,13 @@ def test_requests_that_cannot_be_served_are_refused_by_name(ouro):
                           (dict(num_slots=2, chunk=32, token_budget=16), "must hold a prompt chunk (32)")]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             Engine(model, tokenizer, **{"fmt": get_format("dense"), "max_len": 64, **kwargs})
+
+
+def test_a_format_that_needs_data_wants_its_calibration():
+    """residual_vq's codebooks are fitted on data: without a calibration the engine refuses it by name."""
+    model, tokenizer, stops = load("ouro-small")
+    with pytest.raises(ValueError, match="needs a calibration fitted on data"):
+        Engine(model, tokenizer, get_format("residual_vq"), eos_ids=stops, max_len=32, num_slots=1)
 
 
 def test_pages_follow_the_memory_budget_and_the_formats_bytes():
