@@ -4,12 +4,14 @@
 httpx's streaming cost ~0.75 of a core at 700 tok/s, halving what the server was measured to do) with
 streamed completions; its tables (`markdown`), JSON and figure (`plot`).
 
-Workloads (`WORKLOADS`, `requests`): `sums`, held-out sums in the models' format (12 tokens) and
-`max_tokens` out each; `mixed`, prompt and output lengths drawn log-uniformly (prompts 8 to max_len / 2
-tokens of held-out sums run together, outputs 4 to max_len / 2), so requests of every length share one
-budget; `prefix`, the GSM8K 3-shot chain-of-thought prompt of `rq_jax.eval.prompts` (Ouro's protocol)
-with a held-out sum as its question, so every request shares a ~770-token prefix, each format run with
-the prefix cache and without it (`--no-prefix-cache`).
+Workloads (`WORKLOADS`, `requests`): `sums`, held-out sums in the models' format (12 tokens) and `max_tokens`
+out each; `mixed`, prompt and output lengths drawn log-uniformly (prompts 8 to max_len / 2 tokens of held-out
+sums run together, outputs 4 to max_len / 2), so requests of every length share one budget; `long`, prompts
+drawn uniformly from max_len / 2 to max_len - max_tokens tokens of the same stream and `max_tokens` out
+(2-4k-token prompts at --max-len 4096: the long-context regime, on a large model such as
+scripts/random_checkpoint.py writes); `prefix`, the GSM8K 3-shot chain-of-thought prompt of
+`rq_jax.eval.prompts` (Ouro's protocol) with a held-out sum as its question, so every request shares a
+~770-token prefix, each format run with the prefix cache and without it (`--no-prefix-cache`).
 
 Per request: time to first token, inter-token latency, end to end; per load point (fixed concurrency or
 Poisson arrivals): output tok/s, req/s, peak concurrent sequences (from the client's clock: polling the
@@ -48,7 +50,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 #: The cache formats compared: label -> serve.py options.
 FORMATS = {"dense bf16": ["--cache", "dense"], "residual [2,2,2,4]": ["--cache", "residual"]}
-WORKLOADS = ("sums", "mixed", "prefix")
+WORKLOADS = ("sums", "mixed", "long", "prefix")
 #: The label suffix and serve.py option of a run without the prefix cache (the `prefix` workload's baseline).
 UNCACHED = (", no prefix cache", ["--no-prefix-cache"])
 
@@ -78,12 +80,17 @@ def requests(args, tokenizer, n: int) -> list[tuple[str | list[int], int]]:
         protocol = eval_prompts.protocol("ouro", "gsm8k")
         out = [(eval_prompts.build_prompt(protocol, MathProblem(str(i), "", q, "", "")), args.max_tokens)
                for i, q in enumerate(sums)]
-    else:
+    else:  # windows of the held-out sums run together
         rng = np.random.default_rng(0)
         stream = [t for p in held_out for t in tokenizer.encode(p).ids]
-        top = max(args.max_len // 2, 8)
-        lengths = np.exp(rng.uniform(np.log(8), np.log(top), n)).astype(int)
-        outputs = np.exp(rng.uniform(np.log(4), np.log(top), n)).astype(int)
+        if kind == "long":
+            top = args.max_len - args.max_tokens
+            lengths = rng.integers(min(args.max_len // 2, top), top + 1, n)
+            outputs = np.full(n, args.max_tokens)
+        else:
+            top = max(args.max_len // 2, 8)
+            lengths = np.exp(rng.uniform(np.log(8), np.log(top), n)).astype(int)
+            outputs = np.exp(rng.uniform(np.log(4), np.log(top), n)).astype(int)
         starts = rng.integers(0, len(stream) - top, n)
         out = [(stream[a : a + int(k)], int(m)) for a, k, m in zip(starts, lengths, outputs)]
     longest = max(len(tokenizer.encode(p).ids) if isinstance(p, str) else len(p) for p, _ in out)
@@ -304,11 +311,26 @@ def _rule(n: int) -> str:
     return report.row(["---"] * n)
 
 
+def model_words(args) -> str:
+    """The served model in words: a random-weight checkpoint's preset and layers (scripts/random_checkpoint.py),
+    else the checkpoint folder's name."""
+    try:
+        with open(os.path.join(args.checkpoint, "config.json")) as f:
+            note = json.load(f).get("rq_jax", {})
+    except (OSError, ValueError):
+        note = {}
+    if note.get("weights") == "random":
+        return f"random-weight {note['preset']} widths at {note['layers']} layers"
+    return os.path.basename(os.path.normpath(args.checkpoint))
+
+
 def workload_words(args) -> str:
     """The workload's prompts and outputs in words."""
     top = max(args.max_len // 2, 8)
     return {"sums": f"12-token prompts, {args.max_tokens} output tokens",
             "mixed": f"prompts of 8-{top} tokens and outputs of 4-{top} (log-uniform)",
+            "long": f"prompts of {min(top, args.max_len - args.max_tokens)}-{args.max_len - args.max_tokens} tokens "
+                    f"(uniform), {args.max_tokens} output tokens",
             "prefix": f"GSM8K 3-shot prompts sharing a ~770-token prefix, {args.max_tokens} output tokens"
             }[workload_of(args)]
 
@@ -318,7 +340,7 @@ def markdown(runs: list[dict], args) -> str:
     prefix cache against none (the `prefix` workload), and the vLLM comparison workload (when both formats
     ran concurrency 1 and 32 of the `sums` workload)."""
     row = report.row
-    lines = [f"Ouro-small ({args.checkpoint}), requests of {args.max_len} tokens{sizing_words(args)}, "
+    lines = [f"{model_words(args)} ({args.checkpoint}), requests of {args.max_len} tokens{sizing_words(args)}, "
              f"{workload_words(args)} (greedy, ignore_eos); medians and p99 of one run.",
              "", row(["format", "load", "requests", "output tok/s", "req/s", "peak sequences", "TTFT p50 / p99 ms",
                       "ITL p50 / p99 ms", "e2e p50 / p99 ms"]), _rule(9)]

@@ -72,7 +72,7 @@ def test_the_checked_in_run_writes_the_same_tables_and_keys(tmp_path):
 
 def test_the_workloads_requests():
     """sums: 12-token prompts at max_tokens; mixed: log-uniform lengths within their stated ranges, every
-    request fitting max_len; prefix: GSM8K 3-shot prompts sharing their first ~770 tokens, each format also
+    request fitting max_len; long: 2-4k-token prompts at --max-len 4096, uniform, max_tokens out; prefix: GSM8K 3-shot prompts sharing their first ~770 tokens, each format also
     run without the prefix cache; a workload that cannot fit max_len is refused by name."""
     tokenizer = load_tokenizer(REPO / "checkpoints" / "ouro-small")
     sums = serve.requests(SimpleNamespace(workload="sums", max_len=32, max_tokens=8), tokenizer, 300)
@@ -89,6 +89,10 @@ def test_the_workloads_requests():
     assert list(serve.variants(SimpleNamespace(workload="sums"))) == list(serve.FORMATS)
     with pytest.raises(ValueError, match="prefix workload's prompts reach 790 tokens: --max-len 512"):
         serve.requests(SimpleNamespace(workload="prefix", max_len=512, max_tokens=8), tokenizer, 4)
+    long = serve.requests(SimpleNamespace(workload="long", max_len=4096, max_tokens=128), tokenizer, 200)
+    lengths = np.array([len(p) for p, _ in long])
+    assert lengths.min() >= 2048 and lengths.max() <= 4096 - 128 and {n for _, n in long} == {128}
+    assert lengths.max() - lengths.min() > 1500  # uniform over the range, not one length
 
 
 def test_the_prefix_table_sets_each_format_against_its_uncached_run():

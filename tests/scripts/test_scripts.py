@@ -143,6 +143,28 @@ def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
     assert f"wrote {out}" in second.out
 
 
+def test_random_checkpoint_writes_a_folder_the_loaders_read(tmp_path):
+    """A random-weight model at a preset's widths and the shipped tokenizer's vocabulary, as an HF folder that
+    the converter's loader reads back weight for weight and generate.py runs."""
+    import numpy as np
+    from flax import nnx
+
+    from rq_jax.convert.hf import load_model
+    from rq_jax.models import init_model
+
+    dest = tmp_path / "ouro-random"
+    run_ok("random_checkpoint", dest, "--preset", "ouro-tiny", "--layers", "1", "--seed", "3", "--dtype", "float32")
+    model, config = load_model(dest)
+    assert config.hidden_size == 64 and config.num_layers == 1 and config.vocab_size == 259
+    assert json.loads((dest / "config.json").read_text())["rq_jax"]["weights"] == "random"
+    want = nnx.state(init_model(config, seed=3), nnx.Param)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    run = run_ok("generate", "--checkpoint", dest, "--cache", "residual", "--group-size", "16", "--max-new-tokens", "3",
+                 "--prompt", "12+")
+    assert run.out
+
+
 @pytest.mark.parametrize("script,argv,message", [
     ("kv_error", ["--seq", "0"], "argument --seq: must be a positive integer, got 0"),
     ("kv_error", ["--group-size", "7"], "argument --group-size: 7 does not divide the model's head_dim 16"),
@@ -171,6 +193,7 @@ def test_kv_error_table_json_and_the_compile_cache(tmp_path, monkeypatch):
     ("serve", ["--model", "huginn", "--mesh", "data=x"], "argument --mesh: bad mesh 'data=x'"),
     ("serve", ["--model", "ouro", "--port", "70000"], "argument --port: 70000 is not a TCP port"),
     ("serve", ["--model", "ouro", "--cache", "dense", "--bits", "2"], "--cache dense does not take --bits"),
+    ("random_checkpoint", [SHIPPED / "ouro-small"], "argument dest: "),
 ])
 def test_scripts_reject_bad_options_in_one_line(script, argv, message):
     if script == "kv_error":
