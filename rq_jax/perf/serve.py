@@ -227,7 +227,9 @@ async def run_point(server: ServerProcess, prompts: list[tuple[str | list[int], 
             return await r.text()
 
     connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: the gate below is the concurrency
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+    # A request may wait for its first token as long as the point lasts (long prompts queue behind each other).
+    timeout = aiohttp.ClientTimeout(total=args.max_seconds + 600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         before = engine_counters(await metrics_text(http))
         start = time.perf_counter()
         deadline = start + args.max_seconds
