@@ -84,7 +84,7 @@ class KernelConfig:
     def launch(self) -> launch.Launch:
         """The launch parameters the dispatch picks for this call (`pallas_kernels.launch`; a paged call's
         tiles at most a page, `decode_common.tile_block`)."""
-        lp = launch.lookup(self.kernel, self.dim, self.rows, self.groups())
+        lp = launch.lookup(self.kernel, self.dim, self.rows, self.groups(), paged=bool(self.page))
         return lp._replace(block_s=dc.tile_block(lp.block_s, self.page))
 
     def compile(self, target: deviceless.Target, cache_dir=None, override: launch.Launch | None = None):
@@ -92,8 +92,8 @@ class KernelConfig:
         parameters, or with `override`'s. Raises deviceless.CompileError, or NotImplementedError when
         the lowering rejects it."""
         fn, args = self.call()
-        if override is not None:
-            fn = functools.partial(fn, block_s=override.block_s, num_warps=override.num_warps,
+        if override is not None:  # a paged call's tiles at most a page, as the dispatch caps them
+            fn = functools.partial(fn, block_s=dc.tile_block(override.block_s, self.page), num_warps=override.num_warps,
                                    num_stages=override.num_stages,
                                    block_r=min(launch.row_block(self.rows), override.max_block_r),
                                    **({"dequant_keys": override.dequant_keys} if self.links else {}))
@@ -200,9 +200,15 @@ ISSUE_TABLE = (
     KernelConfig("dense-d128-bfloat16kv", 128, 1),
 )
 
-#: The issue table's calls over a paged pool of 16-token pages (the serving engine's default page), rows read
-#: through a block table.
-PAGED = tuple(dataclasses.replace(c, name=f"paged16-{c.name}", page=16) for c in ISSUE_TABLE)
+def paged(cfg: KernelConfig, page: int = 16) -> KernelConfig:
+    """`cfg` over a pool of pages of `page` tokens (the serving engine's 16 by default), rows read through a
+    block table, named pagedP-NAME."""
+    return dataclasses.replace(cfg, name=f"paged{page}-{cfg.name}", page=page)
+
+
+#: The issue table's calls over the engine's 16-token pages (`scripts/kernel_report.py --page 16` compiles
+#: every configuration so).
+PAGED = tuple(paged(c) for c in ISSUE_TABLE)
 
 MATRIX = ISSUE_TABLE + _matrix() + PAGED
 BY_NAME = {c.name: c for c in MATRIX}

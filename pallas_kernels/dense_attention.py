@@ -106,7 +106,7 @@ def dense_decode_attention(
     lengths, table, page, s = dc.paged_lengths(lengths, block_table, k.shape[:4])
     if s == 0:
         return dc.empty_partial(b, kh, r, d)
-    lp = launch.lookup(f"dense-{jnp.dtype(k.dtype).name}", d, r)
+    lp = launch.lookup(f"dense-{jnp.dtype(k.dtype).name}", d, r, paged=bool(page))
     plan = dc.plan_decode(b, kh, r, s, block_s=block_s or dc.tile_block(lp.block_s, page), num_splits=num_splits,
                           block_r=block_r, num_warps=num_warps or lp.num_warps, num_stages=num_stages or lp.num_stages,
                           max_block_r=lp.max_block_r)

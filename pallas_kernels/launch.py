@@ -87,6 +87,26 @@ OVERRIDES = {
     LaunchKey("residual", 128, 4, 32, 64): Launch(16, 4, 2, 16, dequant_keys=True),
 }
 
+#: Paged calls (rows read through a block table, tiles of at most a page: `decode_common.tile_block`) of the
+#: classes where the matrix over the engine's 16-token pages spilled with the class's choice (16 of 706
+#: compiles, 8-32 B; mostly 8-warp builds that ptxas holds to 128 registers for two blocks per SM), each
+#: re-chosen on all the class's paged configurations for both targets: `python scripts/kernel_report.py
+#: --page 16 --json paged.json`, then `--page 16 --refit paged.json`, with the chosen tile written as the 16
+#: tokens it runs at (docs/performance.md, "On a GPU: the Pallas kernels read the pool").
+PAGED_OVERRIDES: dict[LaunchKey, Launch] = {
+    LaunchKey('residual', 64, 1, 32, 16): Launch(16, 4, 2, 16, True),
+    LaunchKey('residual', 64, 2, 32, 16): Launch(16, 8, 2, 16),
+    LaunchKey('residual', 64, 3, 16, 16): Launch(16, 4, 2, 16),
+    LaunchKey('residual', 64, 3, 32, 32): Launch(16, 8, 2, 32),
+    LaunchKey('residual', 64, 4, 16, 16): Launch(16, 4, 2, 16, True),
+    LaunchKey('residual', 64, 4, 32, 64): Launch(16, 8, 2, 64, True),
+    LaunchKey('residual', 96, 1, 32, 16): Launch(16, 4, 2, 16, True),
+    LaunchKey('residual', 96, 3, 32, 16): Launch(16, 8, 2, 16),
+    LaunchKey('residual', 128, 2, 32, 64): Launch(16, 8, 2, 16),
+    LaunchKey('residual', 128, 4, 16, 32): Launch(16, 4, 2, 16, True),
+    LaunchKey('residual', 128, 4, 16, 64): Launch(16, 8, 2, 16),
+}
+
 # Filled from `python scripts/kernel_report.py --sweep` (see docs/performance.md, "The kernels compiled").
 TABLE: dict[LaunchKey, Launch] = {
     LaunchKey('dense-bfloat16', 64, 0, 0, 16): Launch(64, 4, 2, 16),
@@ -193,7 +213,8 @@ def key(kernel: str, dim: int, rows: int, groups: tuple[int, ...] = ()) -> Launc
     return LaunchKey(kernel, bucket, len(groups), 16 if min(groups) < 32 else 32, block_r)
 
 
-def lookup(kernel: str, dim: int, rows: int, groups: tuple[int, ...] = ()) -> Launch:
-    """The launch parameters for a call: OVERRIDES', else TABLE's, else FALLBACK."""
+def lookup(kernel: str, dim: int, rows: int, groups: tuple[int, ...] = (), paged: bool = False) -> Launch:
+    """The launch parameters for a call (`paged`: through a block table): PAGED_OVERRIDES' for a paged call,
+    else OVERRIDES', else TABLE's, else FALLBACK."""
     k = key(kernel, dim, rows, groups)
-    return OVERRIDES.get(k) or TABLE.get(k, FALLBACK)
+    return (paged and PAGED_OVERRIDES.get(k)) or OVERRIDES.get(k) or TABLE.get(k, FALLBACK)

@@ -181,16 +181,17 @@ def sweep(keys, targets, cache, log=print) -> dict:
 # ---- the refit that fixes the classes that spill ----------------------------------------------------
 
 
-def failed_keys(path: str | Path) -> list[launch.LaunchKey]:
+def failed_keys(path: str | Path, cfgs=configs.MATRIX) -> list[launch.LaunchKey]:
     """The classes (sorted) of the configurations that failed in a report's JSON at `path`; ValueError
-    when it is not a report or names configurations outside `configs.MATRIX`."""
+    when it is not a report or names configurations outside `cfgs` (default: configs.MATRIX)."""
     try:
         failed_names = {r["config"] for r in json.loads(Path(path).read_text())["rows"] if not r["ok"]}
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"not a kernel_report.py JSON report ({type(err).__name__}: {err})") from None
-    if unknown := sorted(failed_names - configs.BY_NAME.keys()):
-        raise ValueError(f"configurations not in configs.MATRIX: {', '.join(unknown[:3])}")
-    return sorted({configs.BY_NAME[name].launch_key() for name in failed_names} - {None})
+    by_name = {c.name: c for c in cfgs}
+    if unknown := sorted(failed_names - by_name.keys()):
+        raise ValueError(f"configurations not in the matrix reported: {', '.join(unknown[:3])}")
+    return sorted({by_name[name].launch_key() for name in failed_names} - {None})
 
 
 def refit_key(key: launch.LaunchKey, cfgs, targets, cache, log=print) -> tuple[launch.Launch | None, list]:
@@ -212,12 +213,13 @@ def refit_key(key: launch.LaunchKey, cfgs, targets, cache, log=print) -> tuple[l
     return None, tried
 
 
-def refit(keys, targets, cache, log=print) -> dict:
-    """`refit_key` of every class in `keys` on all its configurations of `configs.MATRIX`: {"table":
-    {LaunchKey: Launch | None}, "rows": every row tried, with its class as "key"}."""
+def refit(keys, targets, cache, log=print, cfgs=configs.MATRIX) -> dict:
+    """`refit_key` of every class in `keys` on all its configurations of `cfgs` (default configs.MATRIX;
+    the paged matrix for `launch.PAGED_OVERRIDES`): {"table": {LaunchKey: Launch | None}, "rows": every row
+    tried, with its class as "key"}."""
     table, rows = {}, []
     for key in keys:
-        members = [c for c in configs.MATRIX if c.launch_key() == key]
+        members = [c for c in cfgs if c.launch_key() == key]
         table[key], tried = refit_key(key, members, targets, cache, log)
         rows += [dict(r, key=list(key)) for r in tried]
         log(f"==> {key}: {table[key]}")

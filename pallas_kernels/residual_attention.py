@@ -379,7 +379,8 @@ def residual_decode_attention(
     k_pieces = _pieces(k_links, d)
     if s == 0:
         return dc.empty_partial(b, k, r, d)
-    lp = launch.lookup("residual", d, r, tuple(min(kl.group, vl.group) for kl, vl in zip(k_links, v_links)))
+    lp = launch.lookup("residual", d, r, tuple(min(kl.group, vl.group) for kl, vl in zip(k_links, v_links)),
+                       paged=bool(page))
     plan = dc.plan_decode(b, k, r, s, block_s=block_s or dc.tile_block(lp.block_s, page), num_splits=num_splits,
                           block_r=block_r, num_warps=num_warps or lp.num_warps, num_stages=num_stages or lp.num_stages,
                           max_block_r=lp.max_block_r)

@@ -7,6 +7,7 @@ without a TPU (--tpu); markdown + JSON.
     python scripts/kernel_report.py --ci-subset                                     # what the tests compile
     python scripts/kernel_report.py --sweep --json sweep.json                       # re-derive launch.TABLE
     python scripts/kernel_report.py --refit kernels.json                            # fix the classes that spill
+    python scripts/kernel_report.py --page 16 --json paged.json                     # through a block table
     python scripts/kernel_report.py --shard 0/2 & python scripts/kernel_report.py --shard 1/2   # in parallel
     python scripts/kernel_report.py --tpu v5e,v6e,v4 --json tpu.json --markdown tpu.md    # TPUs (libtpu)
 
@@ -65,11 +66,16 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="derive launch.TABLE instead of reporting the matrix")
     p.add_argument("--refit", metavar="REPORT", default=None,
                    help="a report's JSON: find launch parameters for the classes that failed there")
+    p.add_argument("--page", type=cli.positive_int, default=None, metavar="P",
+                   help="every configuration read through a block table over pages of P tokens (the serving "
+                        "engine's 16); with --refit, the launch.PAGED_OVERRIDES of its failed classes")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     args = p.parse_args(argv)
     if args.tpu and (args.sweep or args.refit):
         p.error("--tpu reports the matrix: --sweep and --refit derive the GPU launch table")
+    if args.page and (args.tpu or args.sweep):
+        p.error("--page reads the GPU kernels' configurations through a block table: not with --tpu or --sweep")
     if args.tpu and not tpu_deviceless.libtpu_available():
         print(f"kernel_report.py: {tpu_report.no_libtpu_message()}", file=sys.stderr)
         return 2
@@ -78,6 +84,8 @@ def main(argv=None) -> int:
         return 2
     targets = [deviceless.TARGETS[t] for t in args.targets]
     cfgs = [c for c in configs.MATRIX if args.only is None or any(s in c.name for s in args.only)]
+    if args.page:
+        cfgs = [configs.paged(c, args.page) for c in cfgs if not c.page]
     if args.ci_subset:
         cfgs = [c for c in cfgs if c.name in (configs.TPU_CI_SUBSET if args.tpu else configs.CI_SUBSET)]
     i, n = map(int, args.shard.split("/")) if args.shard else (0, 1)
@@ -93,15 +101,16 @@ def main(argv=None) -> int:
     elif args.refit or args.sweep:
         if args.refit:
             try:
-                keys = report.failed_keys(args.refit)[i::n]
+                keys = report.failed_keys(args.refit, cfgs)[i::n]
             except ValueError as err:
                 p.error(f"--refit {args.refit}: {err}")
-            out = report.refit(keys, targets, args.cache)
+            out = report.refit(keys, targets, args.cache, cfgs=cfgs)
         else:
             keys = {c.launch_key() for c in cfgs} - {None}
             families = sorted({report.family(k) for k in keys})[i::n]
             out = report.sweep([k for k in keys if report.family(k) in families], targets, args.cache)
-        print(report.table_source(out["table"], "OVERRIDES" if args.refit else "TABLE"))
+        name = ("PAGED_OVERRIDES" if args.page else "OVERRIDES") if args.refit else "TABLE"
+        print(report.table_source(out["table"], name))
         result = dict(versions=versions, table=report.table_json(out["table"]), rows=out["rows"])
         failed = any(v is None for v in out["table"].values())
     else:

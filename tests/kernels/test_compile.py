@@ -12,6 +12,7 @@ compile, a warm one only the lowering (docs/performance.md, "What CI compiles").
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 
@@ -90,7 +91,8 @@ def test_lowering_for_ampere_accepts_fp8_metadata():
 @pytest.mark.parametrize("content, message", [
     (None, "not a kernel_report.py JSON report (FileNotFoundError"),
     ("{", "not a kernel_report.py JSON report (JSONDecodeError"),
-    ('{"rows": [{"config": "d64-r1-int9g32", "ok": false}]}', "configurations not in configs.MATRIX: d64-r1-int9g32"),
+    ('{"rows": [{"config": "d64-r1-int9g32", "ok": false}]}',
+     "configurations not in the matrix reported: d64-r1-int9g32"),
 ])
 def test_refit_refuses_a_bad_report_in_one_line(tmp_path, content, message):
     path = tmp_path / "report.json"
@@ -99,3 +101,17 @@ def test_refit_refuses_a_bad_report_in_one_line(tmp_path, content, message):
     run = run_script("kernel_report", "--refit", path)
     err = run.err.strip().splitlines()
     assert run.code == 2 and message in err[-1] and f"--refit {path}: " in err[-1] and "Traceback" not in run.err
+
+
+def test_the_paged_report_reads_through_a_block_table(tmp_path):
+    """--page 16: every configuration over 16-token pages, with the paged launch (`launch.PAGED_OVERRIDES`
+    where the class has one, tiles of at most a page); and a class's paged override is what its paged
+    configurations compile with."""
+    out = tmp_path / "paged.json"
+    run = run_script("kernel_report", "--page", "16", "--only", "ouro-loop-d128", "--targets", "sm_90", "--json", out)
+    assert run.code == 0, run.err
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["config"] == "paged16-ouro-loop-d128-int2g32-int4g32" and row["ok"] and row["block_s"] == 16
+    cfg = configs.paged(configs.BY_NAME["d128-r64-int2g32-int4g32"])
+    assert cfg.launch() == launch.PAGED_OVERRIDES[cfg.launch_key()] != launch.lookup("residual", 128, 64, (32, 32))
+    assert run_script("kernel_report", "--page", "16", "--sweep").code == 2
