@@ -71,9 +71,10 @@ def test_the_checked_in_run_writes_the_same_tables_and_keys(tmp_path):
 
 
 def test_the_workloads_requests():
-    """sums: 12-token prompts at max_tokens; mixed: log-uniform lengths within their stated ranges, every
-    request fitting max_len; long: 2-4k-token prompts at --max-len 4096, uniform, max_tokens out; prefix: GSM8K 3-shot prompts sharing their first ~770 tokens, each format also
-    run without the prefix cache; a workload that cannot fit max_len is refused by name."""
+    """sums: 12-token prompts at max_tokens; mixed: log-uniform lengths within their stated ranges, every request
+    fitting max_len; long: 2-4k-token prompts at --max-len 4096, uniform, max_tokens out; prefix: GSM8K 3-shot
+    prompts sharing their first ~770 tokens, each format also run without the prefix cache; a workload that
+    cannot fit max_len is refused by name."""
     tokenizer = load_tokenizer(REPO / "checkpoints" / "ouro-small")
     sums = serve.requests(SimpleNamespace(workload="sums", max_len=32, max_tokens=8), tokenizer, 300)
     assert len(sums) == 300 and all(len(tokenizer.encode(p).ids) == 12 and n == 8 for p, n in sums)
