@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     cfgs = [c for c in configs.MATRIX if args.only is None or any(s in c.name for s in args.only)]
     if args.page:
         cfgs = [configs.paged(c, args.page) for c in cfgs if not c.page]
+    elif args.tpu:  # the engine's pool is the GPU and CPU kernels' page layout, not the TPU kernels'
+        cfgs = [c for c in cfgs if not c.page]
     if args.ci_subset:
         cfgs = [c for c in cfgs if c.name in (configs.TPU_CI_SUBSET if args.tpu else configs.CI_SUBSET)]
     i, n = map(int, args.shard.split("/")) if args.shard else (0, 1)
