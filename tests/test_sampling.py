@@ -18,7 +18,9 @@ def test_no_retrace_for_same_shapes_and_compile_time_apart(ouro):
     assert sampler.num_compiled() == 2  # prefill + decode loop
     second = sampler(ref["input_ids"][::-1].tolist(), seed=1)
     assert sampler.num_compiled() == 2
-    assert first.compile_seconds > 1.0 and second.compile_seconds == 0.0
+    # Compiling two programs takes far longer than 0.1 s (0.9-3 s here, with the machine's load); running them
+    # again takes milliseconds.
+    assert first.compile_seconds > 0.1 and second.compile_seconds == 0.0
     assert 0 < second.prefill_seconds < first.compile_seconds and 0 < second.decode_seconds < first.compile_seconds
     text = repr(second)
     assert text.startswith("Generation(tokens [2, 4], num_generated=[4, 4], dense cache of 14 positions (") and \
