@@ -86,7 +86,7 @@ class ModelRunner:
         self.decode_rows = geometric(1, max_rows, 2)
         self.token_buckets = geometric(min(16, chunk), chunk, 2)
         self.prefill_rows = {t: geometric(1, max(1, min(max_rows, token_budget // t)), 2) for t in self.token_buckets}
-        self._graphdef, self.params, num_loops, self.calib, needs_data = setup.prepare(
+        self._graphdef, self.params, num_loops, self.calib, _ = setup.prepare(
             model, fmt, self.plain_fmt, calib=calib, mesh=mesh, **model_kwargs)
         if self.calib is None:
             raise ValueError(f"the {fmt.describe()} cache needs a calibration fitted on data (scripts/calibrate.py)")
