@@ -130,10 +130,8 @@ class KernelConfig:
 
     def tpu_call(self, generation: str):
         """(fn, args): `call()` for the TPU (Mosaic) kernel of `generation` ("v5e", ...: its `tpu_launch`
-        entry), the same ShapeDtypeStruct inputs and chain arguments, contiguous (no block table). Tracing
-        it raises NotImplementedError for what the TPU kernel declines."""
-        if self.page:
-            raise NotImplementedError("the TPU kernels read their own page layout, not the engine's pool")
+        entry), the same ShapeDtypeStruct inputs and chain arguments (a paged configuration's pool and block
+        table included). Tracing it raises NotImplementedError for what the TPU kernel declines."""
         fn, args = self.call()
         tpu = tra.tpu_residual_decode_attention if self.links else tda.tpu_dense_decode_attention
         return functools.partial(tpu, generation=generation, **getattr(fn, "keywords", {})), args
@@ -225,10 +223,18 @@ CI_SUBSET = tuple(c.name for c in ISSUE_TABLE) + ("d128-r1-int8g32", "dense-d96-
                                                  "paged16-ouro-loop-d128-int2g32-int4g32",
                                                  "paged16-dense-d128-bfloat16kv")
 
+#: A TPU pool's page: the TPU kernels' tiles hold tokens on the 128 lanes, and XLA:TPU relays out a pool of
+#: smaller pages around the call (measured on v5e: 379 MiB of temporaries for Ouro's loop over a 57 MiB pool of
+#: 16-token pages, none at 128): `scripts/kernel_report.py --tpu v5e --page 128`.
+TPU_PAGE = 128
+
 #: Compiled for v5e and v6e on every test run where libtpu is installed (tests/kernels/test_tpu_report.py):
 #: Ouro's loop and anchor, the 3-link chain, Huginn's head dim, the 4-link g16 chain that takes the most
 #: VMEM, dense bf16 and f32 K/V, and one configuration of each kind the TPU kernel declines (INT8 codes at
-#: head dim 128, float16 metadata). `scripts/kernel_report.py --tpu` compiles the rest of MATRIX.
+#: head dim 128, float16 metadata). `scripts/kernel_report.py --tpu` compiles the rest of MATRIX (its
+#: contiguous configurations; `--page 128` the pooled ones).
 TPU_CI_SUBSET = ("ouro-loop-d128-int2g32-int4g32", "ouro-anchor-d128-int4g32", "chain3-d128-int2g32-int2g32-int4g32",
                  "huginn-d96-int2g16-int4g16", "d96-r1-int2g16-int2g16-int2g16-int4g16", "dense-d128-bfloat16kv",
                  "dense-d128-float32kv", "d128-r1-int8g32", "d64-r1-int2g32-int4g32-float16meta")
+#: With them, Ouro's loop and dense bf16 over a pool of TPU_PAGE-token pages, read through a block table.
+TPU_CI_PAGED = tuple(paged(BY_NAME[n], TPU_PAGE) for n in ("ouro-loop-d128-int2g32-int4g32", "dense-d128-bfloat16kv"))

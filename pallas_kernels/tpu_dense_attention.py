@@ -6,15 +6,15 @@ tokens), a slot's stored keys/values [B, K, S, D] picked from a stack [M, ...], 
 unnormalised partial (acc [B, K, R, D], m, l [B, K, R], float32), with m = -1e30, l = 0, acc = 0 for a row
 that has no valid token. The caller merges it with the current tokens' partial, as for the GPU kernel.
 
-Paging. The slot's cache is a pool of B * N pages of P = S / N tokens, page p holding tokens
-[(p % N) * P, (p % N + 1) * P) of row p // N (a reshape of [B, K, S, D], no copy). `block_table` [B, N] names,
-per row and logical page j, the physical page that holds the row's tokens [j * P, (j + 1) * P); a contiguous
-cache is the identity table (`identity_table`), which is what the kernel builds when none is given, with
-P = the launch table's block (or S when that is smaller). Entries past a row's last valid page are never
-read (they may hold anything); entries it reads are clipped into the pool.
+Paging, as the GPU and CPU kernels (the serving engine's pool). Without a block table the slot's cache is
+contiguous, [M, B, K, S, D], read in pages of P = the launch table's block (or S when that is smaller). With
+`block_table` [B, N] every cache operand is a pool [M, NP, K, P, D] of NP pages of P tokens, and row b's
+position s is read from page block_table[b, s // P] (capacity N·P). Entries past a row's last valid page are
+never read (they may hold anything); entries it reads are clipped into the pool.
 
-The grid is (B, K, N): rows and kv heads in parallel, the context axis sequential ("arbitrary") with an
-online softmax held in VMEM scratch. Block table, lengths and slot arrive by scalar prefetch (SMEM), so the
+The grid is (B, K, R / ROW_BLOCK, N): rows, kv heads and blocks of query rows (`tpu_launch.row_block`: a
+prompt chunk's many rows in blocks, decode's in one) in parallel, the context axis sequential ("arbitrary")
+with an online softmax held in VMEM scratch. Block table, lengths and slot arrive by scalar prefetch (SMEM), so the
 K/V BlockSpecs' index maps look up the physical page of each step before its DMA; a step past the row's
 length maps to the row's last valid page, which the pipeline does not fetch again, and skips its compute:
 HBM traffic follows the valid length, not the capacity. No split-K: a TPU core runs its grid sequentially,
@@ -78,7 +78,7 @@ def reset_partial(acc_sc, m_sc, l_sc) -> None:
 def _kernel(slot_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, acc_sc, m_sc, l_sc, *,
             block_s: int, sm_scale: float, transposed: bool):
     del slot_ref, table_ref  # read by the index maps
-    b, j = pl.program_id(0), pl.program_id(2)
+    b, j = pl.program_id(0), pl.program_id(3)
     length = len_ref[b]
 
     pl.when(j == 0)(functools.partial(reset_partial, acc_sc, m_sc, l_sc))
@@ -103,7 +103,7 @@ def _kernel(slot_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l
         v = jnp.where(v_tok < length, v, jnp.zeros_like(v))
         acc_sc[...] = corr * acc_sc[...] + split_dot(dc.split_bf16(p), dc.split_bf16(v), NT if transposed else NN)
 
-    @pl.when(j == pl.num_programs(2) - 1)
+    @pl.when(j == pl.num_programs(3) - 1)
     def _store():
         acc_ref[...] = acc_sc[...]
         m_ref[...] = m_sc[...]
@@ -112,28 +112,20 @@ def _kernel(slot_ref, len_ref, table_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l
 
 def _check(q, k, v, lengths, block_table):
     if q.ndim != 4 or k.ndim != 5 or v.shape != k.shape:
-        raise ValueError(f"want q [B, K, R, D], k = v [M, B, K, S, D]; got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(f"want q [B, K, R, D], k = v [M, B, K, S, D] (or a pool [M, NP, K, P, D]); got {q.shape}, "
+                         f"{k.shape}, {v.shape}")
     b, kh, _, d = q.shape
-    if k.shape[1:3] != (b, kh) or k.shape[4] != d:
+    if k.shape[4] != d:
         raise ValueError(f"cache {k.shape} does not match queries {q.shape}")
+    dc.check_table(block_table, b, k.shape, kh)
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be [{b}], got {lengths.shape}")
-    if block_table is not None:
-        if block_table.ndim != 2 or block_table.shape[0] != b or not jnp.issubdtype(block_table.dtype, jnp.integer):
-            raise ValueError(f"block_table must be integer [{b}, N], got {block_table.dtype}{list(block_table.shape)}")
-        if k.shape[3] % block_table.shape[1]:
-            raise ValueError(f"block_table's {block_table.shape[1]} pages do not divide S = {k.shape[3]}")
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         raise NotImplementedError(f"query dtype {q.dtype} (kernel covers float32 and bfloat16)")
     if k.dtype not in (jnp.float32, jnp.bfloat16) or v.dtype != k.dtype:
         raise NotImplementedError(f"cache dtypes {k.dtype}/{v.dtype} (kernel covers bfloat16 and float32)")
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} (kernel covers up to {MAX_HEAD_DIM})")
-
-
-def identity_table(batch: int, pages: int) -> jax.Array:
-    """The block table [batch, pages] int32 of a contiguous cache: row b's page j is physical page b * pages + j."""
-    return jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
 
 
 def transposed(dim: int) -> bool:
@@ -144,19 +136,17 @@ def transposed(dim: int) -> bool:
     return dim % LANES != 0
 
 
-def page_size(s: int, d: int, kv_dtype, block_table: jax.Array | None, block_s: int | None,
-              generation: str) -> int:
-    """Tokens per page (= per grid step) of a call over capacity S: S / N for a block table [B, N], else
-    `block_s` or the launch table's block, capped at S. NotImplementedError when the page is not all of S and
-    not a multiple of Mosaic's tile along the token axis: the K/V dtype's sublanes (8 float32, 16 bfloat16),
-    or 128 lanes when the tiles are `transposed(d)`."""
+def page_size(s: int, d: int, kv_dtype, paged: bool, block_s: int | None, generation: str) -> int:
+    """Tokens per page (= per grid step): a pool's P = `s` when `paged` (a block of the whole page axis, legal
+    for any P); else `block_s` or the launch table's block, capped at S. NotImplementedError when a contiguous
+    cache's page is not all of S and not a multiple of Mosaic's tile along the token axis: the K/V dtype's
+    sublanes (8 float32, 16 bfloat16), or 128 lanes when the tiles are `transposed(d)`."""
     name = jnp.dtype(kv_dtype).name
-    if block_table is not None:
-        if block_s is not None and block_s != s // block_table.shape[1]:
-            raise ValueError(f"block_s={block_s} contradicts the block table's pages of {s // block_table.shape[1]}")
-        page = s // block_table.shape[1]
-    else:
-        page = min(block_s or tpu_launch.lookup(generation, f"dense-{name}").block_s, s)
+    if paged:
+        if block_s is not None and block_s != s:
+            raise ValueError(f"block_s={block_s} contradicts the pool's pages of {s}")
+        return s
+    page = min(block_s or tpu_launch.lookup(generation, f"dense-{name}").block_s, s)
     tile = LANES if transposed(d) else SUBLANES[name]
     if page != s and page % tile:
         raise NotImplementedError(f"pages of {page} tokens: a {name} block at head dim {d} needs a multiple of {tile}")
@@ -166,11 +156,11 @@ def page_size(s: int, d: int, kv_dtype, block_table: jax.Array | None, block_s: 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def tpu_dense_decode_attention(
     q: jax.Array,          # [B, K, R, D] float32 | bfloat16
-    k: jax.Array,          # [M, B, K, S, D] bfloat16 | float32
-    v: jax.Array,          # [M, B, K, S, D], k's dtype
+    k: jax.Array,          # [M, B, K, S, D] bfloat16 | float32, or a pool [M, NP, K, P, D] with block_table
+    v: jax.Array,          # k's shape and dtype
     lengths: jax.Array,    # [B] int32 valid stored tokens per row
     slot: jax.Array | int,  # [] int32: which of the M stacked slots
-    block_table: jax.Array | None = None,  # [B, N] int32 physical page per logical page; None: identity
+    block_table: jax.Array | None = None,  # [B, N] int32 pool page of each row's logical page; None: contiguous
     *,
     block_s: int | None = None,
     generation: str | None = None,
@@ -183,26 +173,26 @@ def tpu_dense_decode_attention(
     `interpret`: True or `pltpu.InterpretParams` runs the kernel in TPU interpret mode (on a CPU)."""
     _check(q, k, v, lengths, block_table)
     b, kh, r, d = q.shape
-    s = k.shape[3]
+    lengths, table, pool_page, s = dc.paged_lengths(lengths, block_table, k.shape)
     if s == 0:
         return dc.empty_partial(b, kh, r, d)
     generation = generation or tpu_launch.default_generation()
-    page = page_size(s, d, k.dtype, block_table, block_s, generation)
+    paged = table is not None
+    page = page_size(k.shape[3], d, k.dtype, paged, block_s, generation)
     tr = transposed(d)
-    n = s // page if block_table is not None else pl.cdiv(s, page)
-    table = identity_table(b, n) if block_table is None else jnp.clip(block_table.astype(jnp.int32), 0, b * n - 1)
+    n = table.shape[1] if paged else pl.cdiv(s, page)
+    rb = tpu_launch.row_block(r)
     limit = tpu_launch.lookup(generation, f"dense-{jnp.dtype(k.dtype).name}").vmem_limit_bytes
 
-    def kv_map(row, h, j, slot_ref, len_ref, table_ref):
-        # Non-negative operands, so lax.div/rem (truncating) equal // and %, without the sign ops that floor
-        # division lowers to (their Mosaic rule asks the host device for its TPU generation).
+    def kv_map(row, h, i, j, slot_ref, len_ref, table_ref):
+        # Non-negative operands, so lax.div (truncating) equals //, without the sign ops that floor division
+        # lowers to (their Mosaic rule asks the host device for its TPU generation).
         last = jnp.maximum(jax.lax.div(len_ref[row] + page - 1, page) - 1, 0)  # later steps re-map here: no DMA
-        phys = table_ref[row * n + jnp.minimum(j, last)]
-        src, at = jax.lax.div(phys, n), jax.lax.rem(phys, n)  # the page's row and its place in that row
+        src, at = (table_ref[row * n + jnp.minimum(j, last)], 0) if paged else (row, jnp.minimum(j, last))
         return (slot_ref[0], src, h, 0, at) if tr else (slot_ref[0], src, h, at, 0)
 
-    def row_map(row, h, j, *_):
-        return row, h, 0, 0
+    def row_map(row, h, i, j, *_):
+        return row, h, i, 0
 
     kv_spec = pl.BlockSpec((None, None, None, d, page) if tr else (None, None, None, page, d), kv_map)
     if tr:
@@ -211,21 +201,21 @@ def tpu_dense_decode_attention(
         functools.partial(_kernel, block_s=page, sm_scale=1.0 / math.sqrt(d), transposed=tr),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(b, kh, n),
-            in_specs=[pl.BlockSpec((None, None, r, d), row_map), kv_spec, kv_spec],
-            out_specs=[pl.BlockSpec((None, None, r, d), row_map), pl.BlockSpec((None, None, r, 1), row_map),
-                       pl.BlockSpec((None, None, r, 1), row_map)],
-            scratch_shapes=[pltpu.VMEM((r, d), jnp.float32), pltpu.VMEM((r, 1), jnp.float32),
-                            pltpu.VMEM((r, 1), jnp.float32)],
+            grid=(b, kh, pl.cdiv(r, rb), n),
+            in_specs=[pl.BlockSpec((None, None, rb, d), row_map), kv_spec, kv_spec],
+            out_specs=[pl.BlockSpec((None, None, rb, d), row_map), pl.BlockSpec((None, None, rb, 1), row_map),
+                       pl.BlockSpec((None, None, rb, 1), row_map)],
+            scratch_shapes=[pltpu.VMEM((rb, d), jnp.float32), pltpu.VMEM((rb, 1), jnp.float32),
+                            pltpu.VMEM((rb, 1), jnp.float32)],
         ),
         out_shape=[jax.ShapeDtypeStruct((b, kh, r, d), jnp.float32),
                    jax.ShapeDtypeStruct((b, kh, r, 1), jnp.float32),
                    jax.ShapeDtypeStruct((b, kh, r, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
                                              vmem_limit_bytes=limit),
         interpret=interpret,
         name="tpu_dense_decode_attention",
-    )(jnp.asarray(slot, jnp.int32).reshape(1), jnp.clip(lengths.astype(jnp.int32), 0, s), table.reshape(-1),
+    )(jnp.asarray(slot, jnp.int32).reshape(1), lengths, (table if paged else jnp.zeros((1, 1), jnp.int32)).reshape(-1),
       q, k, v)
     return acc, m[..., 0], l[..., 0]
 
@@ -239,21 +229,13 @@ def tpu_dense_decode_attention_reference(q, k, v, lengths, slot, block_table=Non
     del block_s, generation, interpret
     _check(q, k, v, lengths, block_table)
     b, kh, r, d = q.shape
-    s = k.shape[3]
+    lengths, table, _, s = dc.paged_lengths(lengths, block_table, k.shape)
     if s == 0:
         return dc.empty_partial(b, kh, r, d)
+    if table is not None:
+        k, v = dc.rows_of_pages(k, table), dc.rows_of_pages(v, table)
     ks, vs = k[slot], v[slot]  # [B, K, S, D]
-    if block_table is not None:
-        n = block_table.shape[1]
-        table = jnp.clip(block_table.astype(jnp.int32), 0, b * n - 1)
-
-        def gather(x):  # [B, K, S, D] -> pages [B * N, K, P, D] -> rows' logical order
-            pages = x.reshape(b, kh, n, s // n, d).transpose(0, 2, 1, 3, 4).reshape(b * n, kh, s // n, d)
-            return pages[table].transpose(0, 2, 1, 3, 4).reshape(b, kh, s, d)
-
-        ks, vs = gather(ks), gather(vs)
     hi = jax.lax.Precision.HIGHEST
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
     vs = jnp.where((jnp.arange(s)[None, :] < lengths[:, None])[:, None, :, None], vs, 0)  # stale entries: any value
     score = jnp.einsum("bkrd,bksd->bkrs", q.astype(jnp.float32), ks.astype(jnp.float32), precision=hi)
     p, m, l = dc.masked_partial(score / math.sqrt(d), lengths)

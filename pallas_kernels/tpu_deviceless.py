@@ -17,6 +17,7 @@ passes over the TPU silently (libtpu would print errors to stderr) and these com
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import importlib.util
@@ -85,6 +86,13 @@ def custom_calls(hlo: str) -> tuple[tuple[str, str], ...]:
 def mosaic_calls(hlo: str) -> tuple[str, ...]:
     """Op names of the Mosaic kernels (custom calls to "tpu_custom_call") in an HLO module's text."""
     return _mosaic(custom_calls(hlo))
+
+
+def kernel_counts(hlo: str) -> dict[str, int]:
+    """How many call sites of each Mosaic kernel an HLO module's text has, by kernel name (the op name
+    without XLA's ".N" suffix), most first."""
+    names = [re.sub(r"\.\d+$", "", name) for name in mosaic_calls(hlo)]
+    return dict(collections.Counter(names).most_common())
 
 
 def _mosaic(calls) -> tuple[str, ...]:

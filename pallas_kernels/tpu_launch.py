@@ -25,6 +25,18 @@ GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 DEFAULT_GENERATION = "v5e"
 
 
+#: Query rows per grid step (a multiple of 8 sublanes): a call with more (a prompt chunk's T·H/K rows) runs
+#: them in blocks of this many, each reading the context again; decode's rows (H/K, at most 64 in the
+#: configuration matrix) take one block. Without it, a 2048-token chunk's [2048, block] float32 scores alone
+#: took 8 MiB of v5e's 16 MiB scoped VMEM, and its prefill did not compile.
+ROW_BLOCK = 64
+
+
+def row_block(rows: int) -> int:
+    """Query rows per grid step of a call with `rows` rows per kv head: all of them, or ROW_BLOCK."""
+    return min(rows, ROW_BLOCK)
+
+
 class TpuLaunch(NamedTuple):
     """Context tokens per grid step (the online-softmax block; a multiple of 128) and the kernel's scoped
     VMEM limit in bytes (CompilerParams.vmem_limit_bytes)."""

@@ -9,30 +9,33 @@ own link first, the anchor last), each link a packed stream of codes with per-gr
     acc     = Σ_s exp(score_s − m) · Σ_i (Π_{j<i} αv_{j,s}) · D(cv_{i,s}),   D(c) = offset + scale · code,
 
 and the output is the unnormalised partial (acc [B, K, R, D], m, l [B, K, R], float32), m = -1e30, l = 0,
-acc = 0 for a row with no valid token. Paging and scalar prefetch are `tpu_dense_attention`'s: the slot's
-tokens form a pool of B * N pages of P = S / N tokens, `block_table` [B, N] names the physical page of each
-row's logical page (None: the identity, P = the launch table's block or S), and steps past a row's length
-re-map to its last valid page (no DMA) and skip their compute.
+acc = 0 for a row with no valid token. Paging is the GPU kernel's (the serving engine's pool): contiguous
+streams [M, B, K, S, ...] read in pages of P tokens (the launch table's block, halved to fit VMEM), or with
+`block_table` [B, N] pools [M, NP, K, P, ...] whose page block_table[b, s // P] holds row b's position s.
+The page of each step arrives by scalar prefetch, and steps past a row's length re-map to its last valid page
+(no DMA) and skip their compute.
 
-The grid is (B, N): rows in parallel, pages sequential under an online softmax in VMEM scratch, and one step
+The grid is (B, R / ROW_BLOCK, N): rows and blocks of query rows (`tpu_launch.row_block`) in parallel, pages
+sequential under an online softmax in VMEM scratch, and one step
 holds every kv head of its page (a loop over heads inside), because α [M, B, K, S] is stored with the heads
 on the sublanes: a block of one head's α row is not a legal Mosaic block, and a relayout of α to make it one
 is a copy per call. Tiles are token-minor, [channels, tokens]: codes [K, J, P] (J = D·bits/8 bytes per
 token), scale/offset [K, D/g, P], α [K, P]. XLA:TPU stores [..., S, C] arrays whose last dim C is not a
 multiple of 128 with the tokens on the 128 lanes (as a dense cache of such head dims,
 `tpu_dense_attention.transposed`), so the wrapper's `swapaxes` is that layout, not a copy, and P must be a
-multiple of 128 (or all of S). Codes rows of a multiple of 128 bytes (INT8 at head dim 128, INT4/INT8 at
-256) XLA stores token-major: declined (NotImplementedError) rather than copied. Metadata arrays with very
-few groups may be stored with the group axis above the heads (measured: 2 FP8 or 6 bf16 groups per token
-at 16 heads), which costs a copy of that metadata (not of the codes) per call.
+multiple of 128 (or all of S: a pool's page of any size). Codes rows of a multiple of 128 bytes (INT8 at head
+dim 128, INT4/INT8 at 256) XLA stores token-major: declined (NotImplementedError) rather than copied.
+Metadata arrays with very few groups may be stored with the group axis above the heads (measured: 2 FP8 or 6
+bf16 groups per token at 16 heads), which costs a copy of that metadata (not of the codes) per call.
 
 In VMEM a link's codes are widened to int32 and unpacked plane by plane with shifts and masks (plane k of
 byte j is channel kJ + j, so the planes stacked along the sublanes are the channels in order), its metadata
 repeated over each group's channels, and the chain reconstructed as one float32 [D, P] tile per stream,
 ẑ = D(c_0) + α_0 ⊙ (D(c_1) + α_1 ⊙ ...): keys enter one split dot q · ẑ_k (the key means as
 Σ_i (Π_{j<i} αk_j) · mean_score_i, the GPU kernel's `dequant_keys` path), values one split dot p · ẑ_vᵀ.
-FP8-e4m3 metadata travels as its bits (uint8) and is decoded with integer ops
-(`decode_common.float8_e4m3fn_bits_to_f32`): no float8 vector type is assumed of Mosaic.
+FP8-e4m3 metadata is loaded as it is stored, bitcast to uint8 in the kernel and decoded with integer ops
+(`decode_common.float8_e4m3fn_bits_to_f32`): no float8 arithmetic is assumed of Mosaic, and a bitcast outside
+the kernel would be materialised by XLA:TPU (a copy of every metadata leaf per call).
 
 Precision, as the GPU kernels: bf16 dot operands with float32 accumulation, float32 operands (the
 reconstructed tiles, p, float32 queries) split into bf16 hi + lo (~2^-16 relative, lo·lo dropped).
@@ -57,7 +60,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import decode_common as dc
 from pallas_kernels import residual_attention as ra
 from pallas_kernels import tpu_launch
-from pallas_kernels.tpu_dense_attention import LANES, NN, NT, identity_table, reset_partial, split_dot
+from pallas_kernels.tpu_dense_attention import LANES, NN, NT, reset_partial, split_dot
 
 QuantStream = ra.QuantStream
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -94,13 +97,8 @@ def _links(streams, bits, groups, dim: int, what: str) -> tuple[ra.Link, ...]:
 
 
 def _check(q, keys, values, k_alpha, v_alpha, mean_scores, lengths, block_table):
-    ra.check_chain(q, lengths, keys, values, k_alpha, v_alpha, mean_scores)
-    b, _, _, d = q.shape
-    if block_table is not None:
-        if block_table.ndim != 2 or block_table.shape[0] != b or not jnp.issubdtype(block_table.dtype, jnp.integer):
-            raise ValueError(f"block_table must be integer [{b}, N], got {block_table.dtype}{list(block_table.shape)}")
-        if keys[0].codes.shape[3] % block_table.shape[1]:
-            raise ValueError(f"block_table's {block_table.shape[1]} pages do not divide S = {keys[0].codes.shape[3]}")
+    ra.check_chain(q, lengths, keys, values, k_alpha, v_alpha, mean_scores, block_table)
+    d = q.shape[3]
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         raise NotImplementedError(f"query dtype {q.dtype} (TPU kernel covers float32 and bfloat16)")
     if d % SUBLANES or d > MAX_HEAD_DIM:
@@ -110,23 +108,24 @@ def _check(q, keys, values, k_alpha, v_alpha, mean_scores, lengths, block_table)
             raise NotImplementedError(f"alpha dtype {a.dtype} (TPU kernel covers {SUPPORTED_ALPHA})")
 
 
-def page_size(s: int, block_table: jax.Array | None, block_s: int | None, generation: str,
-              step_bytes_per_token: int) -> int:
-    """Tokens per page (= per grid step): S / N for a block table [B, N]; else `block_s`, or the launch
-    table's block halved (down to 128) while the double-buffered inputs of a step (`step_bytes_per_token`:
-    every head's codes, metadata and α of one token) would pass half the VMEM limit; capped at S.
-    NotImplementedError when the page is neither all of S nor a multiple of 128 (the tokens lie on the
-    lanes of every tile)."""
-    if block_table is not None:
-        if block_s is not None and block_s != s // block_table.shape[1]:
-            raise ValueError(f"block_s={block_s} contradicts the block table's pages of {s // block_table.shape[1]}")
-        page = s // block_table.shape[1]
-    elif block_s is not None:
+def page_size(s: int, paged: bool, block_s: int | None, generation: str, step_bytes_per_token: int,
+              row_bytes: int = 0) -> int:
+    """Tokens per page (= per grid step): a pool's P = `s` when `paged` (a block of the whole page axis, legal
+    for any P); else `block_s`, or the launch table's block halved (down to 128) while the double-buffered
+    inputs of a step (`step_bytes_per_token`: every head's codes, metadata and α of one token) and its
+    query-row buffers (`row_bytes`, whatever the page) would pass half the VMEM limit; capped at S.
+    NotImplementedError when a contiguous page is neither all of S nor a multiple of 128 (the tokens lie on
+    the lanes of every tile)."""
+    if paged:
+        if block_s is not None and block_s != s:
+            raise ValueError(f"block_s={block_s} contradicts the pool's pages of {s}")
+        return s
+    if block_s is not None:
         page = min(block_s, s)
     else:
         entry = tpu_launch.lookup(generation, LAUNCH_KERNEL)
         page = entry.block_s
-        while page > LANES and 2 * page * step_bytes_per_token > entry.vmem_limit_bytes // 2:
+        while page > LANES and 2 * page * step_bytes_per_token + row_bytes > entry.vmem_limit_bytes // 2:
             page //= 2
         page = min(page, s)
     if page != s and page % LANES:
@@ -138,9 +137,9 @@ def page_size(s: int, block_table: jax.Array | None, block_s: int | None, genera
 
 
 def _meta_f32(raw: jax.Array, meta: str) -> jax.Array:
-    """Loaded metadata as float32: FP8 (e4m3fn) arrives as its uint8 bits."""
+    """Loaded metadata as float32: FP8 (e4m3fn) decoded from its bits, bitcast in the kernel."""
     if meta == "float8_e4m3fn":
-        return dc.float8_e4m3fn_bits_to_f32(raw.astype(jnp.int32))
+        return dc.float8_e4m3fn_bits_to_f32(jax.lax.bitcast_convert_type(raw, jnp.uint8).astype(jnp.int32))
     return raw.astype(jnp.float32)
 
 
@@ -173,7 +172,7 @@ def _kernel(*refs, k_links, v_links, k_has_alpha, v_has_alpha, has_mean, page: i
     acc_ref, m_ref, l_ref, acc_sc, m_sc, l_sc = (next(it) for _ in range(6))
     alpha_sc = list(it)  # one float32 [K, P] per α operand, in ka_refs then va_refs order
     heads = q_ref.shape[0]
-    b, j = pl.program_id(0), pl.program_id(1)
+    b, j = pl.program_id(0), pl.program_id(2)
     length = len_ref[b]
 
     pl.when(j == 0)(functools.partial(reset_partial, acc_sc, m_sc, l_sc))
@@ -226,7 +225,7 @@ def _kernel(*refs, k_links, v_links, k_has_alpha, v_has_alpha, has_mean, page: i
 
         jax.lax.fori_loop(0, heads, head, 0)
 
-    @pl.when(j == pl.num_programs(1) - 1)
+    @pl.when(j == pl.num_programs(2) - 1)
     def _store():
         acc_ref[...] = acc_sc[...]
         m_ref[...] = m_sc[...]
@@ -241,12 +240,13 @@ def tpu_residual_decode_attention(
     q: jax.Array,                             # [B, K, R, D] float32 | bfloat16, rotated key basis
     keys: Sequence[QuantStream],              # chain links, the loop first and the anchor last
     values: Sequence[QuantStream],            # the same chain for values
-    k_alpha: Sequence[jax.Array | None],      # len(keys) - 1 entries: [M, B, K, S] bf16 | f32, or None (α = 1)
+    k_alpha: Sequence[jax.Array | None],      # len(keys) - 1 entries: [M, B, K, S] (a pool: [M, NP, K, P]) bf16 | f32,
+                                              # or None (α = 1)
     v_alpha: Sequence[jax.Array | None],      # len(values) - 1 entries
     mean_scores: Sequence[jax.Array | None] | None,  # per key link: q·μ_i [B, K, R] float32, or None
     lengths: jax.Array,                       # [B] int32 valid stored tokens per row
     slot: jax.Array | int,                    # [] int32: which of the M stacked slots
-    block_table: jax.Array | None = None,     # [B, N] int32 physical page per logical page; None: identity
+    block_table: jax.Array | None = None,     # [B, N] int32 pool page of each row's logical page; None: contiguous
     *,
     k_bits: tuple[int, ...] | None = None,    # per key link; None: read from the shapes
     v_bits: tuple[int, ...] | None = None,
@@ -267,43 +267,41 @@ def tpu_residual_decode_attention(
     b, kh, r, d = q.shape
     k_links = _links(keys, k_bits, k_group_sizes, d, "keys")
     v_links = _links(values, v_bits, v_group_sizes, d, "values")
-    s = keys[0].codes.shape[3]
+    lengths, table, _, s = dc.paged_lengths(lengths, block_table, keys[0].codes.shape)
     if s == 0:
         return dc.empty_partial(b, kh, r, d)
     alphas = [a for a in (*k_alpha, *v_alpha) if a is not None]
     step_bytes = kh * (sum(ln.nbytes + 2 * ln.ngroups * jnp.dtype(ln.meta).itemsize for ln in (*k_links, *v_links))
                        + sum(a.dtype.itemsize for a in alphas))
     generation = generation or tpu_launch.default_generation()
-    page = page_size(s, block_table, block_s, generation, step_bytes)
-    n = s // page if block_table is not None else pl.cdiv(s, page)
-    table = identity_table(b, n) if block_table is None else jnp.clip(block_table.astype(jnp.int32), 0, b * n - 1)
+    paged = table is not None
+    rb = tpu_launch.row_block(r)
+    # float32 [K, rows, D]: the query block and the acc output, double-buffered, and the acc scratch
+    page = page_size(keys[0].codes.shape[3], paged, block_s, generation, step_bytes, row_bytes=5 * kh * rb * d * 4)
+    n = table.shape[1] if paged else pl.cdiv(s, page)
     limit = tpu_launch.lookup(generation, LAUNCH_KERNEL).vmem_limit_bytes
 
-    def page_of(row, j, table_ref, len_ref):  # (source row, place in it) of row's logical page j
-        # Non-negative operands: lax.div/rem (truncating) equal // and % (tpu_dense_attention's kv_map).
+    def page_of(row, j, table_ref, len_ref):  # (pool page or row, page within it) of row's logical page j
+        # A non-negative operand: lax.div (truncating) equals // (tpu_dense_attention's kv_map).
         last = jnp.maximum(jax.lax.div(len_ref[row] + page - 1, page) - 1, 0)  # later steps re-map here: no DMA
-        phys = table_ref[row * n + jnp.minimum(j, last)]
-        return jax.lax.div(phys, n), jax.lax.rem(phys, n)
+        return (table_ref[row * n + jnp.minimum(j, last)], 0) if paged else (row, jnp.minimum(j, last))
 
-    def stream_map(row, j, slot_ref, table_ref, len_ref):
+    def stream_map(row, i, j, slot_ref, table_ref, len_ref):
         src, at = page_of(row, j, table_ref, len_ref)
         return slot_ref[0], src, 0, 0, at
 
-    def alpha_map(row, j, slot_ref, table_ref, len_ref):
+    def alpha_map(row, i, j, slot_ref, table_ref, len_ref):
         src, at = page_of(row, j, table_ref, len_ref)
         return slot_ref[0], src, 0, at
 
-    def row_map(row, j, *_):
-        return row, 0, 0, 0
-
-    def bits_of(x):  # FP8 metadata as its bits
-        return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype == jnp.float8_e4m3fn else x
+    def row_map(row, i, j, *_):
+        return row, 0, i, 0
 
     # Every head of a page per step: streams as [M, B, K, C, S] (tokens on the lanes), α as stored.
-    in_specs, args = [pl.BlockSpec((None, kh, r, d), row_map)], [q]
+    in_specs, args = [pl.BlockSpec((None, kh, rb, d), row_map)], [q]
     for streams, chain_alphas in ((keys, k_alpha), (values, v_alpha)):
         for st in streams:
-            for x in (st.codes, bits_of(st.scale), bits_of(st.offset)):
+            for x in (st.codes, st.scale, st.offset):
                 args.append(jnp.swapaxes(x, -1, -2))
                 in_specs.append(pl.BlockSpec((None, None, kh, x.shape[-1], page), stream_map))
         for a in chain_alphas:
@@ -314,7 +312,7 @@ def tpu_residual_decode_attention(
     if any(mu is not None for mu in means):  # [B, K, links, R, 1]: head h's link i as an [R, 1] column
         args.append(jnp.stack([jnp.zeros((b, kh, r), jnp.float32) if mu is None else mu.astype(jnp.float32)
                                for mu in means], axis=2)[..., None])
-        in_specs.append(pl.BlockSpec((None, kh, len(means), r, 1), lambda row, j, *_: (row, 0, 0, 0, 0)))
+        in_specs.append(pl.BlockSpec((None, kh, len(means), rb, 1), lambda row, i, j, *_: (row, 0, 0, i, 0)))
 
     kernel = functools.partial(
         _kernel, k_links=k_links, v_links=v_links, k_has_alpha=tuple(a is not None for a in k_alpha),
@@ -324,20 +322,22 @@ def tpu_residual_decode_attention(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(b, n),
+            grid=(b, pl.cdiv(r, rb), n),
             in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, kh, r, d), row_map), pl.BlockSpec((None, kh, r, 1), row_map),
-                       pl.BlockSpec((None, kh, r, 1), row_map)],
-            scratch_shapes=[pltpu.VMEM((kh, r, d), jnp.float32), pltpu.VMEM((kh, r, 1), jnp.float32),
-                            pltpu.VMEM((kh, r, 1), jnp.float32)] + [pltpu.VMEM((kh, page), jnp.float32)] * len(alphas),
+            out_specs=[pl.BlockSpec((None, kh, rb, d), row_map), pl.BlockSpec((None, kh, rb, 1), row_map),
+                       pl.BlockSpec((None, kh, rb, 1), row_map)],
+            scratch_shapes=[pltpu.VMEM((kh, rb, d), jnp.float32), pltpu.VMEM((kh, rb, 1), jnp.float32),
+                            pltpu.VMEM((kh, rb, 1), jnp.float32)] + [pltpu.VMEM((kh, page), jnp.float32)] * len(alphas),
         ),
         out_shape=[jax.ShapeDtypeStruct((b, kh, r, d), jnp.float32),
                    jax.ShapeDtypeStruct((b, kh, r, 1), jnp.float32),
                    jax.ShapeDtypeStruct((b, kh, r, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=limit),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=limit),
         interpret=interpret,
         name="tpu_residual_decode_attention",
-    )(jnp.asarray(slot, jnp.int32).reshape(1), table.reshape(-1), jnp.clip(lengths.astype(jnp.int32), 0, s), *args)
+    )(jnp.asarray(slot, jnp.int32).reshape(1), (table if paged else jnp.zeros((1, 1), jnp.int32)).reshape(-1), lengths,
+      *args)
     return acc, m[..., 0], l[..., 0]
 
 
@@ -348,7 +348,7 @@ def tpu_residual_decode_attention(
 def tpu_residual_decode_attention_reference(q, keys, values, k_alpha, v_alpha, mean_scores, lengths, slot,
                                             block_table=None, *, k_bits=None, v_bits=None, k_group_sizes=None,
                                             v_group_sizes=None, block_s=None, generation=None, interpret=False):
-    """`tpu_residual_decode_attention` in plain jnp: the slot's pages gathered through `block_table` into each
+    """`tpu_residual_decode_attention` in plain jnp: the pool's pages gathered through `block_table` into each
     row's logical order, metadata and α past each row's length zeroed (they may hold anything, NaN included),
     then `residual_attention.residual_decode_attention_reference` (float32, HIGHEST precision); block
     arguments ignored."""
@@ -356,20 +356,13 @@ def tpu_residual_decode_attention_reference(q, keys, values, k_alpha, v_alpha, m
     keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
     _check(q, keys, values, k_alpha, v_alpha, mean_scores, lengths, block_table)
     b, kh, r, d = q.shape
-    s = keys[0].codes.shape[3]
+    lengths, table, _, s = dc.paged_lengths(lengths, block_table, keys[0].codes.shape)
     if s == 0:
         return dc.empty_partial(b, kh, r, d)
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)
     valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, :]  # [B, 1, S]
 
-    def logical(x, zero):  # [M, B, K, S, ...] slot's tokens in each row's order -> [1, B, K, S, ...]
-        x = x[slot]
-        if block_table is not None:
-            n = block_table.shape[1]
-            table = jnp.clip(block_table.astype(jnp.int32), 0, b * n - 1)
-            tail = x.shape[3:]
-            pages = x.reshape(b, kh, n, s // n, *tail).swapaxes(1, 2).reshape(b * n, kh, s // n, *tail)
-            x = pages[table].swapaxes(1, 2).reshape(b, kh, s, *tail)
+    def logical(x, zero):  # the slot's tokens in each row's order: [1, B, K, S, ...]
+        x = (x if table is None else dc.rows_of_pages(x, table))[slot]
         if zero:
             x = x.astype(jnp.float32)
             x = jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 3)), x, 0.0)

@@ -10,6 +10,7 @@ without a TPU (--tpu); markdown + JSON.
     python scripts/kernel_report.py --page 16 --json paged.json                     # through a block table
     python scripts/kernel_report.py --shard 0/2 & python scripts/kernel_report.py --shard 1/2   # in parallel
     python scripts/kernel_report.py --tpu v5e,v6e,v4 --json tpu.json --markdown tpu.md    # TPUs (libtpu)
+    python scripts/kernel_report.py --tpu v5e,v6e --page 128                        # TPUs, through a block table
 
 Each configuration of `pallas_kernels.configs.MATRIX` (every call the dispatch can make for the shipped
 cache policies) is lowered by jax for the "cuda" platform at the target's compute capability and run
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     cfgs = [c for c in configs.MATRIX if args.only is None or any(s in c.name for s in args.only)]
     if args.page:
         cfgs = [configs.paged(c, args.page) for c in cfgs if not c.page]
-    elif args.tpu:  # the engine's pool is the GPU and CPU kernels' page layout, not the TPU kernels'
+    elif args.tpu:  # MATRIX's pools have the GPU engine's 16-token pages; a TPU's are --page 128
         cfgs = [c for c in cfgs if not c.page]
     if args.ci_subset:
         cfgs = [c for c in cfgs if c.name in (configs.TPU_CI_SUBSET if args.tpu else configs.CI_SUBSET)]

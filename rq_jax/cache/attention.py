@@ -71,13 +71,6 @@ def check_impl(name: str, impl: str) -> None:
         raise ValueError(f"{name}: unknown attend_impl {impl!r}: available {['auto', *IMPLEMENTATIONS]}")
 
 
-def contiguous_only(table, kernel: str) -> None:
-    """Raise NotImplementedError for a paged cache's block table: `kernel` reads contiguous rows only (its
-    page convention is not the pool's; XLA takes over)."""
-    if table is not None:
-        raise NotImplementedError(f"{kernel} reads contiguous rows, not a paged pool")
-
-
 def order(impl: str, platform: str | None = None) -> tuple[str, ...]:
     """The implementations to try for `impl` on lowering platform `platform` (default: the host's), first
     to last ("xla" always last)."""

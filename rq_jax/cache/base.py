@@ -46,6 +46,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+from pallas_kernels import tpu_write
+
 from rq_jax.shapes import (Attended, GroupedQueries, HeadStats, Lengths, LoopKV, NumNew, PastMask, Queries,
                            Scores, SegmentKV, SegmentPast, SlotKV, Visible)
 
@@ -498,24 +500,28 @@ def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew, tabl
     position lengths[b] + t when t < num_new[b]; the rest, and anything past S, are dropped — never
     wrapped around. In a program lowered for a CPU each row is one read-merge-write of a T-token block
     (`_write_rows`): XLA:CPU widens a bfloat16 or fp8 scatter to float32, copying the whole leaf twice; a
-    dynamic-update-slice is done in place. For other platforms it is one scatter (`_scatter`): on a TPU
-    the per-row blocks would be gathered by a transpose of the whole leaf. The choice follows the platform
+    dynamic-update-slice is done in place. On a TPU a decode token (T = 1) into a token-minor leaf is the
+    Mosaic store `pallas_kernels.tpu_write` (XLA:TPU's scatter copies most such leaves whole around the
+    write); anything else, and other platforms, is one scatter (`_scatter`): on a TPU per-row blocks would be
+    gathered by a transpose of the whole leaf. The choice follows the platform
     lowered for (`jax.lax.platform_dependent`), not the host's backend. With `table` the store is a paged
-    pool [G, N, NP, K, P, ...] and each position is looked up in its row's pages (`_write_pages`, one
-    read-merge-write per page a row's tokens touch, on every platform).
+    pool [G, N, NP, K, P, ...] and each position is looked up in its row's pages: a TPU's decode token by
+    the Mosaic store, else `_write_pages` (one read-merge-write per page a row's tokens touch).
     """
     def write(old, val):
         if table is not None:
-            return _write_pages(old, val, lengths, num_new, table)
-        return jax.lax.platform_dependent(old, val, lengths, num_new, cpu=_write_rows, default=_scatter)
+            return jax.lax.platform_dependent(old, val, lengths, num_new, table, tpu=_write_tpu, default=_write_pages)
+        return jax.lax.platform_dependent(old, val, lengths, num_new, cpu=_write_rows, tpu=_write_tpu,
+                                          default=_scatter)
 
     return jax.tree_util.tree_map(write, store, new)
 
 
-def _write_pages(old: Array, val: Array, lengths: Lengths, num_new: NumNew, table: Table) -> Array:
+def _write_pages(old: Array, val: Array, lengths: Lengths, num_new: NumNew, table: Table, bits: bool = True) -> Array:
     """`scatter_tokens` of one leaf into a paged pool [G, N, NP, K, P, ...]: per row, one read-merge-write
-    of each page its new tokens touch (one for a single token, ⌈T/P⌉ + 1 for T), on the bits (`on_bits`).
-    A page past the row's table, or one the row's tokens miss, is written back as it was."""
+    of each page its new tokens touch (one for a single token, ⌈T/P⌉ + 1 for T), on the bits (`on_bits`;
+    `bits` False: on the values, for XLA:TPU, which materialises a whole leaf's bitcast). A page past the
+    row's table, or one the row's tokens miss, is written back as it was."""
     p, t, rows, cols = old.shape[TOKEN_AXIS], val.shape[TOKEN_AXIS], val.shape[2], table.shape[1]
     spans = 1 if t == 1 else -(-t // p) + 1
     trailing = (0,) * (old.ndim - TOKEN_AXIS - 1)
@@ -536,7 +542,7 @@ def _write_pages(old: Array, val: Array, lengths: Lengths, num_new: NumNew, tabl
 
         return jax.lax.fori_loop(0, rows * spans, body, old)
 
-    return on_bits(write, old, val)
+    return on_bits(write, old, val) if bits else write(old, val.astype(old.dtype))
 
 
 def with_gradient_of(reference: Callable[..., Any], fn: Callable[..., Any], *args) -> Any:
@@ -577,6 +583,16 @@ def _scatter(old: Array, val: Array, lengths: Lengths, num_new: NumNew) -> Array
     index[TOKEN_AXIS] = jnp.broadcast_to(pos.reshape(pos.shape[0], 1, t, *(1,) * (val.ndim - TOKEN_AXIS - 1)),
                                          val.shape)
     return old.at[tuple(index)].set(val.astype(old.dtype), mode="drop")
+
+
+def _write_tpu(old: Array, val: Array, lengths: Lengths, num_new: NumNew, table: Table | None = None) -> Array:
+    """`scatter_tokens` of one leaf (a pool with `table`) lowered for a TPU: the Mosaic store of one token per
+    row where it covers the leaf (`tpu_write.covers`), else `_scatter` (`_write_pages` for a pool)."""
+    if tpu_write.covers(old.shape, val.shape[TOKEN_AXIS], TOKEN_AXIS, old.dtype):
+        if table is None:
+            return _scatter(old, val, lengths, num_new)
+        return _write_pages(old, val, lengths, num_new, table, bits=False)
+    return tpu_write.tpu_write_token(old, val, lengths, num_new, table, token_axis=TOKEN_AXIS)
 
 
 def on_bits(update, old: Array, new: Array) -> Array:

@@ -126,6 +126,7 @@ def _attend_pallas(fmt, slot, index, q, lengths, calib, table=None) -> base.Part
 
 @attention.DENSE.register("pallas-tpu")
 def _attend_pallas_tpu(fmt, slot, index, q, lengths, calib, table=None) -> base.Partial:
-    """The dense Mosaic kernel (`pallas_kernels.tpu_dense_attention`; TPU interpret mode off a TPU)."""
-    attention.contiguous_only(table, "the Mosaic kernel")
-    return _kernel_partial(tpu_dense_decode_attention, slot, index, q, lengths, interpret=attention.target() != "tpu")
+    """The dense Mosaic kernel (`pallas_kernels.tpu_dense_attention`; TPU interpret mode off a TPU), rows
+    through `table` when paged."""
+    return _kernel_partial(tpu_dense_decode_attention, slot, index, q, lengths, interpret=attention.target() != "tpu",
+                           block_table=table)

@@ -190,10 +190,10 @@ def attend_native(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
 def attend_pallas_tpu(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
                       table: base.Table | None = None) -> base.Partial:
     """`attend_rotated` through the Mosaic kernel (`pallas_kernels.tpu_residual_attention`): compiled for
-    the TPU a program is lowered for, run in TPU interpret mode elsewhere. Raises NotImplementedError (at
-    trace time) for configurations the kernel does not cover (a paged pool among them)."""
-    attention.contiguous_only(table, "the Mosaic kernel")
-    return _kernel_partial(tpu_residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "tpu")
+    the TPU a program is lowered for, run in TPU interpret mode elsewhere; rows through `table` when paged.
+    Raises NotImplementedError (at trace time) for configurations the kernel does not cover."""
+    return _kernel_partial(tpu_residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "tpu",
+                           block_table=table)
 
 
 attention.PACKED.register("xla")(attend_rotated)

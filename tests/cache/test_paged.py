@@ -1,6 +1,7 @@
 """A paged cache (a pool of pages read and written through per-row block tables) computes what a contiguous
 cache does: the model's logits through a prompt and decode steps, every format that pages, on the XLA path
-and the native kernels, and dense and residual through the Pallas (Triton) kernels in interpret mode; the
+and the native kernels, dense and residual through the Pallas (Triton) kernels and dense through the Mosaic
+(TPU) kernel, both in interpret mode; the
 pool's pages no row holds are never touched; kivi pages whole rows."""
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ FORMATS = {"dense": get_format("dense", dtype="float32"), "residual": get_format
            "turboquant": get_format("turboquant", preset="k8v4"), "share last": get_format("share")}
 IMPLS = ["xla"] + (["native"] if cpu_kernels.available() else [])
 #: (format, implementation) pairs: every format on every CPU implementation, and the formats the Pallas kernels
-#: cover at the tiny model's head dim 16 (metadata groups of 16 at least) through them.
-CASES = [(name, impl) for name in FORMATS for impl in IMPLS] + [("dense", "pallas"), ("residual g16", "pallas")]
+#: cover at the tiny model's head dim 16 (metadata groups of 16 at least; the TPU kernel's planes need 8
+#: bytes, so dense only) through them.
+CASES = [(name, impl) for name in FORMATS for impl in IMPLS] + [("dense", "pallas"), ("residual g16", "pallas"),
+                                                               ("dense", "pallas-tpu")]
 FORMATS["residual g16"] = get_format("residual", group_size=16)
 
 

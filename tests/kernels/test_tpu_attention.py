@@ -28,11 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_deviceless as td
 from pallas_kernels import tpu_launch
-from pallas_kernels.tpu_dense_attention import (
-    identity_table,
-    tpu_dense_decode_attention,
-    tpu_dense_decode_attention_reference,
-)
+from pallas_kernels.tpu_dense_attention import tpu_dense_decode_attention, tpu_dense_decode_attention_reference
 
 from . import _base
 from ._base import TOL, assert_partial_close, seeded
@@ -59,9 +55,10 @@ def races_found() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """Batch = len(lengths); S stored positions in pages of `page` tokens; slot 1 of 2. `paged`: a random
-    block table over the slot's B * S / page pages (entries past a row's valid pages -1), else none given
-    (the identity, with `page` as block_s)."""
+    """Batch = len(lengths); S stored positions in pages of `page` tokens; slot 1 of 2. `paged`: the cache as
+    the serving engine's pool, each row's pages placed at random among twice as many (`_base.paged_case`:
+    the others NaN, table entries past a row's pages -1 or past the pool), else contiguous with `page` as
+    block_s."""
 
     name: str
     lengths: tuple
@@ -85,25 +82,9 @@ CASES = (
     Case("paged-d64-bf16q-bf16kv-gqa4", (256, 129, 0, 127), 256, 128, dim=64, heads=1, rows=4, q_dtype="bfloat16",
          paged=True),
     Case("edge-d96-f32q-bf16kv", (200, 128, 1), 200, 128, dim=96, heads=1, rows=2),
+    # a prompt chunk's rows: 136 > ROW_BLOCK, in a block of 128 and a padded edge block of 8
+    Case("chunk-rows-f32q-bf16kv", (40, 0, 17), 48, 16, heads=1, rows=136),
 )
-
-
-def page_table(rng: np.random.Generator, lengths: np.ndarray, page: int, n: int, paged: bool):
-    """(block table [B, n] int32, used [B·n pages, page] bool): a random permutation of the B·n pages with
-    -1 past each row's valid pages when `paged`, else the identity; `used` marks the physical positions
-    some row's valid prefix reads."""
-    b = len(lengths)
-    if paged:
-        table = rng.permutation(b * n).reshape(b, n).astype(np.int32)
-        for row, length in enumerate(lengths):
-            table[row, -(-length // page):] = -1
-    else:
-        table = np.arange(b * n, dtype=np.int32).reshape(b, n)
-    used = np.zeros((b * n, page), bool)
-    for row, length in enumerate(lengths):
-        t = np.arange(length)
-        used[table[row, t // page], t % page] = True
-    return table, used
 
 
 def make_inputs(case: Case, rng: np.random.Generator):
@@ -112,13 +93,13 @@ def make_inputs(case: Case, rng: np.random.Generator):
     q = rng.standard_normal((b, case.heads, case.rows, case.dim))
     kv = rng.standard_normal((2, 2, b, case.heads, n * case.page, case.dim))
     lengths = np.asarray(case.lengths, np.int32)
-    table, used = page_table(rng, lengths, case.page, n, case.paged)
-    used = used.reshape(b, 1, n * case.page, 1)
-    kv[:, 1] = np.where(used, kv[:, 1], np.nan)
+    kv[:, 1] = np.where((np.arange(n * case.page)[None, :] < lengths[:, None])[:, None, :, None], kv[:, 1], np.nan)
     kv[:, 0] = np.nan
     k, v = (jnp.asarray(x[:, :, :, :case.s], case.kv_dtype) for x in kv)
-    return (jnp.asarray(q, case.q_dtype), k, v, jnp.asarray(lengths), jnp.int32(1),
-            jnp.asarray(table) if case.paged else None)
+    table = None
+    if case.paged:
+        (k, v), table = _base.paged_case((k, v), case.lengths, case.page, case.name)
+    return jnp.asarray(q, case.q_dtype), k, v, jnp.asarray(lengths), jnp.int32(1), table
 
 
 @pytest.mark.parametrize("tpu_case", CASES, ids=[c.name for c in CASES])  # not `case`: conftest's for classes
@@ -134,34 +115,25 @@ def test_interpret_matches_reference(tpu_case):
 
 
 def test_reference_reads_through_the_table():
-    """The reference over a permuted table equals the reference over the same cache laid out contiguously,
-    and a wrong table changes it: the kernel's comparison above checks pages, not only arithmetic."""
-    rng = seeded("reference-table")
-    b, s, page, d = 2, 32, 8, 16
-    n = s // page
-    q = jnp.asarray(rng.standard_normal((b, 1, 2, d)), jnp.float32)
-    k, v = (rng.standard_normal((b * n, page, d)) for _ in range(2))  # pages in logical order
-    perm = rng.permutation(b * n)
-
-    def as_cache(pages):  # [B * N, P, D] physical pages -> [1, B, 1, S, D]
-        return jnp.asarray(pages.reshape(1, b, 1, s, d), jnp.float32)
-
-    stored_k, stored_v = np.empty_like(k), np.empty_like(v)
-    stored_k[perm], stored_v[perm] = k, v  # logical page p stored at physical page perm[p]
-    lengths = jnp.asarray([32, 21], jnp.int32)
-    want = tpu_dense_decode_attention_reference(q, as_cache(k), as_cache(v), lengths, 0)
-    table = jnp.asarray(perm.reshape(b, n), jnp.int32)
-    got = tpu_dense_decode_attention_reference(q, as_cache(stored_k), as_cache(stored_v), lengths, 0, table)
+    """The reference over a pool equals the reference over the same cache laid out contiguously, and a wrong
+    table changes it: the kernel's comparison above checks pages, not only arithmetic."""
+    case = Case("reference-table", (32, 21), 32, 8, dim=16)
+    q, k, v, lengths, slot, _ = make_inputs(case, seeded(case.name))
+    want = tpu_dense_decode_attention_reference(q, k, v, lengths, slot)
+    (pk, pv), table = _base.paged_case((k, v), case.lengths, case.page, case.name)
+    got = tpu_dense_decode_attention_reference(q, pk, pv, lengths, slot, table)
     assert_partial_close(got, want, np.asarray(lengths), 1e-6)
-    wrong = tpu_dense_decode_attention_reference(q, as_cache(stored_k), as_cache(stored_v), lengths, 0,
-                                                 identity_table(b, n))
-    assert float(jnp.abs(wrong[0] - want[0]).max()) > 1e-2
+    wrong = tpu_dense_decode_attention_reference(q, pk, pv, lengths, slot, jnp.roll(table, 1, axis=1))
+    assert not np.allclose(np.asarray(wrong[0]), np.asarray(want[0]), equal_nan=True)
 
 
 @pytest.mark.parametrize("bad, message", [
     (dict(lengths=jnp.zeros((3,), jnp.int32)), "lengths must be"),
-    (dict(block_table=jnp.zeros((2, 3), jnp.int32)), "do not divide"),
+    (dict(block_table=jnp.zeros((3, 4), jnp.int32)), r"must be integer \[2, N\]"),
     (dict(block_table=jnp.zeros((2, 4), jnp.float32)), "must be integer"),
+    (dict(block_table=jnp.zeros((2, 4), jnp.int32), block_s=16), "contradicts the pool's pages of 32"),
+    (dict(k=jnp.zeros((1, 2, 1, 32, 16), jnp.bfloat16), block_table=None, q=jnp.zeros((3, 1, 1, 16))),
+     "a paged pool needs a block_table"),
     (dict(block_s=12), "needs a multiple of 128"),
     (dict(generation="v3"), "no TPU launch entry"),
 ])
@@ -187,10 +159,12 @@ needs_libtpu = pytest.mark.skipif(not td.libtpu_available(),
 
 
 def abstract(b, heads, rows, d, s, q_dtype, kv_dtype, pages=None):
-    """ShapeDtypeStructs of one call (2 slots), with a [B, pages] block table when `pages` is set."""
+    """ShapeDtypeStructs of one call (2 slots): a contiguous [2, B, K, S, D] cache, or with `pages` a pool of
+    B·pages pages of S / pages tokens and a [B, pages] block table."""
     sds = jax.ShapeDtypeStruct
-    args = [sds((b, heads, rows, d), q_dtype), sds((2, b, heads, s, d), kv_dtype), sds((2, b, heads, s, d), kv_dtype),
-            sds((b,), jnp.int32), sds((), jnp.int32)]
+    stored = (2, b, heads, s, d) if not pages else (2, b * pages, heads, s // pages, d)
+    args = [sds((b, heads, rows, d), q_dtype), sds(stored, kv_dtype), sds(stored, kv_dtype), sds((b,), jnp.int32),
+            sds((), jnp.int32)]
     return args + ([sds((b, pages), jnp.int32)] if pages else [])
 
 
@@ -199,6 +173,8 @@ COMPILE_CASES = {
     "d128-bf16kv-f32q-4k": abstract(8, 16, 1, 128, 4096, jnp.float32, jnp.bfloat16),
     "d64-bf16kv-bf16q-gqa4-16k-paged256": abstract(8, 4, 4, 64, 16384, jnp.bfloat16, jnp.bfloat16, pages=64),
     "d128-f32kv-f32q-4k": abstract(4, 8, 2, 128, 4096, jnp.float32, jnp.float32),
+    # a 2048-token prompt chunk's rows over a 4k past (in one block its scores overflowed v5e's scoped VMEM)
+    "d128-bf16kv-bf16q-chunk2048-4k": abstract(1, 16, 2048, 128, 4096, jnp.bfloat16, jnp.bfloat16),
 }
 
 

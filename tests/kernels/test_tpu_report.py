@@ -21,9 +21,11 @@ needs_libtpu = pytest.mark.skipif(not td.libtpu_available(),
 @needs_libtpu
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_ci_subset_compiles(generation):
-    """Every configuration of the subset compiles with its one Mosaic kernel inside the launch entry's VMEM
-    limit and no cache-sized temporaries, except the two the TPU kernel declines by name."""
-    rows = tpu_report.report([configs.BY_NAME[n] for n in configs.TPU_CI_SUBSET], [generation], log=lambda line: None)
+    """Every configuration of the subset (contiguous, and two over a pool of TPU_PAGE-token pages through a
+    block table) compiles with its one Mosaic kernel inside the launch entry's VMEM limit and no cache-sized
+    temporaries, except the two the TPU kernel declines by name."""
+    cfgs = [configs.BY_NAME[n] for n in configs.TPU_CI_SUBSET] + list(configs.TPU_CI_PAGED)
+    rows = tpu_report.report(cfgs, [generation], log=lambda line: None)
     assert not tpu_report.failed(rows), tpu_report.summary(rows)
     declined = {r["config"]: r["error"] for r in rows if r["status"] == "declined"}
     assert declined.keys() == {"d128-r1-int8g32", "d64-r1-int2g32-int4g32-float16meta"}
@@ -31,11 +33,12 @@ def test_ci_subset_compiles(generation):
     for row in rows:
         if row["status"] != "ok":
             continue
-        cfg = configs.BY_NAME[row["config"]]
+        cfg = {c.name: c for c in cfgs}[row["config"]]
         assert row["kernel"].startswith("tpu_residual" if cfg.links else "tpu_dense"), row
         assert row["vmem_limit"] == tpu_launch.lookup(generation, cfg.kernel).vmem_limit_bytes
         assert 0 < row["vmem_used"] <= row["vmem_limit"] and row["generated_code_bytes"] > 0, row
-        assert row["page"] in (128, 256, 512, 1024, 2048) and row["temp_bytes"] < row["argument_bytes"] // 100, row
+        assert row["page"] in ((configs.TPU_PAGE,) if cfg.page else (128, 256, 512, 1024, 2048)), row
+        assert row["temp_bytes"] < row["argument_bytes"] // 100, row
 
 
 def refused(fn, args, generation):

@@ -31,8 +31,8 @@ from pallas_kernels import tpu_deviceless as td
 from pallas_kernels import tpu_launch
 from pallas_kernels import tpu_residual_attention as tra
 
-from ._base import TOL, allocated_configs, assert_partial_close, seeded
-from .test_tpu_attention import interpret, page_table, races_found
+from ._base import TOL, allocated_configs, assert_partial_close, paged_case, seeded
+from .test_tpu_attention import interpret, races_found
 
 PAPER = ((2, 32),) * 3 + ((4, 32),)  # Ouro's [2,2,2,4] g32 reference chain
 
@@ -40,9 +40,10 @@ PAPER = ((2, 32),) * 3 + ((4, 32),)  # Ouro's [2,2,2,4] g32 reference chain
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One call: `k_links`/`v_links` (bits, group size) per link, loop first (v_links None: as keys); batch
-    = len(lengths); S stored positions in pages of `page` tokens; slot 1 of 2. `paged`: a random block table
-    (entries past a row's valid pages -1), else the identity with `page` as block_s. `means`: per key link,
-    whether it has a key-mean score."""
+    = len(lengths); S stored positions in pages of `page` tokens; slot 1 of 2. `paged`: the serving engine's
+    pool (`_base.paged_case`: each row's pages placed at random among twice as many, the others poisoned,
+    table entries past a row's pages -1 or past the pool), else contiguous with `page` as block_s. `means`:
+    per key link, whether it has a key-mean score."""
 
     name: str
     dim: int
@@ -63,12 +64,9 @@ class Case:
 def make_inputs(case: Case, rng: np.random.Generator):
     """(args, kwargs) of `tpu_residual_decode_attention` for `case`, every unread position poisoned."""
     b, kh, s = len(case.lengths), case.heads, case.s
-    n = -(-s // case.page)
     lengths = np.asarray(case.lengths, np.int32)
-    table, used = page_table(rng, lengths, case.page, n, case.paged)
-    used = used.reshape(b, n * case.page)[:, :s]  # [B, S] physical positions some row reads
     read = np.zeros((2, b, 1, s), bool)
-    read[1] = used[:, None, :]
+    read[1] = (np.arange(s)[None, :] < lengths[:, None])[:, None, :]
 
     def poisoned(x, dtype):  # [2, B, K, S, ...] float -> dtype, NaN where unread
         mask = read.reshape(read.shape + (1,) * (x.ndim - 4))
@@ -90,8 +88,10 @@ def make_inputs(case: Case, rng: np.random.Generator):
     means = None if case.means is None else tuple(
         jnp.asarray(rng.standard_normal((b, kh, case.rows)), jnp.float32) if has else None for has in case.means)
     q = jnp.asarray(1.5 * rng.standard_normal((b, kh, case.rows, case.dim)), case.q_dtype)
-    args = (q, keys, values, alphas(case.k_links), alphas(v_links), means, jnp.asarray(lengths), jnp.int32(1),
-            jnp.asarray(table) if case.paged else None)
+    cache, table = (keys, values, alphas(case.k_links), alphas(v_links)), None
+    if case.paged:
+        cache, table = paged_case(cache, case.lengths, case.page, case.name)
+    args = (q, *cache, means, jnp.asarray(lengths), jnp.int32(1), table)
     kw = dict(k_bits=tuple(x for x, _ in case.k_links), v_bits=tuple(x for x, _ in v_links),
               k_group_sizes=tuple(g for _, g in case.k_links), v_group_sizes=tuple(g for _, g in v_links))
     return args, kw
@@ -115,6 +115,8 @@ CASES = (
          meta="float32", alpha=False),
     # A partial last block: S = 200 in blocks of 128 (the edge block padded by Mosaic).
     Case("paper-d64-edge-bf16q", 64, 2, PAPER, (200, 128, 0), 200, 128, q_dtype="bfloat16"),
+    # A prompt chunk's rows, 136 > ROW_BLOCK (a block of 128 and a padded edge block), paged, key means.
+    Case("paper-d64-chunk-rows-paged", 64, 136, PAPER, (130, 0), 256, 128, means=(True,) * 4, paged=True),
 )
 
 
@@ -153,30 +155,15 @@ def test_shipped_chains_match_reference(tpu_case):
 
 
 def test_reference_reads_through_the_table():
-    """The reference over a permuted table equals the reference over the same pages laid out in order (and a
-    wrong table does not): the kernel's comparisons check pages, not only arithmetic."""
-    case = Case("table", 64, 2, ((2, 32), (4, 32)), (256, 200), 256, 128, paged=True)
+    """The reference over a pool equals the reference over the same pages laid out in order (and a wrong table
+    does not): the kernel's comparisons check pages, not only arithmetic."""
+    case = Case("table", 64, 2, ((2, 32), (4, 32)), (256, 200), 256, 128)
     args, kw = make_inputs(case, seeded(case.name))
-    table = np.asarray(args[-1])
-    n = table.shape[1]
-
-    def logical(x):  # [2, B, K, S, ...] -> pages moved to their logical places, identity table
-        pages = np.asarray(x, np.float32 if x.dtype != jnp.uint8 else np.uint8)
-        pages = pages.reshape(2, 2, x.shape[2], n, case.page, *x.shape[4:]).swapaxes(2, 3)
-        pages = pages.reshape(2, 2 * n, x.shape[2], case.page, *x.shape[4:])
-        out = pages[:, table.reshape(-1)].reshape(2, 2, n, x.shape[2], case.page, *x.shape[4:]).swapaxes(2, 3)
-        return jnp.asarray(out.reshape(x.shape))
-
-    def streams(chain):
-        return tuple(tra.QuantStream(*(logical(a) for a in st)) for st in chain)
-
-    q, keys, values, ka, va, means, lengths, slot, _ = args
-    flat = (q, streams(keys), streams(values), tuple(logical(a) for a in ka), tuple(logical(a) for a in va), means,
-            lengths, slot)
-    want = tra.tpu_residual_decode_attention_reference(*flat, **kw)
-    got = tra.tpu_residual_decode_attention_reference(*args, **kw)
+    want = tra.tpu_residual_decode_attention_reference(*args, **kw)
+    cache, table = paged_case(args[1:5], case.lengths, case.page, case.name)
+    got = tra.tpu_residual_decode_attention_reference(args[0], *cache, *args[5:8], table, **kw)
     assert_partial_close(got, want, case.lengths, 1e-6)
-    wrong = tra.tpu_residual_decode_attention_reference(*args[:-1], jnp.asarray(np.roll(table, 1, axis=1)), **kw)
+    wrong = tra.tpu_residual_decode_attention_reference(args[0], *cache, *args[5:8], jnp.roll(table, 1, axis=1), **kw)
     assert not np.allclose(np.asarray(wrong[0]), np.asarray(want[0]), equal_nan=True)
 
 
@@ -223,8 +210,9 @@ def test_uncovered_configurations_raise(change, message):
 
 @pytest.mark.parametrize("bad, message", [
     (dict(lengths=jnp.zeros((3,), jnp.int32)), "lengths must be"),
-    (dict(block_table=jnp.zeros((2, 3), jnp.int32)), "do not divide"),
+    (dict(block_table=jnp.zeros((3, 1), jnp.int32)), r"must be integer \[2, N\]"),
     (dict(block_table=jnp.zeros((2, 1), jnp.float32)), "must be integer"),
+    (dict(block_table=jnp.zeros((2, 1), jnp.int32), block_s=128), "contradicts the pool's pages of 256"),
     (dict(k_bits=(4,)), "codes last dim"),
     (dict(k_alpha=(None,)), "k_alpha: 1 entries"),
     (dict(block_s=20), "multiple of 128"),
@@ -243,15 +231,16 @@ def test_bad_input_is_refused(bad, message):
 
 needs_libtpu = pytest.mark.skipif(not td.libtpu_available(),
                                   reason="libtpu not installed: pip install 'jax[tpu]' pinned to the jaxlib in use")
-#: A synchronous copy in the compiled HLO of an array shaped like a cache operand [M=2, B=8, K, ...]: a relayout.
-#: Group 1: its trailing dims.
-_COPY = re.compile(r"= \S+\[2,8,\d+,([\d,]+)\]\{[^}]*\} copy\(")
+#: A synchronous copy in the compiled HLO of an array shaped like a cache operand [M=2, B or NP, K, ...]: a
+#: relayout. Group 1: its trailing dims.
+_COPY = re.compile(r"= \S+\[2,\d+,\d+,([\d,]+)\]\{[^}]*\} copy\(")
 
 
 def abstract(d, rows, links, heads=16, s=4096, q_dtype=jnp.float32, meta=jnp.float8_e4m3fn, pages=None):
-    """(fn with static link arguments, ShapeDtypeStructs) of one call at batch 8, 2 slots, α and key means."""
+    """(fn with static link arguments, ShapeDtypeStructs) of one call at batch 8, 2 slots, α and key means: a
+    contiguous cache of S tokens, or with `pages` a pool of 8·pages pages of S / pages tokens and its table."""
     sds = jax.ShapeDtypeStruct
-    lead = (2, 8, heads, s)
+    lead = (2, 8, heads, s) if not pages else (2, 8 * pages, heads, s // pages)  # contiguous, or a pool
     chain = tuple(tra.QuantStream(sds(lead + (d * bits // 8,), jnp.uint8), sds(lead + (d // g,), meta),
                                   sds(lead + (d // g,), meta)) for bits, g in links)
     alphas = tuple(sds(lead, jnp.bfloat16) for _ in links[1:])
@@ -274,6 +263,8 @@ COMPILE_CASES = {
     "gqa4-int2g16-int4g16-d64-bf16q-16k-paged256": (abstract(64, 4, ((2, 16), (4, 16)), heads=4, s=16384,
                                                              q_dtype=jnp.bfloat16, pages=64), ()),
     "huginn-int2g32-int4g32-d96-bf16meta-4k": (abstract(96, 1, ((2, 32), (4, 32)), meta=jnp.bfloat16), (3,)),
+    # a 2048-token prompt chunk's rows (in blocks of ROW_BLOCK: in one, they overflowed v5e's scoped VMEM)
+    "ouro-paper-chain-d128-chunk2048-4k": (abstract(128, 2048, PAPER), ()),
 }
 
 
