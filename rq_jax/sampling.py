@@ -115,9 +115,10 @@ def prefill(model, tokens: Tokens, cache: KVCache, *, num_new: NumNew,
     A prompt of at most `chunk` tokens (or `chunk` None) is one model call. A longer one runs `chunk`
     tokens per call in a `jax.lax.scan`, each call reading the chunks before it from the cache, as a
     second prompt turn does: the memory follows the chunk, not the prompt (its in-flight K/V, its
-    activations and the write's temporaries), and the cache is carried on its bits (`KVCache.as_bits`;
-    it comes back held as it came). So a quantized format's later chunks read the earlier ones as the
-    format stores them — the logits differ from one call's by the format's error, as decode's do — and
+    activations and the write's temporaries), and the cache is carried as it came (pass it `KVCache.held`
+    for the platform: on its bits where XLA writes those in place). So a quantized format's later chunks
+    read the earlier ones as the format stores them — the logits differ from one call's by the format's
+    error, as decode's do — and
     a float32 dense cache gives one call's logits to float rounding. Huginn's random initial state is
     drawn per chunk (`rng` folded with the chunk's index); extras are only a single call's.
     """
@@ -126,7 +127,6 @@ def prefill(model, tokens: Tokens, cache: KVCache, *, num_new: NumNew,
         return model(tokens, cache, num_new=num_new, rng=rng, last_only=True, **model_kwargs)
     count = -(-t // chunk)
     tokens = jnp.pad(tokens, ((0, 0), (0, count * chunk - t)))
-    held = cache.bit_dtypes is not None
 
     def one(carry, i):
         cache, logits = carry
@@ -138,8 +138,8 @@ def prefill(model, tokens: Tokens, cache: KVCache, *, num_new: NumNew,
         return (out.cache, jnp.where(ends_here[:, None], out.logits, logits)), None
 
     logits = jnp.zeros((b, model.config.vocab_size), jnp.float32)
-    (cache, logits), _ = jax.lax.scan(one, (cache.as_bits(), logits), jnp.arange(count))
-    return ModelOutput(logits, cache if held else cache.as_values(), {})
+    (cache, logits), _ = jax.lax.scan(one, (cache, logits), jnp.arange(count))
+    return ModelOutput(logits, cache, {})
 
 
 @struct.dataclass
@@ -364,7 +364,7 @@ class Sampler:
         tokens = np.full((len(prompts), lengths.max()), self.cfg.pad_id, np.int32)
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = p
-        cache = self._empty_cache(len(prompts), max_len, self.mesh).as_bits()  # written in place by both programs
+        cache = self._empty_cache(len(prompts), max_len, self.mesh).held()  # written in place by both programs
         rng = jax.random.key(seed)
         if self.mesh is not None:
             rows = sharding.batch_sharding(self.mesh, tokens.shape)

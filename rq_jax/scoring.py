@@ -123,8 +123,8 @@ class CacheScorer:
     def _score_fn(self, params, calib, tokens, prefix, lengths):
         b, t = tokens.shape
         rows = jnp.arange(b)
-        caches = (self._cache(self.fmt, self.plain_fmt, b, t).as_bits(),  # loop carries: written in place
-                  self._cache(self.reference, self.reference, b, t).as_bits())
+        caches = (self._cache(self.fmt, self.plain_fmt, b, t).held(),  # loop carries: written in place
+                  self._cache(self.reference, self.reference, b, t).held())
         calibs = (calib, self.ref_calib)
 
         def record(out, pos, logits):

@@ -5,6 +5,7 @@ a memory budget holds; prints Markdown tables and writes PREFIX.md + PREFIX.json
     python scripts/bench_decode.py --models ouro-1.4b huginn-0125 --context 1024 2048 4096 8192 16384 \\
         --batch 1 4 16 --memory-gb 32 --out sweep          # the full sweep (the default on a GPU)
     python scripts/bench_decode.py --tpu v5e:2x2 --no-run --out tpu   # a v5e's capacity, compiled here (libtpu)
+    python scripts/bench_decode.py --tpu v5e --engine-chunk 256      # and the serving engine's programs
 
 Defaults on a CPU: Ouro-1.4B's widths, heads and vocabulary at 2 of its 24 layers, context 4096, batch 1,
 float32 compute, a 2.5 GiB budget. On a GPU: both models as released, contexts 1k-16k, batches 1/4/16,
@@ -97,6 +98,10 @@ def main(argv=None):
     p.add_argument("--write-slots", type=cli.positive_int, nargs="+", default=[],
                    help="also time one token's write alone (its encode and store) into caches of these many "
                         "positions, at the first --batch: in place, it costs the same at every size")
+    p.add_argument("--engine-chunk", type=cli.nonnegative_int, default=0,
+                   help="also compile the serving engine's programs after each budget search, over a pool of the "
+                        "engine's pages holding the largest batch found: its decode call at that many rows and "
+                        "a prompt chunk of this many tokens (the server's --chunk; 0: not compiled)")
     p.add_argument("--read-mb", type=cli.positive_int, default=1024,
                    help="MiB summed (jit(jnp.sum), float32) to measure the read bandwidth")
     p.add_argument("--out", help="write PREFIX.md and PREFIX.json")
@@ -107,6 +112,9 @@ def main(argv=None):
         if "native" in args.impls:
             p.error("--tpu compiles the TPU's kernels: --impls native runs on a CPU")
         args.no_run = True
+    if args.engine_chunk and args.memory_gb == 0:
+        p.error("--engine-chunk compiles the engine's programs at the budget search's largest batch: not with "
+                "--memory-gb 0")
     if args.memory_gb is None and decode_report.DENSE not in args.formats:
         p.error(f"--budget-rows needs '{decode_report.DENSE}' among --formats (or give --memory-gb)")
     impls, dropped = pa.usable_impls(list(dict.fromkeys(args.impls)))

@@ -45,7 +45,8 @@ def parse_args(argv=None):
                    help="prompt chunk: longer prompts run in chunks beside the decoding requests")
     p.add_argument("--token-budget", type=cli.positive_int,
                    help="tokens per engine step, decode tokens first (default max(--chunk, 512))")
-    p.add_argument("--page-size", type=cli.positive_int, default=16, help="tokens per cache page")
+    p.add_argument("--page-size", type=cli.positive_int,
+                   help="tokens per cache page (default 16; on a TPU 128, its kernels' lanes)")
     p.add_argument("--no-prefix-cache", action="store_true", help="never share pages between requests")
     p.add_argument("--max-waiting", type=cli.positive_int, default=256, help="queued requests before 429")
     p.add_argument("--host", default="127.0.0.1")

@@ -97,6 +97,13 @@ class KVCache:
         looped, plain = jax.tree_util.tree_map(base.bits_of, state)
         return self.replace(looped=looped, plain=plain, bit_dtypes=dtypes)
 
+    def held(self, platform: str | None = None) -> "KVCache":
+        """This cache as a program compiled for `platform` (default: the host's backend) should carry it
+        across its boundary: as its bits (`as_bits`), except on a TPU, where XLA:TPU materialises the bits'
+        bitcast to values for the Mosaic kernels (a copy of every leaf, every call) and writes values in
+        place (`pallas_kernels.tpu_write`)."""
+        return self if (platform or jax.default_backend()) == "tpu" else self.as_bits()
+
     def as_values(self) -> "KVCache":
         """The cache with its K/V state holding values again (see `as_bits`; a no-op when it does)."""
         return self.replace(looped=self.values("looped"), plain=self.values("plain"), bit_dtypes=None)

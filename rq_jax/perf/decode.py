@@ -21,17 +21,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import tpu_deviceless
+from pallas_kernels import configs, tpu_deviceless
 from rq_jax import memory
 from rq_jax.cache import base, schemes
 from rq_jax.cache.calib import default_calib
 from rq_jax.cache.context import CacheContext
-from rq_jax.cache.kv import cache_nbytes, init_cache
+from rq_jax.cache.kv import cache_nbytes, init_cache, init_paged_cache
 from rq_jax.config import ModelConfig
 from rq_jax.models import init_model
 from rq_jax.perf.attention import fallbacks, with_impl
 from rq_jax.perf.fill import filled_row, repeat_rows
 from rq_jax.sampling import PREFILL_CHUNK, decode_step, prefill
+from rq_jax.serve import model_runner
+from rq_jax.serve.engine import default_page_size
 
 GiB = 2**30
 #: Compiler options of the search's programs on a CPU: LLVM optimisation off (buffer sizes unchanged);
@@ -97,15 +99,15 @@ class DecodeBench:
         run = run and self.tpu is None
         make = functools.partial(init_model, config, dtype=jnp.dtype(args.dtype),
                                  param_dtype=jnp.dtype(args.weight_dtype))
-        graphdef, self.param_shapes = nnx.split(nnx.eval_shape(make))
+        self.graphdef, self.param_shapes = nnx.split(nnx.eval_shape(make))
         self.params = nnx.split(make())[1] if run else None
         self.weights = base.tree_nbytes(self.param_shapes)
-        self.step = greedy_step(graphdef)
-        self.prefill = prefill_step(graphdef, args.prefill_chunk or None)
+        self.step = greedy_step(self.graphdef)
+        self.prefill = prefill_step(self.graphdef, args.prefill_chunk or None)
         self.rng = jax.random.key(0)
         self.calibs, self.compiled, self.compile_seconds, self.filled = {}, {}, 0.0, (None, None)
         self.fallbacks: dict[tuple[str, str], list[str]] = {}
-        self.tpu_kernels: dict[tuple, int] = {}
+        self.tpu_kernels: dict[tuple, dict[str, int]] = {}
         self.refused: dict[tuple, str] = {}
 
     def positions(self, tokens: int) -> int:
@@ -114,9 +116,8 @@ class DecodeBench:
         return -(-tokens // TPU_POSITIONS) * TPU_POSITIONS if self.on_tpu else tokens
 
     def held(self, cache):
-        """The cache as the step takes it: held as bits (`KVCache.as_bits`: XLA:CPU then writes it in place);
-        as values on a TPU, where XLA:TPU materialises the bits' bitcast for the kernels (a copy of the cache)."""
-        return cache if self.on_tpu else cache.as_bits()
+        """The cache as the step takes it (`KVCache.held`), for the TPU when compiling for one."""
+        return cache.held("tpu" if self.on_tpu else None)
 
     def cache_shapes(self, batch: int, tokens: int, fmt: base.CacheFormat):
         """The abstract cache of `batch` rows holding up to `tokens` tokens, as the step takes it."""
@@ -149,18 +150,20 @@ class DecodeBench:
     def fmt(label: str, impl: str = "auto") -> base.CacheFormat:
         return _scheme_format(label, impl)
 
-    def _lower(self, fn, label: str, impl: str, *args):
-        """fn.lower(*args), the decode-attention op's fallback warnings kept in `fallbacks[(label, impl)]`."""
+    def _lower(self, fn, label: str, impl: str, *args, **static):
+        """fn.lower(*args, **static), the decode-attention op's fallback warnings kept in
+        `fallbacks[(label, impl)]`."""
 
         with fallbacks() as fell:
-            lowered = fn.lower(*args)
+            lowered = fn.lower(*args, **static)
         seen = self.fallbacks.setdefault((label, impl), [])
         seen += [m for m in fell if m not in seen]
         return lowered
 
     def compile(self, label: str, context: int, batch: int, search: bool = False, impl: str = "auto"):
         """(compiled step for abstract inputs, its memory dict, the cache's bytes), kept for reuse; the
-        number of Mosaic kernels in it in `tpu_kernels` when compiled for a TPU."""
+        call sites of each Mosaic kernel in it in `tpu_kernels` (`tpu_deviceless.kernel_counts`) when compiled
+        for a TPU."""
         key = (label, impl, context, batch, tuple(sorted((self._options(search) or {}).items())))
         if key not in self.compiled:
             fmt = self.fmt(label, impl)
@@ -170,21 +173,56 @@ class DecodeBench:
                 self.param_shapes, jax.ShapeDtypeStruct((batch, 1), jnp.int32), cache, self.calib(label), self.rng))
             compiled = self._compile(lowered, search)
             if self.tpu:
-                self.tpu_kernels[key[:4]] = len(tpu_deviceless.mosaic_calls(compiled.as_text()))
+                self.tpu_kernels[key[:4]] = tpu_deviceless.kernel_counts(compiled.as_text())
             self.compiled[key] = compiled, memory.step_memory(compiled, self.weights, nbytes), nbytes
         return self.compiled[key]
 
-    def prefill_memory(self, label: str, tokens: int, impl: str = "auto") -> dict:
+    def prefill_memory(self, label: str, tokens: int, impl: str = "auto") -> dict | None:
         """The memory of the prefill (`prefill_step`: chunks of `args.prefill_chunk` tokens) of a `tokens`-token
         prompt (batch 1) into an empty cache of `tokens + 1` positions, compiled for abstract inputs (with
-        LLVM optimisation off on a CPU, as a search); on a TPU with `tpu_kernels`, its Mosaic kernels."""
+        LLVM optimisation off on a CPU, as a search); on a TPU with `tpu_kernels`, its Mosaic kernels. None
+        where the TPU compiler refuses it as over the chip's HBM (its words in `refused`)."""
         fmt = self.fmt(label, impl)
         cache = self.cache_shapes(1, tokens + 1, fmt)
         lowered = self._lower(self.prefill, label, impl, *self._inputs(
             self.param_shapes, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache, self.calib(label), self.rng))
-        compiled = self._compile(lowered, search=True)
+        try:
+            compiled = self._compile(lowered, search=True)
+        except jax.errors.JaxRuntimeError as e:
+            self._refuse((label, impl, "prefill", tokens), e)
+            return None
         mem = memory.step_memory(compiled, self.weights, cache_nbytes(cache))
-        return {**mem, "tpu_kernels": len(tpu_deviceless.mosaic_calls(compiled.as_text()))} if self.tpu else mem
+        return {**mem, "tpu_kernels": tpu_deviceless.kernel_counts(compiled.as_text())} if self.tpu else mem
+
+    def engine_memory(self, label: str, context: int, requests: int, rows: int, width: int,
+                      impl: str = "auto") -> dict | None:
+        """The serving engine's program (`model_runner.step_program`) for a call of `rows` rows of `width`
+        tokens (1: its decode program; more: one prompt chunk a row), over a pool of pages of the platform's
+        engine page (`engine.default_page_size`; a TPU's when compiling for one) holding `requests` requests
+        of `context` + 1 tokens, compiled for abstract inputs: its memory, with `tpu_kernels` on a TPU; None
+        where the TPU compiler refuses it as over the chip's HBM (its words in `refused`)."""
+        fmt = self.fmt(label, impl)
+        page = configs.TPU_PAGE if self.on_tpu else default_page_size()
+        per_row = -(-(context + 1) // page)
+        pool = jax.eval_shape(lambda: init_paged_cache(self.config, 1, requests * per_row, page, per_row, fmt)
+                              .held("tpu" if self.on_tpu else None))
+        program = model_runner.step_program(self.graphdef, pool)
+        args = self._inputs(self.param_shapes, self.calib(label), (pool.looped, pool.plain),
+                            *model_runner.padding(rows, width, per_row))
+        lowered = self._lower(program, label, impl, *args, prefill=width > 1, echo=False)
+        try:
+            compiled = self._compile(lowered, search=True)
+        except jax.errors.JaxRuntimeError as e:
+            self._refuse((label, impl, "engine", context, requests, rows, width), e)
+            return None
+        mem = memory.step_memory(compiled, self.weights, cache_nbytes(pool))
+        return {**mem, "tpu_kernels": tpu_deviceless.kernel_counts(compiled.as_text())} if self.tpu else mem
+
+    def _refuse(self, key: tuple, e: Exception) -> None:
+        """Record the TPU compiler's refusal of a program over the chip's HBM under `key`; raise anything else."""
+        if not self.tpu or "RESOURCE_EXHAUSTED" not in str(e):
+            raise e
+        self.refused[key] = str(e).splitlines()[0][:300]
 
     def memory(self, label: str, context: int, batch: int, impl: str = "auto") -> dict | None:
         """The step's memory at a batch: from a program already compiled for a run, else a search compile;
@@ -196,9 +234,7 @@ class DecodeBench:
         try:
             return self.compile(label, context, batch, search=True, impl=impl)[1]
         except jax.errors.JaxRuntimeError as e:
-            if not self.tpu or "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            self.refused[key] = str(e).splitlines()[0][:300]
+            self._refuse(key, e)
             return None
 
     def room(self) -> int | None:

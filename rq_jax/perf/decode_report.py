@@ -125,7 +125,7 @@ def header(args, models, impls: list[str], read_bw: float, run_contexts: set[int
             f"read bandwidth {read_bw / 1e9:.1f} GB/s (jit(jnp.sum) of {args.read_mb} MiB float32, median of "
             f"{args.repeats})" if read_bw else "compiled on this host by libtpu "
             f"{importlib.metadata.version('libtpu')}, not run; each cache's positions rounded up to "
-            f"{TPU_POSITIONS}; 'Mosaic kernels': the compiled step's custom calls to them"),
+            f"{TPU_POSITIONS}; 'Mosaic kernels': the compiled step's call sites of each"),
         "attention impl: " + pa.describe_impls(impls) + " (each format's attend_impl, one row per format and impl; a "
         "format without attend_impl: xla only; '→xla': the op fell back to XLA for some slot)",
         f"dtypes: weights {args.weight_dtype}, compute {args.dtype}, cache as each format's label says",
@@ -181,10 +181,12 @@ def run(args, impls: list[str], command: str) -> dict:
     for line in head:
         print(line)
     writes = len(args.write_slots) if run_contexts else 0
-    per_model = sum(map(len, runs.values())) * (len(args.context) * (len(args.batch) + (2 if search else 0))
+    searched = (1 + (2 if args.engine_chunk else 0)) if search else 0  # the search, the engine's two programs
+    per_model = sum(map(len, runs.values())) * (len(args.context) * (len(args.batch) + searched)
                                                 + len(args.prefill) + writes)
     bar = tqdm(total=per_model * len(models), desc="bench_decode", unit="step", file=sys.stderr)
     rows, budget_rows, prefill_rows, write_rows, compile_s, began = [], [], [], [], {}, time.perf_counter()
+    engine_rows = []
     said = set()  # the decode-attention op's fallback warnings printed so far
     for label, config, _ in models:
         bench = DecodeBench(label, config, args, run=bool(run_contexts))
@@ -219,12 +221,25 @@ def run(args, impls: list[str], command: str) -> dict:
                                f"{budgets[impl] / GiB:.2f} GiB ({len(found['totals'])} programs compiled), peak "
                                + (f"{found['peak_tok_s']:.2f} tok/s" if found["peak_tok_s"] else found["peak_run"])
                                + kernels_words(found))
+                    requests = found["max_batch"]
+                    for call_rows, width in ((requests, 1), (1, args.engine_chunk)):
+                        if not args.engine_chunk or not requests:
+                            continue
+                        bar.set_postfix_str(f"{name} engine {call_rows} x {width}")
+                        engine_rows.append(_engine_row(bench, fmt, impl, context, requests, call_rows, width,
+                                                       budgets[impl]))
+                        bar.update()
+                        tqdm.write(f"  {label} ctx {context} {fmt} {impl}: engine {_program(engine_rows[-1])}, "
+                                   + _fit_words(engine_rows[-1]) + kernels_words(engine_rows[-1]))
         for tokens in args.prefill:
             for fmt in args.formats:
                 for impl in runs[fmt]:
                     bar.set_postfix_str(f"{label.split()[0]} prefill {tokens} {fmt} {impl}")
                     mem = bench.prefill_memory(fmt, tokens, impl)
-                    prefill_rows.append(dict(model=label, tokens=tokens, format=fmt, impl=impl, memory=mem))
+                    refused = bench.refused.get((fmt, impl, "prefill", tokens))
+                    kernels = {"tpu_kernels": mem.pop("tpu_kernels") if mem else None} if args.tpu else {}
+                    prefill_rows.append(dict(model=label, tokens=tokens, format=fmt, impl=impl, memory=mem, **kernels,
+                                             **({"refused": refused} if refused else {})))
                     bar.update()
         for slots in args.write_slots if run_contexts else ():
             for fmt in args.formats:
@@ -244,7 +259,8 @@ def run(args, impls: list[str], command: str) -> dict:
                 jax=jax.__version__,
                 read_bandwidth=read_bw, impls=impls, args=vars(args), budget=fixed_budget, wall_s=wall,
                 compile_s=compile_s, models={label: dict(config=vars(c), changed=d) for label, c, d in models},
-                rows=rows, budget_rows=budget_rows, prefill_rows=prefill_rows, write_rows=write_rows)
+                rows=rows, budget_rows=budget_rows, prefill_rows=prefill_rows, write_rows=write_rows,
+                engine_rows=engine_rows)
 
 
 # ---- ratios and bytes -------------------------------------------------------------------------------
@@ -294,16 +310,24 @@ def _mib(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / MiB:.1f}"
 
 
+def kernels_cell(counts: dict[str, int] | None) -> str:
+    """Call sites per Mosaic kernel ("4 tpu_residual_decode_attention + 30 tpu_write_token"), "none" for a
+    program with none, "-" where not compiled for a TPU."""
+    if counts is None:
+        return "-"
+    return " + ".join(f"{n} {name}" for name, n in counts.items()) or "none"
+
+
 def kernels_words(r: dict) -> str:
-    """", N Mosaic kernels" for a row compiled for a TPU, else ""."""
-    return f", {r['tpu_kernels']} Mosaic kernels" if r.get("tpu_kernels") is not None else ""
+    """", Mosaic kernels: N name + ..." for a row compiled for a TPU, else ""."""
+    return f", Mosaic kernels: {kernels_cell(r['tpu_kernels'])}" if r.get("tpu_kernels") is not None else ""
 
 
 def _kernel_cells(rows: list[dict], cols: tuple, cells: list[tuple]) -> tuple[tuple, list[tuple]]:
     """The columns and cells with a "Mosaic kernels" column when the rows were compiled for a TPU."""
     if not any("tpu_kernels" in r for r in rows):
         return cols, cells
-    return (*cols, "Mosaic kernels"), [(*c, r.get("tpu_kernels", "-")) for r, c in zip(rows, cells)]
+    return (*cols, "Mosaic kernels"), [(*c, kernels_cell(r.get("tpu_kernels"))) for r, c in zip(rows, cells)]
 
 
 def impl_label(r: dict) -> str:
@@ -352,12 +376,49 @@ def budget_table(rows: list[dict]) -> list[str]:
     return report.table(*_kernel_cells(rows, cols, cells))
 
 
+def _engine_row(bench, fmt: str, impl: str, context: int, requests: int, rows: int, width: int, budget: int) -> dict:
+    """The serving engine's program (`DecodeBench.engine_memory`) for `rows` rows of `width` tokens over a
+    pool holding `requests` requests of `context` + 1 tokens, against `budget`."""
+    mem = bench.engine_memory(fmt, context, requests, rows, width, impl)
+    refused = bench.refused.get((fmt, impl, "engine", context, requests, rows, width))
+    kernels = {"tpu_kernels": mem.pop("tpu_kernels") if mem else None} if bench.tpu else {}
+    return dict(model=bench.label, context=context, format=fmt, impl=impl, requests=requests, rows=rows, width=width,
+                budget=budget, memory=mem, fits=mem is not None and mem["total"] <= budget, **kernels,
+                **({"refused": refused} if refused else {}))
+
+
+def _program(r: dict) -> str:
+    """An engine row's program: "decode, N rows" or "prompt chunk of T tokens"."""
+    return f"decode, {r['rows']} rows" if r["width"] == 1 else f"prompt chunk of {r['width']} tokens, {r['rows']} row"
+
+
+def _fit_words(r: dict) -> str:
+    if r["memory"] is None:
+        return f"refused by the TPU compiler: {r['refused']}"
+    return f"{r['memory']['total'] / GiB:.2f} GiB, " + ("fits" if r["fits"] else "over") + \
+        f" {r['budget'] / GiB:.2f} GiB"
+
+
+def engine_table(rows: list[dict]) -> list[str]:
+    """The engine rows (compile only) as Markdown lines."""
+    cols = ("model", "context", "format", "impl", "requests held", "program", "GiB (weights + cache + temp + other)",
+            "temp MiB", "within the budget")
+    cells = [(r["model"], r["context"], r["format"], r["impl"], r["requests"], _program(r), _gib(r["memory"]),
+              _mib(r["memory"] and r["memory"]["temp"]), "yes" if r["fits"] else _fit_words(r)) for r in rows]
+    return report.table(*_kernel_cells(rows, cols, cells))
+
+
 def prefill_table(rows: list[dict]) -> list[str]:
-    """The prefill rows (compile only) as Markdown lines."""
+    """The prefill rows (compile only) as Markdown lines; a program the TPU compiler refused, with its words."""
     cols = ("model", "prompt tokens", "format", "impl", "cache MiB", "temp GiB",
             "step GiB (weights + cache + temp + other)")
-    return report.table(cols, [(r["model"], r["tokens"], r["format"], r["impl"], _mib(r["memory"]["cache"]),
-                                f"{r['memory']['temp'] / GiB:.2f}", _gib(r["memory"])) for r in rows])
+    cells = []
+    for r in rows:
+        mem = r["memory"]
+        sizes = (_mib(mem["cache"]), f"{mem['temp'] / GiB:.2f}", _gib(mem)) if mem else (
+            "-", "-", f"refused by the TPU compiler: {r['refused']}")
+        cells.append((r["model"], r["tokens"], r["format"], r["impl"], *sizes))
+    return report.table(*_kernel_cells(rows, cols, cells))
 
 
 def write_table(rows: list[dict]) -> list[str]:
@@ -383,6 +444,9 @@ def tables(result: dict) -> list[str]:
         lines += ["", f"## Largest batch in {words}", "", *budget_table(result["budget_rows"])]
     if result["prefill_rows"]:
         lines += ["", "## Prefill (compile only, batch 1)", "", *prefill_table(result["prefill_rows"])]
+    if result.get("engine_rows"):
+        lines += ["", "## The serving engine's programs over a pool holding the largest batch (compile only)", "",
+                  *engine_table(result["engine_rows"])]
     if result.get("write_rows"):
         lines += ["", "## One token's write, alone (held as bits, donated)", "", *write_table(result["write_rows"])]
     return lines

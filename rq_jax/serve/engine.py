@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.configs import TPU_PAGE
 from rq_jax import memory, setup
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.calib import CacheCalib
@@ -74,11 +75,18 @@ def calibration_key(fmt: CacheFormat, plain_fmt: CacheFormat, calib: CacheCalib 
     return h.hexdigest()
 
 
+def default_page_size() -> int:
+    """Tokens per cache page on this host's backend: 16, or on a TPU `configs.TPU_PAGE` (128: its kernels hold
+    tokens on the 128 lanes, and XLA:TPU relays out a pool of smaller pages around every call)."""
+    return TPU_PAGE if jax.default_backend() == "tpu" else 16
+
+
 class Engine:
     """Requests over a paged cache of `fmt` (default dense bf16): `memory_bytes` of pages of `page_size`
-    tokens, or room for `num_slots` requests of `max_len` tokens; at most `max_rows` requests decoding at
-    once (default `num_slots`, else `DEFAULT_MAX_ROWS`); prompts in chunks of `chunk` tokens, a step's
-    tokens at most `token_budget` (default max(chunk, 512)); `prefix_cache` shares full prompt pages.
+    tokens (default `default_page_size()`), or room for `num_slots` requests of `max_len` tokens; at most
+    `max_rows` requests decoding at once (default `num_slots`, else `DEFAULT_MAX_ROWS`); prompts in chunks of
+    `chunk` tokens, a step's tokens at most `token_budget` (default max(chunk, 512)); `prefix_cache` shares
+    full prompt pages.
     `eos_ids` end every request. `calib`, `plain_fmt`, `mesh` and `model_kwargs` (e.g. `num_loops`,
     Huginn's `init_scale`) are the Sampler's. `metrics` (a `ServeMetrics`) is kept up to date when given.
     """
@@ -86,7 +94,7 @@ class Engine:
     def __init__(self, model, tokenizer, fmt: CacheFormat | None = None, *, eos_ids: Sequence[int] = (),
                  max_len: int = 256, num_slots: int | None = None, memory_bytes: int | None = None,
                  plain_fmt: CacheFormat | None = None, calib: CacheCalib | None = None, mesh=None,
-                 chunk: int = 256, token_budget: int | None = None, page_size: int = 16,
+                 chunk: int = 256, token_budget: int | None = None, page_size: int | None = None,
                  max_rows: int | None = None, prefix_cache: bool = True, metrics: ServeMetrics | None = None,
                  **model_kwargs):
         config = model.config
@@ -107,7 +115,7 @@ class Engine:
         if whole_rows:
             self.page_size, self.chunk, prefix_cache = max_len, min(chunk, max_len), False
         else:
-            self.page_size = min(page_size, max_len)
+            self.page_size = min(page_size or default_page_size(), max_len)
             self.chunk = max(self.page_size, min(chunk, max_len) // self.page_size * self.page_size)
         self.token_budget = token_budget or max(self.chunk, 512)
         if self.token_budget < self.chunk:

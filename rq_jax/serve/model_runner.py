@@ -78,47 +78,27 @@ class ModelRunner:
                  chunk: int, token_budget: int, plain_fmt: CacheFormat | None = None, calib: CacheCalib | None = None,
                  mesh=None, timer: Callable[[str, float, object], None] | None = None, **model_kwargs):
         config = model.config
-        self.config, self.fmt, self.plain_fmt, self.mesh = config, fmt, plain_fmt or fmt, mesh
+        plain_fmt = plain_fmt or fmt
         self.page_size, self.max_len, self.chunk = page_size, max_len, chunk
         self.pages_per_row = -(-max_len // page_size)
-        self.model_kwargs = model_kwargs
         self.timer = timer or (lambda phase, began, result: None)
         self.decode_rows = geometric(1, max_rows, 2)
         self.token_buckets = geometric(min(16, chunk), chunk, 2)
         self.prefill_rows = {t: geometric(1, max(1, min(max_rows, token_budget // t)), 2) for t in self.token_buckets}
         self._graphdef, self.params, num_loops, self.calib, _ = setup.prepare(
-            model, fmt, self.plain_fmt, calib=calib, mesh=mesh, **model_kwargs)
+            model, fmt, plain_fmt, calib=calib, mesh=mesh, **model_kwargs)
         if self.calib is None:
             raise ValueError(f"the {fmt.describe()} cache needs a calibration fitted on data (scripts/calibrate.py)")
 
         def pool():  # built by a compiled program: no two leaves share a buffer (the calls donate it)
             return init_paged_cache(config, 1, pages, page_size, self.pages_per_row, fmt, num_loops=num_loops,
-                                    plain_fmt=self.plain_fmt).as_bits()
+                                    plain_fmt=plain_fmt).held()
 
-        self._template = jax.eval_shape(pool)
-        self.state = jax.jit(lambda: _state(pool()), out_shardings=self._state_shardings(self._template))()
-        self._call = jax.jit(self._call_fn, donate_argnums=2, static_argnames=("prefill", "echo"))
+        self.template = jax.eval_shape(pool)  # the pool's cache, abstract
+        shardings = None if mesh is None else sharding.named(mesh, _state(sharding.cache_specs(self.template, mesh)))
+        self.state = jax.jit(lambda: _state(pool()), out_shardings=shardings)()
+        self._call = step_program(self._graphdef, self.template, mesh, **model_kwargs)
         self._rng: dict[int, np.ndarray] = {}  # per request: its chain key (raw data) after its last call
-
-    # ---- programs ------------------------------------------------------------------------------------
-
-    def _state_shardings(self, template):
-        if self.mesh is None:
-            return None
-        return sharding.named(self.mesh, _state(sharding.cache_specs(template, self.mesh)))
-
-    def _call_fn(self, params, calib, state, tokens, num_new, lengths, table, params_rows, keys, targets, *,
-                 prefill: bool, echo: bool):
-        model = nnx.merge(self._graphdef, params)
-        rows = tokens.shape[0]
-        cache = self._template.replace(looped=state[0], plain=state[1], lengths=lengths, block_table=table,
-                                       overflow=jnp.zeros((rows,), bool), out_of_range=jnp.zeros((rows,), jnp.int32))
-        cache, picked, next_rng, prompt = programs.run_rows(model, calib, cache, tokens, num_new, params_rows, keys,
-                                                            prefill, targets if echo else None, **self.model_kwargs)
-        state = _state(cache)
-        if self.mesh is not None:
-            state = sharding.constrain(state, _state(sharding.cache_specs(cache, self.mesh)), self.mesh)
-        return state, (picked, next_rng, prompt, cache.out_of_range)
 
     # ---- a step ----------------------------------------------------------------------------------------
 
@@ -146,7 +126,7 @@ class ModelRunner:
             first, lost_a = self._run_rows(chunks[:half], rows, kind)
             second, lost_b = self._run_rows(chunks[half:], rows, kind)
             return {**first, **second}, lost_a + lost_b
-        call = self._padding(count, width)
+        call = padding(count, width, self.pages_per_row)
         tokens, num_new, lengths, table, (temperature, top_k, top_p), (seed, chunk_index, rng), targets = call
         for i, c in enumerate(chunks):
             spec = rows[c.seq]
@@ -192,22 +172,47 @@ class ModelRunner:
                 out.append((f"prefill {t} echo", functools.partial(self._warm, 1, t, True, True)))
         return out
 
-    def _padding(self, count: int, width: int) -> tuple:
-        """A call's arguments after the state for `count` padding rows of `width` tokens (no tokens, greedy,
-        a one-chunk prompt's keys): tokens, num_new, lengths, block tables, `programs.Sampling`,
-        `programs.RowKeys`, targets — as numpy arrays a step fills in for its rows."""
-        def ints():  # a fresh array for each field
-            return np.zeros(count, np.int32)
-
-        return (np.zeros((count, width), np.int32), ints(), ints(), np.zeros((count, self.pages_per_row), np.int32),
-                programs.Sampling(np.zeros(count, np.float32), ints(), np.ones(count, np.float32)),
-                programs.RowKeys(ints(), np.full(count, -1, np.int32), np.zeros((count, 2), np.uint32)),
-                np.zeros((count, width), np.int32))
-
     def _warm(self, count: int, width: int, prefill: bool, echo: bool) -> None:
-        self.state, out = self._call(self.params, self.calib, self.state, *self._padding(count, width),
+        self.state, out = self._call(self.params, self.calib, self.state, *padding(count, width, self.pages_per_row),
                                      prefill=prefill, echo=echo)
         jax.block_until_ready(out)
+
+
+def step_program(graphdef, template, mesh=None, **model_kwargs):
+    """The runner's one program, jitted, the pool's state donated: `call(params, calib, state, *padding(...),
+    prefill=, echo=)` runs a call's rows (`programs.run_rows`) over the pool whose cache `template` (abstract,
+    lengths and table aside) holds `state` = (looped, plain), and returns (the new state, (picks, next chain
+    keys, prompt log-probabilities or None, values lost [rows])). `model_kwargs` are the model's (`num_loops`);
+    on `mesh` the state stays split as `sharding.cache_specs` says."""
+
+    def call(params, calib, state, tokens, num_new, lengths, table, params_rows, keys, targets, *,
+             prefill: bool, echo: bool):
+        model = nnx.merge(graphdef, params)
+        rows = tokens.shape[0]
+        cache = template.replace(looped=state[0], plain=state[1], lengths=lengths, block_table=table,
+                                 overflow=jnp.zeros((rows,), bool), out_of_range=jnp.zeros((rows,), jnp.int32))
+        cache, picked, next_rng, prompt = programs.run_rows(model, calib, cache, tokens, num_new, params_rows, keys,
+                                                            prefill, targets if echo else None, **model_kwargs)
+        state = _state(cache)
+        if mesh is not None:
+            state = sharding.constrain(state, _state(sharding.cache_specs(cache, mesh)), mesh)
+        return state, (picked, next_rng, prompt, cache.out_of_range)
+
+    return jax.jit(call, donate_argnums=2, static_argnames=("prefill", "echo"))
+
+
+def padding(count: int, width: int, pages_per_row: int) -> tuple:
+    """A call's arguments after the state for `count` padding rows of `width` tokens (no tokens, greedy, a
+    one-chunk prompt's keys): tokens [count, width], num_new, lengths [count], block tables [count,
+    pages_per_row], `programs.Sampling`, `programs.RowKeys`, targets [count, width] — numpy arrays a step
+    fills in for its rows."""
+    def ints():  # a fresh array for each field
+        return np.zeros(count, np.int32)
+
+    return (np.zeros((count, width), np.int32), ints(), ints(), np.zeros((count, pages_per_row), np.int32),
+            programs.Sampling(np.zeros(count, np.float32), ints(), np.ones(count, np.float32)),
+            programs.RowKeys(ints(), np.full(count, -1, np.int32), np.zeros((count, 2), np.uint32)),
+            np.zeros((count, width), np.int32))
 
 
 def _state(cache):

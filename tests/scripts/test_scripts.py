@@ -237,14 +237,17 @@ def test_bench_decode_on_a_tpu_compiled_here(tmp_path, monkeypatch):
             "vocab_size=256")
     out = tmp_path / "tpu"
     run_ok("bench_decode", "--tpu", "v5e:2x2", "--models", tiny, "--formats", "dense bf16", "[2,2,2,4] g32",
-           "--context", "200", "--batch", "2", "100000", "--memory-gb", "0.01", "--max-batch", "8", "--out", out)
+           "--context", "200", "--batch", "2", "100000", "--memory-gb", "0.01", "--max-batch", "8", "--engine-chunk",
+           "32", "--out", out)
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["platform"] == "tpu" and data["read_bandwidth"] is None and data["args"]["no_run"]
     assert "one chip of v5e:2x2, 16 GiB HBM" in data["device"] and "by libtpu" in data["header"][0]
     config = ModelConfig(**data["models"]["ouro-1.4b"]["config"])
     rows = [r for r in data["rows"] if r["batch"] == 2]
     for r in rows + data["budget_rows"]:
-        assert r["tpu_kernels"] >= 1 and r["fallback"] is None, r
+        attention = "tpu_dense_decode_attention" if r["format"] == "dense bf16" else "tpu_residual_decode_attention"
+        assert r["tpu_kernels"].get(attention, 0) >= 1 and r["fallback"] is None, r
+        assert ("tpu_write_token" in r["tpu_kernels"]) == (r["format"] != "dense bf16"), r  # dense's rows: token-major
     for r in rows:
         fmt = DecodeBench.fmt(r["format"])
         assert r["ms"] is None and r["cache_nbytes"] == cache_nbytes(init_cache(config, 2, 256, fmt)), r
@@ -252,6 +255,15 @@ def test_bench_decode_on_a_tpu_compiled_here(tmp_path, monkeypatch):
         if r["batch"] == 100000:
             assert r["memory"] is None and r["run"].startswith("refused by the TPU compiler: RESOURCE_EXHAUSTED"), r
     assert "| Mosaic kernels |" in out.with_suffix(".md").read_text()
+    # The serving engine's decode and prompt programs over a pool of 128-token pages holding the largest batch:
+    # the TPU kernels read the pool, and residual's decode stores through the Mosaic store.
+    assert [(r["format"], r["width"]) for r in data["engine_rows"]] == [
+        ("dense bf16", 1), ("dense bf16", 32), ("[2,2,2,4] g32", 1), ("[2,2,2,4] g32", 32)]
+    for r in data["engine_rows"]:
+        found = next(b for b in data["budget_rows"] if b["format"] == r["format"])
+        attention = "tpu_dense_decode_attention" if r["format"] == "dense bf16" else "tpu_residual_decode_attention"
+        assert r["requests"] == found["max_batch"] >= 1 and r["tpu_kernels"].get(attention, 0) >= 1, r
+        assert ("tpu_write_token" in r["tpu_kernels"]) == (r["format"] != "dense bf16" and r["width"] == 1), r
 
 
 def test_bench_decode_help_shows_defaults():

@@ -100,7 +100,7 @@ def test_huginns_random_state_shares_pages_only_between_requests_of_one_seed():
     engine = Engine(model, tokenizer, fmt, eos_ids=stops, max_len=40, num_slots=2, page_size=4, chunk=8,
                     token_budget=16, init_scale=1.0, num_steps=6)
     assert model.config.num_loops == 8 and engine.num_loops == 6
-    assert engine.runner._template.num_loops == 6
+    assert engine.runner.template.num_loops == 6
     prompt = tokenizer.encode(RETRIEVAL[0][:-1] + "m9;B1;k").ids
     assert len(prompt) == 29
     sampler = Sampler(model, SamplingConfig(max_new_tokens=4, stop_tokens=stops, prefill_chunk=8), fmt,
