@@ -389,7 +389,8 @@ def _engine_row(bench, fmt: str, impl: str, context: int, requests: int, rows: i
 
 def _program(r: dict) -> str:
     """An engine row's program: "decode, N rows" or "prompt chunk of T tokens"."""
-    return f"decode, {r['rows']} rows" if r["width"] == 1 else f"prompt chunk of {r['width']} tokens, {r['rows']} row"
+    rows = f"{r['rows']} row" + ("s" if r["rows"] != 1 else "")
+    return f"decode, {rows}" if r["width"] == 1 else f"prompt chunk of {r['width']} tokens, {rows}"
 
 
 def _fit_words(r: dict) -> str:
