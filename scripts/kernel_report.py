@@ -69,14 +69,14 @@ def main(argv=None) -> int:
                    help="a report's JSON: find launch parameters for the classes that failed there")
     p.add_argument("--page", type=cli.positive_int, default=None, metavar="P",
                    help="every configuration read through a block table over pages of P tokens (the serving "
-                        "engine's 16); with --refit, the launch.PAGED_OVERRIDES of its failed classes")
+                        "engine's 16; on a TPU 128); with --refit, the launch.PAGED_OVERRIDES of its failed classes")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     args = p.parse_args(argv)
     if args.tpu and (args.sweep or args.refit):
         p.error("--tpu reports the matrix: --sweep and --refit derive the GPU launch table")
-    if args.page and (args.tpu or args.sweep):
-        p.error("--page reads the GPU kernels' configurations through a block table: not with --tpu or --sweep")
+    if args.page and args.sweep:
+        p.error("--page reads the configurations through a block table: not with --sweep (--refit re-fits them)")
     if args.tpu and not tpu_deviceless.libtpu_available():
         print(f"kernel_report.py: {tpu_report.no_libtpu_message()}", file=sys.stderr)
         return 2

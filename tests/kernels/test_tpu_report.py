@@ -5,6 +5,7 @@ its one-line error without libtpu."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -39,6 +40,18 @@ def test_ci_subset_compiles(generation):
         assert 0 < row["vmem_used"] <= row["vmem_limit"] and row["generated_code_bytes"] > 0, row
         assert row["page"] in ((configs.TPU_PAGE,) if cfg.page else (128, 256, 512, 1024, 2048)), row
         assert row["temp_bytes"] < row["argument_bytes"] // 100, row
+
+
+@needs_libtpu
+def test_pooled_configurations_through_the_script(tmp_path):
+    """--tpu --page 128: configurations over a pool of 128-token pages, read through a block table."""
+    out = tmp_path / "tpu.json"
+    run = run_script("kernel_report", "--tpu", "v5e", "--page", "128", "--only", "ouro-loop-d128-int2g32-int4g32",
+                     "dense-d128-bfloat16kv", "--json", out)
+    assert run.code == 0, run
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["config"] for r in rows} == {"paged128-ouro-loop-d128-int2g32-int4g32", "paged128-dense-d128-bfloat16kv"}
+    assert all(r["status"] == "ok" and r["page"] == 128 for r in rows), rows
 
 
 def refused(fn, args, generation):
