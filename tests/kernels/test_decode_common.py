@@ -73,3 +73,23 @@ def test_float8_bits_decode_exactly():
     finite = np.isfinite(want)
     assert finite.sum() == 254
     np.testing.assert_array_equal(got[finite], want[finite])
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "tpu"])
+@pytest.mark.parametrize("stored, table, message", [
+    ((1, 6, 2, 16, 32), None, r"cache batch/heads \(6, 2\) != queries' \(3, 2\) \(a paged pool needs a block_table\)"),
+    ((1, 6, 2, 16, 32), np.zeros((3, 2), np.float32), r"block_table must be integer \[3, N\]"),
+    ((1, 6, 2, 16, 32), np.zeros((2, 2), np.int32), r"block_table must be integer \[3, N\]"),
+    ((1, 6, 4, 16, 32), np.zeros((3, 2), np.int32), r"pool kv heads 4 != queries' 2"),
+])
+def test_a_pool_and_its_table_are_checked(kernel, stored, table, message):
+    """The dense kernels (Triton and Mosaic) refuse a pool without a table, a table of the wrong dtype or rows,
+    and a pool whose kv heads are not the queries' — by name, at trace time (`decode_common.check_table`)."""
+    from pallas_kernels import dense_decode_attention
+    from pallas_kernels.tpu_dense_attention import tpu_dense_decode_attention
+
+    fn = dense_decode_attention if kernel == "pallas" else tpu_dense_decode_attention
+    q = jnp.zeros((3, 2, 1, 32), jnp.float32)
+    kv = jnp.zeros(stored, jnp.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        fn(q, kv, kv, jnp.zeros(3, jnp.int32), 0, None if table is None else jnp.asarray(table), interpret=True)
