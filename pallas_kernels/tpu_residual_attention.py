@@ -24,7 +24,8 @@ token), scale/offset [K, D/g, P], α [K, P]. XLA:TPU stores [..., S, C] arrays w
 multiple of 128 with the tokens on the 128 lanes (as a dense cache of such head dims,
 `tpu_dense_attention.transposed`), so the wrapper's `swapaxes` is that layout, not a copy, and P must be a
 multiple of 128 (or all of S: a pool's page of any size). Codes rows of a multiple of 128 bytes (INT8 at head
-dim 128, INT4/INT8 at 256) XLA stores token-major: declined (NotImplementedError) rather than copied.
+dim 128, INT4/INT8 at 256) XLA stores token-major: those are read as [tokens, J] tiles and transposed in VMEM
+(`token_major`).
 Metadata arrays with very few groups may be stored with the group axis above the heads (measured: 2 FP8 or 6
 bf16 groups per token at 16 heads), which costs a copy of that metadata (not of the codes) per call.
 
@@ -75,15 +76,11 @@ _STATIC = ("k_bits", "v_bits", "k_group_sizes", "v_group_sizes", "block_s", "gen
 
 
 def _links(streams, bits, groups, dim: int, what: str) -> tuple[ra.Link, ...]:
-    """`residual_attention.chain_links`, and what the TPU kernel does not cover by name: code rows of a
-    multiple of 128 bytes (stored token-major), planes or groups of channels not a multiple of 8, float16
-    metadata."""
+    """`residual_attention.chain_links`, and what the TPU kernel does not cover by name: planes or groups of
+    channels not a multiple of 8, float16 metadata (Mosaic loads no float16 vector, nor bitcasts a float16
+    block in VMEM; a bitcast outside the kernel would copy the metadata on every call)."""
     links = ra.chain_links(streams, bits, groups, dim, what, SUPPORTED_BITS)
     for i, ln in enumerate(links):
-        if ln.nbytes % LANES == 0:
-            raise NotImplementedError(f"{what} link {i}: {ln.bits}-bit codes at head dim {dim} ({ln.nbytes} bytes per "
-                                      f"token, a multiple of {LANES}: XLA:TPU stores them token-major, which the "
-                                      f"token-minor TPU kernel would copy whole per call)")
         if ln.bits < 8 and ln.nbytes % SUBLANES:
             raise NotImplementedError(f"{what} link {i}: {ln.bits}-bit planes of {ln.nbytes} channels at head dim "
                                       f"{dim} (TPU kernel stacks planes of multiples of {SUBLANES})")
@@ -143,11 +140,20 @@ def _meta_f32(raw: jax.Array, meta: str) -> jax.Array:
     return raw.astype(jnp.float32)
 
 
+def token_major(link: ra.Link) -> bool:
+    """Whether a link's codes are read as [tokens, J] tiles: rows of a multiple of 128 bytes (INT8 at head
+    dim 128, INT4/INT8 at 256), which XLA:TPU stores with the bytes on the lanes."""
+    return link.nbytes % LANES == 0
+
+
 def _dequantized(refs, link: ra.Link, h) -> jax.Array:
-    """D(c) [D, P] float32 of head h's tiles of one link: codes [J, P] uint8 unpacked plane by plane (plane k
-    holds channels [kJ, (k+1)J)), plus offset + scale [D/g, P] repeated over each group's g channels."""
+    """D(c) [D, P] float32 of head h's tiles of one link: codes [J, P] uint8 (read as [P, J] and transposed
+    for a `token_major` link) unpacked plane by plane (plane k holds channels [kJ, (k+1)J)), plus offset +
+    scale [D/g, P] repeated over each group's g channels."""
     c_ref, s_ref, o_ref = refs
     raw = c_ref[h].astype(jnp.int32)
+    if token_major(link):
+        raw = raw.T
     if link.bits < 8:
         mask = (1 << link.bits) - 1
         raw = jnp.concatenate([(raw >> (k * link.bits)) & mask for k in range(8 // link.bits)], axis=0)
@@ -297,11 +303,20 @@ def tpu_residual_decode_attention(
     def row_map(row, i, j, *_):
         return row, 0, i, 0
 
-    # Every head of a page per step: streams as [M, B, K, C, S] (tokens on the lanes), α as stored.
+    def token_major_map(row, i, j, *refs):  # [M, B, K, S, J] codes as stored: (page, J) blocks
+        at = stream_map(row, i, j, *refs)
+        return *at[:3], at[4], 0
+
+    # Every head of a page per step: streams as [M, B, K, C, S] (tokens on the lanes; a token-major link's
+    # codes as stored), α as stored.
     in_specs, args = [pl.BlockSpec((None, kh, rb, d), row_map)], [q]
-    for streams, chain_alphas in ((keys, k_alpha), (values, v_alpha)):
-        for st in streams:
+    for streams, chain_alphas, links in ((keys, k_alpha, k_links), (values, v_alpha, v_links)):
+        for st, ln in zip(streams, links):
             for x in (st.codes, st.scale, st.offset):
+                if x is st.codes and token_major(ln):
+                    args.append(x)
+                    in_specs.append(pl.BlockSpec((None, None, kh, page, x.shape[-1]), token_major_map))
+                    continue
                 args.append(jnp.swapaxes(x, -1, -2))
                 in_specs.append(pl.BlockSpec((None, None, kh, x.shape[-1], page), stream_map))
         for a in chain_alphas:
