@@ -230,8 +230,8 @@ TPU_PAGE = 128
 
 #: Compiled for v5e and v6e on every test run where libtpu is installed (tests/kernels/test_tpu_report.py):
 #: Ouro's loop and anchor, the 3-link chain, Huginn's head dim, the 4-link g16 chain that takes the most
-#: VMEM, dense bf16 and f32 K/V, INT8 codes at head dim 128 (read token-major) and the one kind the TPU
-#: kernel declines (float16 metadata). `scripts/kernel_report.py --tpu` compiles the rest of MATRIX (its
+#: VMEM, dense bf16 and f32 K/V, INT8 codes at head dim 128 (read token-major) and float16 metadata (read as
+#: its bits). `scripts/kernel_report.py --tpu` compiles the rest of MATRIX (its
 #: contiguous configurations; `--page 128` the pooled ones).
 TPU_CI_SUBSET = ("ouro-loop-d128-int2g32-int4g32", "ouro-anchor-d128-int4g32", "chain3-d128-int2g32-int2g32-int4g32",
                  "huginn-d96-int2g16-int4g16", "d96-r1-int2g16-int2g16-int2g16-int4g16", "dense-d128-bfloat16kv",

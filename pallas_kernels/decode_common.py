@@ -145,6 +145,18 @@ def float8_e4m3fn_bits_to_f32(bits: jax.Array) -> jax.Array:
     return jnp.where(x >= 128, -mag, mag)
 
 
+def float16_bits_to_f32(bits: jax.Array) -> jax.Array:
+    """float16 values from their uint16 bits, exactly, with integer ops only (Mosaic loads no float16 vector):
+    a normal number's exponent rebiased into float32's bits (e + 112; 31, the infinities and NaNs, to 255),
+    the 10-bit mantissa shifted up 13; a subnormal (e = 0) is m · 2^-24."""
+    x = bits.astype(jnp.int32)
+    e, m = (x >> 10) & 31, x & 1023
+    normal = jax.lax.bitcast_convert_type(((x >> 15) << 31) | (jnp.where(e == 31, 255, e + 112) << 23) | (m << 13),
+                                          jnp.float32)
+    tiny = m.astype(jnp.float32) * (2.0 ** -24)
+    return jnp.where(e == 0, jnp.where(x >= 1 << 15, -tiny, tiny), normal)
+
+
 def online_softmax(scores: jax.Array, m_prev: jax.Array, l_prev: jax.Array):
     """One flash step on a [rows, tile] score tile (masked entries -inf, at least one finite per
     processed tile): returns p = exp(scores - m_new), m_new, l_new and the correction exp(m_prev - m_new)

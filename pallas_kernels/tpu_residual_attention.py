@@ -36,7 +36,10 @@ repeated over each group's channels, and the chain reconstructed as one float32 
 Σ_i (Π_{j<i} αk_j) · mean_score_i, the GPU kernel's `dequant_keys` path), values one split dot p · ẑ_vᵀ.
 FP8-e4m3 metadata is loaded as it is stored, bitcast to uint8 in the kernel and decoded with integer ops
 (`decode_common.float8_e4m3fn_bits_to_f32`): no float8 arithmetic is assumed of Mosaic, and a bitcast outside
-the kernel would be materialised by XLA:TPU (a copy of every metadata leaf per call).
+the kernel would be materialised by XLA:TPU (a copy of every metadata leaf per call). float16 metadata cannot
+be loaded so (Mosaic has no float16 vector, nor a bitcast of a float16 block): it enters as its uint16 bits,
+bitcast outside the kernel, where XLA:TPU may copy it, and is decoded with integer ops
+(`decode_common.float16_bits_to_f32`).
 
 Precision, as the GPU kernels: bf16 dot operands with float32 accumulation, float32 operands (the
 reconstructed tiles, p, float32 queries) split into bf16 hi + lo (~2^-16 relative, lo·lo dropped).
@@ -65,7 +68,7 @@ from pallas_kernels.tpu_dense_attention import LANES, NN, NT, reset_partial, spl
 
 QuantStream = ra.QuantStream
 SUPPORTED_BITS = (1, 2, 4, 8)
-SUPPORTED_META = ("float8_e4m3fn", "bfloat16", "float32")
+SUPPORTED_META = ("float8_e4m3fn", "bfloat16", "float16", "float32")
 SUPPORTED_ALPHA = ("bfloat16", "float32")
 MAX_HEAD_DIM = 256
 #: float32 sublanes: the unpacked planes (J rows each) and metadata groups (g rows) are stacked along the
@@ -77,8 +80,7 @@ _STATIC = ("k_bits", "v_bits", "k_group_sizes", "v_group_sizes", "block_s", "gen
 
 def _links(streams, bits, groups, dim: int, what: str) -> tuple[ra.Link, ...]:
     """`residual_attention.chain_links`, and what the TPU kernel does not cover by name: planes or groups of
-    channels not a multiple of 8, float16 metadata (Mosaic loads no float16 vector, nor bitcasts a float16
-    block in VMEM; a bitcast outside the kernel would copy the metadata on every call)."""
+    channels not a multiple of 8, metadata dtypes other than SUPPORTED_META (or scale and offset apart)."""
     links = ra.chain_links(streams, bits, groups, dim, what, SUPPORTED_BITS)
     for i, ln in enumerate(links):
         if ln.bits < 8 and ln.nbytes % SUBLANES:
@@ -134,9 +136,12 @@ def page_size(s: int, paged: bool, block_s: int | None, generation: str, step_by
 
 
 def _meta_f32(raw: jax.Array, meta: str) -> jax.Array:
-    """Loaded metadata as float32: FP8 (e4m3fn) decoded from its bits, bitcast in the kernel."""
+    """Loaded metadata as float32: FP8 (e4m3fn) decoded from its bits, bitcast in the kernel; float16 from its
+    uint16 bits (bitcast outside: Mosaic loads no float16 vector)."""
     if meta == "float8_e4m3fn":
         return dc.float8_e4m3fn_bits_to_f32(jax.lax.bitcast_convert_type(raw, jnp.uint8).astype(jnp.int32))
+    if meta == "float16":
+        return dc.float16_bits_to_f32(raw)
     return raw.astype(jnp.float32)
 
 
@@ -313,6 +318,8 @@ def tpu_residual_decode_attention(
     for streams, chain_alphas, links in ((keys, k_alpha, k_links), (values, v_alpha, v_links)):
         for st, ln in zip(streams, links):
             for x in (st.codes, st.scale, st.offset):
+                if x.dtype == jnp.float16:  # Mosaic loads no float16 vector: its bits (XLA:TPU may copy them)
+                    x = jax.lax.bitcast_convert_type(x, jnp.uint16)
                 if x is st.codes and token_major(ln):
                     args.append(x)
                     in_specs.append(pl.BlockSpec((None, None, kh, page, x.shape[-1]), token_major_map))

@@ -75,6 +75,18 @@ def test_float8_bits_decode_exactly():
     np.testing.assert_array_equal(got[finite], want[finite])
 
 
+def test_float16_bits_decode_exactly():
+    """Every float16 bit pattern decodes to its value, subnormals, signed zeros, infinities and NaNs included
+    (the TPU path of float16 metadata)."""
+    bits = jnp.arange(1 << 16, dtype=jnp.uint32).astype(jnp.uint16)
+    want = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32))
+    got = np.asarray(dc.float16_bits_to_f32(bits))
+    nan = np.isnan(want)
+    assert nan.sum() == 2046 and np.isnan(got[nan]).all()
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    np.testing.assert_array_equal(np.signbit(got[~nan]), np.signbit(want[~nan]))
+
+
 @pytest.mark.parametrize("kernel", ["pallas", "tpu"])
 @pytest.mark.parametrize("stored, table, message", [
     ((1, 6, 2, 16, 32), None, r"cache batch/heads \(6, 2\) != queries' \(3, 2\) \(a paged pool needs a block_table\)"),

@@ -24,13 +24,11 @@ needs_libtpu = pytest.mark.skipif(not td.libtpu_available(),
 def test_ci_subset_compiles(generation):
     """Every configuration of the subset (contiguous, and two over a pool of TPU_PAGE-token pages through a
     block table) compiles with its one Mosaic kernel inside the launch entry's VMEM limit and no cache-sized
-    temporaries, except the one the TPU kernel declines by name (float16 metadata)."""
+    temporaries."""
     cfgs = [configs.BY_NAME[n] for n in configs.TPU_CI_SUBSET] + list(configs.TPU_CI_PAGED)
     rows = tpu_report.report(cfgs, [generation], log=lambda line: None)
     assert not tpu_report.failed(rows), tpu_report.summary(rows)
-    declined = {r["config"]: r["error"] for r in rows if r["status"] == "declined"}
-    assert declined.keys() == {"d64-r1-int2g32-int4g32-float16meta"}
-    assert "float16" in declined["d64-r1-int2g32-int4g32-float16meta"]
+    assert not any(r["status"] == "declined" for r in rows), tpu_report.summary(rows)
     for row in rows:
         if row["status"] != "ok":
             continue
@@ -54,6 +52,9 @@ def test_pooled_configurations_through_the_script(tmp_path):
     assert all(r["status"] == "ok" and r["page"] == 128 for r in rows), rows
 
 
+real_call = configs.KernelConfig.tpu_call
+
+
 def refused(fn, args, generation):
     """A `compile_for` stand-in: what a compiler refusal returns."""
     return td.TpuCompile(generation, td.TOPOLOGIES[generation], False, "RESOURCE_EXHAUSTED: scoped vmem", (), (),
@@ -63,6 +64,11 @@ def refused(fn, args, generation):
 def test_a_compile_error_fails_the_script_and_a_declined_one_does_not(monkeypatch, tmp_path):
     """Traced without libtpu: a refused compile is an error row (exit status 1, in bold in the Markdown), a
     declined configuration is counted apart with its reason numbered below the table."""
+    def decline(cfg, generation):  # the kernel covers the whole matrix: a configuration it would decline
+        raise NotImplementedError("keys link 0: a reason the kernel gives")
+
+    monkeypatch.setattr(configs.KernelConfig, "tpu_call", lambda cfg, generation: (
+        decline(cfg, generation) if cfg.name == "d64-r1-int2g32-int4g32-float16meta" else real_call(cfg, generation)))
     monkeypatch.setattr(td, "compile_for", refused)
     monkeypatch.setattr(td, "libtpu_available", lambda: True)
     monkeypatch.setattr(tpu_report, "versions", lambda: dict(libtpu="0.0", jax="0.1", jaxlib="0.1"))
@@ -75,7 +81,7 @@ def test_a_compile_error_fails_the_script_and_a_declined_one_does_not(monkeypatc
     assert lines[0].startswith("libtpu 0.0, jax 0.1, jaxlib 0.1; topologies v5e:2x2.")
     assert "| dense-d128-bfloat16kv |  | **error**: RESOURCE_EXHAUSTED: scoped vmem |" in lines
     assert "| d64-r1-int2g32-int4g32-float16meta |  | declined [1] |" in lines
-    assert lines[-1].startswith("[1] keys link 0: metadata dtypes float16/float16")
+    assert lines[-1] == "[1] keys link 0: a reason the kernel gives"
 
 
 def test_markdown_cell_of_a_compiled_row():
