@@ -128,6 +128,20 @@ def _check(q, k, v, lengths, block_table):
         raise NotImplementedError(f"head dim {d} (kernel covers up to {MAX_HEAD_DIM})")
 
 
+def page_of(row, j, len_ref, table_ref, *, page: int, n: int, paged: bool):
+    """(pool page, 0) of row's logical page j through the prefetched table (`flat_table`), or (row, j) of a
+    contiguous cache; a step past the row's last valid page re-maps there, which the pipeline does not fetch
+    again. Non-negative operands, so lax.div (truncating) equals //, without the sign ops that floor division
+    lowers to (their Mosaic rule asks the host device for its TPU generation)."""
+    last = jnp.maximum(jax.lax.div(len_ref[row] + page - 1, page) - 1, 0)
+    return (table_ref[row * n + jnp.minimum(j, last)], 0) if paged else (row, jnp.minimum(j, last))
+
+
+def flat_table(table: jax.Array | None) -> jax.Array:
+    """The block table [B, N] as the kernels' scalar-prefetch operand [B·N]; a contiguous call's placeholder."""
+    return (jnp.zeros((1, 1), jnp.int32) if table is None else table).reshape(-1)
+
+
 def transposed(dim: int) -> bool:
     """Whether the kernel reads K/V tiles as [D, tokens]: for head dims that are not a multiple of 128, whose
     [..., S, D] arrays XLA:TPU lays out D-major by default ({3,4,2,1,0}: tokens on the 128 lanes, no padding
@@ -185,10 +199,7 @@ def tpu_dense_decode_attention(
     limit = tpu_launch.lookup(generation, f"dense-{jnp.dtype(k.dtype).name}").vmem_limit_bytes
 
     def kv_map(row, h, i, j, slot_ref, len_ref, table_ref):
-        # Non-negative operands, so lax.div (truncating) equals //, without the sign ops that floor division
-        # lowers to (their Mosaic rule asks the host device for its TPU generation).
-        last = jnp.maximum(jax.lax.div(len_ref[row] + page - 1, page) - 1, 0)  # later steps re-map here: no DMA
-        src, at = (table_ref[row * n + jnp.minimum(j, last)], 0) if paged else (row, jnp.minimum(j, last))
+        src, at = page_of(row, j, len_ref, table_ref, page=page, n=n, paged=paged)
         return (slot_ref[0], src, h, 0, at) if tr else (slot_ref[0], src, h, at, 0)
 
     def row_map(row, h, i, j, *_):
@@ -215,8 +226,7 @@ def tpu_dense_decode_attention(
                                              vmem_limit_bytes=limit),
         interpret=interpret,
         name="tpu_dense_decode_attention",
-    )(jnp.asarray(slot, jnp.int32).reshape(1), lengths, (table if paged else jnp.zeros((1, 1), jnp.int32)).reshape(-1),
-      q, k, v)
+    )(jnp.asarray(slot, jnp.int32).reshape(1), lengths, flat_table(table), q, k, v)
     return acc, m[..., 0], l[..., 0]
 
 

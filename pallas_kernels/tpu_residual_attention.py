@@ -64,7 +64,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import decode_common as dc
 from pallas_kernels import residual_attention as ra
 from pallas_kernels import tpu_launch
-from pallas_kernels.tpu_dense_attention import LANES, NN, NT, reset_partial, split_dot
+from pallas_kernels.tpu_dense_attention import LANES, NN, NT, flat_table, page_of, reset_partial, split_dot
 
 QuantStream = ra.QuantStream
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -292,17 +292,12 @@ def tpu_residual_decode_attention(
     n = table.shape[1] if paged else pl.cdiv(s, page)
     limit = tpu_launch.lookup(generation, LAUNCH_KERNEL).vmem_limit_bytes
 
-    def page_of(row, j, table_ref, len_ref):  # (pool page or row, page within it) of row's logical page j
-        # A non-negative operand: lax.div (truncating) equals // (tpu_dense_attention's kv_map).
-        last = jnp.maximum(jax.lax.div(len_ref[row] + page - 1, page) - 1, 0)  # later steps re-map here: no DMA
-        return (table_ref[row * n + jnp.minimum(j, last)], 0) if paged else (row, jnp.minimum(j, last))
-
     def stream_map(row, i, j, slot_ref, table_ref, len_ref):
-        src, at = page_of(row, j, table_ref, len_ref)
+        src, at = page_of(row, j, len_ref, table_ref, page=page, n=n, paged=paged)
         return slot_ref[0], src, 0, 0, at
 
     def alpha_map(row, i, j, slot_ref, table_ref, len_ref):
-        src, at = page_of(row, j, table_ref, len_ref)
+        src, at = page_of(row, j, len_ref, table_ref, page=page, n=n, paged=paged)
         return slot_ref[0], src, 0, at
 
     def row_map(row, i, j, *_):
@@ -358,8 +353,7 @@ def tpu_residual_decode_attention(
                                              vmem_limit_bytes=limit),
         interpret=interpret,
         name="tpu_residual_decode_attention",
-    )(jnp.asarray(slot, jnp.int32).reshape(1), (table if paged else jnp.zeros((1, 1), jnp.int32)).reshape(-1), lengths,
-      *args)
+    )(jnp.asarray(slot, jnp.int32).reshape(1), flat_table(table), lengths, *args)
     return acc, m[..., 0], l[..., 0]
 
 

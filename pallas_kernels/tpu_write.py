@@ -25,6 +25,7 @@ uint8 outside the kernel is materialised by XLA:TPU).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -121,9 +122,7 @@ def tpu_write_token(
     b = new.shape[token_axis - 2]
     if block_table is None and b != r:
         raise ValueError(f"tpu_write_token: {b} rows of new tokens for a leaf of {r} rows (a pool needs a block_table)")
-    a = 1
-    for n in lead:
-        a *= n
+    a = math.prod(lead)
 
     def tokens_last(x):  # [A, R, K, (C,) S]: the layout XLA:TPU stores, no copy
         return jnp.moveaxis(x.reshape(a, x.shape[token_axis - 2], k, x.shape[token_axis], *chans), 3, -1)

@@ -118,9 +118,9 @@ def prefill(model, tokens: Tokens, cache: KVCache, *, num_new: NumNew,
     activations and the write's temporaries), and the cache is carried as it came (pass it `KVCache.held`
     for the platform: on its bits where XLA writes those in place). So a quantized format's later chunks
     read the earlier ones as the format stores them — the logits differ from one call's by the format's
-    error, as decode's do — and
-    a float32 dense cache gives one call's logits to float rounding. Huginn's random initial state is
-    drawn per chunk (`rng` folded with the chunk's index); extras are only a single call's.
+    error, as decode's do — and a float32 dense cache gives one call's logits to float rounding. Huginn's
+    random initial state is drawn per chunk (`rng` folded with the chunk's index); extras are only a single
+    call's.
     """
     b, t = tokens.shape
     if chunk is None or t <= chunk:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import configs, tpu_deviceless
+from pallas_kernels import tpu_deviceless
 from rq_jax import memory
 from rq_jax.cache import base, schemes
 from rq_jax.cache.calib import default_calib
@@ -96,6 +96,7 @@ class DecodeBench:
         self.label, self.config, self.args = label, config, args
         self.tpu = args.tpu
         self.on_tpu = bool(self.tpu) or jax.default_backend() == "tpu"  # compiled for one, or run on one
+        self.platform = "tpu" if self.on_tpu else None  # the lowering platform's choices (None: the host's)
         run = run and self.tpu is None
         make = functools.partial(init_model, config, dtype=jnp.dtype(args.dtype),
                                  param_dtype=jnp.dtype(args.weight_dtype))
@@ -117,7 +118,7 @@ class DecodeBench:
 
     def held(self, cache):
         """The cache as the step takes it (`KVCache.held`), for the TPU when compiling for one."""
-        return cache.held("tpu" if self.on_tpu else None)
+        return cache.held(self.platform)
 
     def cache_shapes(self, batch: int, tokens: int, fmt: base.CacheFormat):
         """The abstract cache of `batch` rows holding up to `tokens` tokens, as the step takes it."""
@@ -202,10 +203,10 @@ class DecodeBench:
         of `context` + 1 tokens, compiled for abstract inputs: its memory, with `tpu_kernels` on a TPU; None
         where the TPU compiler refuses it as over the chip's HBM (its words in `refused`)."""
         fmt = self.fmt(label, impl)
-        page = configs.TPU_PAGE if self.on_tpu else default_page_size()
+        page = default_page_size(self.platform)
         per_row = -(-(context + 1) // page)
         pool = jax.eval_shape(lambda: init_paged_cache(self.config, 1, requests * per_row, page, per_row, fmt)
-                              .held("tpu" if self.on_tpu else None))
+                              .held(self.platform))
         program = model_runner.step_program(self.graphdef, pool)
         args = self._inputs(self.param_shapes, self.calib(label), (pool.looped, pool.plain),
                             *model_runner.padding(rows, width, per_row))

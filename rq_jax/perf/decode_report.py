@@ -236,10 +236,8 @@ def run(args, impls: list[str], command: str) -> dict:
                 for impl in runs[fmt]:
                     bar.set_postfix_str(f"{label.split()[0]} prefill {tokens} {fmt} {impl}")
                     mem = bench.prefill_memory(fmt, tokens, impl)
-                    refused = bench.refused.get((fmt, impl, "prefill", tokens))
-                    kernels = {"tpu_kernels": mem.pop("tpu_kernels") if mem else None} if args.tpu else {}
-                    prefill_rows.append(dict(model=label, tokens=tokens, format=fmt, impl=impl, memory=mem, **kernels,
-                                             **({"refused": refused} if refused else {})))
+                    prefill_rows.append(dict(model=label, tokens=tokens, format=fmt, impl=impl,
+                                             **_compiled(bench, mem, (fmt, impl, "prefill", tokens))))
                     bar.update()
         for slots in args.write_slots if run_contexts else ():
             for fmt in args.formats:
@@ -380,11 +378,17 @@ def _engine_row(bench, fmt: str, impl: str, context: int, requests: int, rows: i
     """The serving engine's program (`DecodeBench.engine_memory`) for `rows` rows of `width` tokens over a
     pool holding `requests` requests of `context` + 1 tokens, against `budget`."""
     mem = bench.engine_memory(fmt, context, requests, rows, width, impl)
-    refused = bench.refused.get((fmt, impl, "engine", context, requests, rows, width))
-    kernels = {"tpu_kernels": mem.pop("tpu_kernels") if mem else None} if bench.tpu else {}
     return dict(model=bench.label, context=context, format=fmt, impl=impl, requests=requests, rows=rows, width=width,
-                budget=budget, memory=mem, fits=mem is not None and mem["total"] <= budget, **kernels,
-                **({"refused": refused} if refused else {}))
+                budget=budget, fits=mem is not None and mem["total"] <= budget,
+                **_compiled(bench, mem, (fmt, impl, "engine", context, requests, rows, width)))
+
+
+def _compiled(bench, mem: dict | None, key: tuple) -> dict:
+    """A compiled program's row fields: its memory (None where refused), on a TPU its Mosaic kernels' call
+    sites apart, and the TPU compiler's refusal (`bench.refused[key]`) when there is one."""
+    kernels = {"tpu_kernels": mem.pop("tpu_kernels") if mem else None} if bench.tpu else {}
+    refused = bench.refused.get(key)
+    return dict(memory=mem, **kernels, **({"refused": refused} if refused else {}))
 
 
 def _program(r: dict) -> str:

@@ -75,10 +75,11 @@ def calibration_key(fmt: CacheFormat, plain_fmt: CacheFormat, calib: CacheCalib 
     return h.hexdigest()
 
 
-def default_page_size() -> int:
-    """Tokens per cache page on this host's backend: 16, or on a TPU `configs.TPU_PAGE` (128: its kernels hold
-    tokens on the 128 lanes, and XLA:TPU relays out a pool of smaller pages around every call)."""
-    return TPU_PAGE if jax.default_backend() == "tpu" else 16
+def default_page_size(platform: str | None = None) -> int:
+    """Tokens per cache page on `platform` (default: the host's backend): 16, or on a TPU `configs.TPU_PAGE`
+    (128: its kernels hold tokens on the 128 lanes, and XLA:TPU relays out a pool of smaller pages around
+    every call)."""
+    return TPU_PAGE if (platform or jax.default_backend()) == "tpu" else 16
 
 
 class Engine:
