@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
@@ -40,6 +41,31 @@ from rq_jax.serve.runner import EngineThread, NotReady, QueueFull
 
 #: How often a non-streaming request checks whether its client is still there (seconds).
 DISCONNECT_POLL = 0.1
+
+
+class LoopPost:
+    """Hands the engine thread's deltas to the server's event loop, one wake-up per burst: a step's deltas
+    (one per running request) would otherwise each write the loop's wake-up pipe (`call_soon_threadsafe`),
+    which at a few thousand tokens a second costs the server as much CPU as the rest of streaming."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Delta]] = []
+
+    def put(self, events: asyncio.Queue, delta: Delta) -> None:
+        """From any thread: `events.put_nowait(delta)` on the loop, soon."""
+        with self._lock:
+            self._items.append((events, delta))
+            if len(self._items) > 1:  # a flush is already scheduled and has not run yet
+                return
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for events, delta in items:
+            events.put_nowait(delta)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -78,6 +104,7 @@ class Server:
         self.runner, self.tokenizer, self.model_name = runner, tokenizer, model_name
         self.chat_template, self.metrics = chat_template, metrics
         self._ids = itertools.count()
+        self._post: LoopPost | None = None  # made on the event loop, at the first request
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -90,11 +117,12 @@ class Server:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[_Choice], asyncio.Queue]:
         """Queue one request per prompt; their deltas arrive on the returned queue."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        if self._post is None:
+            self._post = LoopPost(asyncio.get_running_loop())
+        post, events = self._post.put, asyncio.Queue()
 
         def sink(delta: Delta) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, delta)
+            post(events, delta)
 
         choices: list[_Choice] = []
         try:
