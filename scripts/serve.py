@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=cli.positive_int, default=256,
                    help="prompt chunk: longer prompts run in chunks beside the decoding requests")
     p.add_argument("--token-budget", type=cli.positive_int,
-                   help="tokens per engine step, decode tokens first (default max(--chunk, 512))")
+                   help="tokens per engine step, decode tokens first (default max(--chunk, 2048), vLLM's on a CPU)")
     p.add_argument("--page-size", type=cli.positive_int,
                    help="tokens per cache page (default 16; on a TPU 128, its kernels' lanes)")
     p.add_argument("--no-prefix-cache", action="store_true", help="never share pages between requests")

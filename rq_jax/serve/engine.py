@@ -57,8 +57,12 @@ from rq_jax.serve.params import ParamError, SamplingParams
 from rq_jax.serve.scheduler import Scheduler
 from rq_jax.serve.text import TextStream
 
-#: The largest decode batch compiled when only a memory budget is given (`Engine.max_rows`).
-DEFAULT_MAX_ROWS = 256
+#: The largest decode batch compiled when only a memory budget is given (`Engine.max_rows`): twice vLLM's
+#: 256 on a GPU, since a compressed pool holds about 5x the requests of a dense one at the same budget.
+DEFAULT_MAX_ROWS = 512
+
+#: A step's tokens when none is given: vLLM's default for its OpenAI server on a CPU (max_num_batched_tokens).
+DEFAULT_TOKEN_BUDGET = 2048
 
 
 def compute_dtype(model) -> str:
@@ -86,8 +90,8 @@ class Engine:
     """Requests over a paged cache of `fmt` (default dense bf16): `memory_bytes` of pages of `page_size`
     tokens (default `default_page_size()`), or room for `num_slots` requests of `max_len` tokens; at most
     `max_rows` requests decoding at once (default `num_slots`, else `DEFAULT_MAX_ROWS`); prompts in chunks of
-    `chunk` tokens, a step's tokens at most `token_budget` (default max(chunk, 512)); `prefix_cache` shares
-    full prompt pages.
+    `chunk` tokens, a step's tokens at most `token_budget` (default max(chunk, `DEFAULT_TOKEN_BUDGET`));
+    `prefix_cache` shares full prompt pages.
     `eos_ids` end every request. `calib`, `plain_fmt`, `mesh` and `model_kwargs` (e.g. `num_loops`,
     Huginn's `init_scale`) are the Sampler's. `metrics` (a `ServeMetrics`) is kept up to date when given.
     """
@@ -118,7 +122,7 @@ class Engine:
         else:
             self.page_size = min(page_size or default_page_size(), max_len)
             self.chunk = max(self.page_size, min(chunk, max_len) // self.page_size * self.page_size)
-        self.token_budget = token_budget or max(self.chunk, 512)
+        self.token_budget = token_budget or max(self.chunk, DEFAULT_TOKEN_BUDGET)
         if self.token_budget < self.chunk:
             raise ValueError(f"token_budget ({self.token_budget}) must hold a prompt chunk ({self.chunk})")
         pages_per_row = -(-max_len // self.page_size)

@@ -16,6 +16,7 @@ from rq_jax.data import Addition
 from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
 from rq_jax.serve import Engine, ParamError, SamplingParams
 from rq_jax.serve import programs
+from rq_jax.serve.engine import DEFAULT_MAX_ROWS
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.serve.text import TextStream
 from rq_jax.tokenizer import load_tokenizer
@@ -251,7 +252,7 @@ def test_pages_follow_the_memory_budget_and_the_formats_bytes():
         assert engine.page_bytes * 4 == row and engine.num_pages == budget // engine.page_bytes
         pool = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
         assert pool == engine.num_pages * engine.page_bytes, name
-        assert engine.max_rows == min(256, engine.num_pages)
+        assert engine.max_rows == min(DEFAULT_MAX_ROWS, engine.num_pages)
     assert cache_bytes(model.config, get_format("dense"), 64, num_loops=4).total == cache_nbytes(
         init_cache(model.config, 1, 64, get_format("dense")))
     ratio = engines["residual"].num_pages / engines["dense"].num_pages
