@@ -7,8 +7,10 @@
     output processor the picked tokens as text, stops, log-probabilities and metrics (`rq_jax.serve.output`)
 
 A step: the scheduler plans (every decoding request's next token, then prompt chunks under the token budget,
-preempting when pages run out), the runner runs the plan, the scheduler advances the requests, the output
-processor turns the new tokens into deltas and says which requests are finished, whose pages go back.
+preempting when pages run out), the runner launches the plan, the output processor turns the previous
+step's tokens into text and deltas while it runs, the runner collects the results (one host copy a call),
+the scheduler advances the requests, and a request that has picked a stop token or max_tokens tokens (or
+whose text reached a stop string) is finished and its pages go back.
 
     engine = Engine(model, tokenizer, get_format("residual"), eos_ids=(0,), max_len=256, memory_bytes=2**30)
     engine.warm_up()                                   # compiles every program; seconds per program
@@ -157,6 +159,7 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}  # by the scheduler's id
         self._finished: list[Request] = []
+        self._unsent: list[Request] = []  # tokens recorded by the last step, text not made yet (`_emit`)
         self.ready = False
         self._update_gauges()
 
@@ -238,8 +241,10 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[Request]:
-        """One iteration: the scheduler's plan run by the model runner, the new tokens through the output
-        processor. Returns the requests that finished."""
+        """One iteration: the scheduler plans and the model runner launches the plan; while it runs, the output
+        processor turns the previous step's tokens into text and deltas (a stop string found there ends its
+        request, whose row in this step is dropped); then this step's tokens are recorded (a stop token or
+        max_tokens ends a request at once). Returns the requests that finished."""
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
             self.runner.forget(seq)
@@ -247,7 +252,9 @@ class Engine:
                 self.metrics.preemptions.inc()
         if plan:
             rows = {c.seq: self._row(c.seq) for c in plan.prefill + plan.decode}
-            results, lost = self.runner.run(plan, rows)
+            calls = self.runner.launch(plan, rows)
+            self._emit()
+            results, lost = self.runner.collect(calls, rows)
             self._echo(plan, results)
             new = self.scheduler.update(plan, {seq: r.token for seq, r in results.items()})
             if self.metrics is not None:
@@ -258,6 +265,10 @@ class Engine:
                 reason = self.output.token(request, token, r.logprob, zip(r.top_ids.tolist(), r.top_logprobs.tolist()))
                 if reason is not None:
                     self._finish(request, reason)
+                else:
+                    self._unsent.append(request)
+        if not plan or not self.scheduler.has_work():
+            self._emit()
         self._update_gauges()
         finished, self._finished = self._finished, []
         return finished
@@ -302,6 +313,15 @@ class Engine:
                              tuple(zip(ids[t, :want].tolist(), values[t, :want].tolist())))
                 for t in range(count)]
 
+    def _emit(self) -> None:
+        """The text and deltas of the tokens the last step recorded (`OutputProcessor.emit`)."""
+        unsent, self._unsent = self._unsent, []
+        for request in unsent:
+            if request.finish_reason is None:  # not cancelled since
+                reason = self.output.emit(request)
+                if reason is not None:
+                    self._finish(request, reason)
+
     def _finish(self, request: Request, reason: str) -> None:
         self._requests.pop(request.seq, None)
         self.scheduler.finish(request.seq)
@@ -309,13 +329,12 @@ class Engine:
         self.output.finish(request, reason)
         self._finished.append(request)
 
-    def _ran(self, phase: str, began: float, result) -> None:
-        """With metrics, after the warm-up: wait for `result` and count a call of `phase` since `began`."""
+    def _ran(self, phase: str, seconds: float, rows: int) -> None:
+        """With metrics, after the warm-up: count a call of `phase` of `rows` compiled rows that ran `seconds`."""
         if self.metrics is not None and self.ready:
-            jax.block_until_ready(result)
-            self.metrics.ran(phase, time.perf_counter() - began)
+            self.metrics.ran(phase, seconds)
             if phase == "decode":
-                self.metrics.decode_rows.inc(len(result[0].tokens))
+                self.metrics.decode_rows.inc(rows)
 
     def _update_gauges(self) -> None:
         if self.metrics is None:

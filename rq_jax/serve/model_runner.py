@@ -6,11 +6,15 @@ A plan's rows run in at most three calls: the decode rows (one token each) in on
 `decode_rows` (1, 2, 4, ... `max_rows`: a call's cost grows with its rows) that hold them, the prompt chunks in
 calls over `token_buckets` (16, 32, ... `chunk` tokens) × `prefill_rows` (1, 2, 4, ... as the token budget
 allows; each chunk padded to the bucket of the longest), and a prompt whose log-probabilities are asked
-for (`echo`) alone in a call of its own. Padding rows feed nothing and store nothing. Each call's picks come
-back to the host in one copy.
+for (`echo`) alone in a call of its own. Padding rows feed nothing and store nothing.
+
+A step is launched, then collected: `launch` dispatches its calls and starts the host copy of each call's
+results (packed into one uint32 array: `pack`), so the engine does the host work of the previous step (text,
+stops, deltas) while they run; `collect` waits for them and unpacks.
 
     runner = ModelRunner(model, fmt, pages=1024, page_size=16, max_len=256, max_rows=64, chunk=256, ...)
-    results = runner.run(plan, requests)          # {request: (token, logprob, top ids, top logprobs)}
+    calls = runner.launch(plan, requests)
+    results, lost = runner.collect(calls, requests)   # {request: (token, logprob, top ids, top logprobs)}
 """
 
 from __future__ import annotations
@@ -66,13 +70,25 @@ class RowResult(NamedTuple):
     prompt: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
+class Launched(NamedTuple):
+    """A call in flight: its rows (`chunks`, then padding up to `rows`), its kind ("decode", "prefill" or
+    "echo"), its outputs (device arrays whose host copies have started) and when it was dispatched."""
+
+    chunks: list[Chunk]
+    rows: int
+    kind: str
+    out: tuple
+    began: float
+
+
 class ModelRunner:
     """The compiled programs over a pool of `pages` pages of `page_size` tokens of `fmt` (`plain_fmt` for
     Huginn's prelude and coda), rows of up to `max_len` tokens, at most `max_rows` of them decoding at once
     and prompt chunks of at most `chunk` tokens, `token_budget` tokens a step. `calib`, `mesh` and
     `model_kwargs` (e.g. `num_loops`) are the Sampler's; on a mesh the pool's kv heads are split over
-    `model` and the rows over `data` (`sharding.cache_specs`). `timer(phase, began, result)` is called after
-    each program (the engine's metrics)."""
+    `model` and the rows over `data` (`sharding.cache_specs`). `timer(phase, seconds, rows)` is called for
+    each call collected, with the seconds it ran (from its dispatch, or the previous call's end when later) and
+    its compiled rows (the engine's metrics)."""
 
     def __init__(self, model, fmt: CacheFormat, *, pages: int, page_size: int, max_len: int, max_rows: int,
                  chunk: int, token_budget: int, plain_fmt: CacheFormat | None = None, calib: CacheCalib | None = None,
@@ -81,7 +97,7 @@ class ModelRunner:
         plain_fmt = plain_fmt or fmt
         self.page_size, self.max_len, self.chunk = page_size, max_len, chunk
         self.pages_per_row = -(-max_len // page_size)
-        self.timer = timer or (lambda phase, began, result: None)
+        self.timer = timer or (lambda phase, seconds, rows: None)
         self.decode_rows = geometric(1, max_rows, 2)
         self.token_buckets = geometric(min(16, chunk), chunk, 2)
         self.prefill_rows = {t: geometric(1, max(1, min(max_rows, token_budget // t)), 2) for t in self.token_buckets}
@@ -102,30 +118,25 @@ class ModelRunner:
 
     # ---- a step ----------------------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan, rows: dict[int, RowSpec]) -> tuple[dict[int, RowResult], int]:
-        """Run `plan` (`rows`: each request's `RowSpec`); returns each row's result by request and the values
-        the cache could not store in this step (summed over rows)."""
-        results, lost = {}, 0
+    def launch(self, plan: StepPlan, rows: dict[int, RowSpec]) -> list[Launched]:
+        """Dispatch the calls of `plan` (`rows`: each request's `RowSpec`) and start their results' host
+        copies; returns them for `collect`."""
         echo = [c for c in plan.prefill if rows[c.seq].echo]
         prefill = [c for c in plan.prefill if not rows[c.seq].echo]
-        for chunks, phase, kind in ((plan.decode, "decode", "decode"), (prefill, "prefill", "prefill"),
-                                    *(([c], "prefill", "echo") for c in echo)):
+        calls = []
+        for chunks, kind in ((plan.decode, "decode"), (prefill, "prefill"), *(([c], "echo") for c in echo)):
             if chunks:
-                out, n = self._run_rows(list(chunks), rows, kind)
-                results.update(out)
-                lost += n
-        return results, lost
+                calls += self._launch(list(chunks), rows, kind)
+        return calls
 
-    def _run_rows(self, chunks: list[Chunk], rows: dict[int, RowSpec], kind: str) -> tuple[dict[int, RowResult], int]:
+    def _launch(self, chunks: list[Chunk], rows: dict[int, RowSpec], kind: str) -> list[Launched]:
         prefill = kind != "decode"
         width = 1 if not prefill else next(t for t in self.token_buckets if t >= max(len(c.tokens) for c in chunks))
         sizes = self.decode_rows if not prefill else self.prefill_rows[width]
         count = next((r for r in sizes if r >= len(chunks)), None)
         if count is None:  # more prompt chunks than a call holds: split (a plan's budget allows it only past 1)
             half = len(chunks) // 2
-            first, lost_a = self._run_rows(chunks[:half], rows, kind)
-            second, lost_b = self._run_rows(chunks[half:], rows, kind)
-            return {**first, **second}, lost_a + lost_b
+            return self._launch(chunks[:half], rows, kind) + self._launch(chunks[half:], rows, kind)
         call = padding(count, width, self.pages_per_row)
         tokens, num_new, lengths, table, (temperature, top_k, top_p), (seed, chunk_index, rng), targets = call
         for i, c in enumerate(chunks):
@@ -142,17 +153,32 @@ class ModelRunner:
                 rng[i] = self._rng[c.seq]
         began = time.perf_counter()
         self.state, out = self._call(self.params, self.calib, self.state, *call, prefill=prefill, echo=kind == "echo")
-        self.timer("decode" if kind == "decode" else "prefill", began, out)
-        picked, next_rng, prompt, lost = sharding.to_host(out)
-        results = {}
-        for i, c in enumerate(chunks):
-            spec = rows[c.seq]
-            if not prefill or c.start + len(c.tokens) >= len(spec.prompt):  # the chain goes on from here
-                self._rng[c.seq] = next_rng[i]
-            echoed = None if prompt is None else tuple(x[i, : len(c.tokens)] for x in prompt)
-            results[c.seq] = RowResult(int(picked.tokens[i]), float(picked.logprob[i]), picked.top_ids[i],
-                                       picked.top_logprobs[i], echoed)
-        return results, int(np.sum(lost[: len(chunks)]))
+        for leaf in jax.tree_util.tree_leaves(out):
+            leaf.copy_to_host_async()
+        return [Launched(chunks, count, kind, out, began)]
+
+    def collect(self, calls: list[Launched], rows: dict[int, RowSpec]) -> tuple[dict[int, RowResult], int]:
+        """Wait for `calls` (`launch`'s) and return each row's result by request and the values the cache could
+        not store (summed over rows). A decode row of a request forgotten since its launch (finished by the
+        host work that ran meanwhile) keeps no chain key."""
+        results, lost, ready = {}, 0, 0.0
+        for call in calls:
+            packed, prompt = sharding.to_host(call.out)
+            done = time.perf_counter()
+            self.timer("decode" if call.kind == "decode" else "prefill", done - max(call.began, ready), call.rows)
+            ready = done
+            picked, next_rng, out_of_range = unpack(packed)
+            for i, c in enumerate(call.chunks):
+                spec = rows[c.seq]
+                if call.kind == "decode" and c.seq not in self._rng:
+                    continue
+                if call.kind == "decode" or c.start + len(c.tokens) >= len(spec.prompt):  # the chain goes on
+                    self._rng[c.seq] = next_rng[i]
+                echoed = None if prompt is None else tuple(x[i, : len(c.tokens)] for x in prompt)
+                results[c.seq] = RowResult(int(picked.tokens[i]), float(picked.logprob[i]), picked.top_ids[i],
+                                           picked.top_logprobs[i], echoed)
+            lost += int(np.sum(out_of_range[: len(call.chunks)]))
+        return results, lost
 
     def forget(self, seq: int) -> None:
         """Drop a request's chain key (finished, or preempted: its prompt starts the chain again)."""
@@ -178,12 +204,29 @@ class ModelRunner:
         jax.block_until_ready(out)
 
 
+def pack(picked: programs.Picked, next_rng: jax.Array, lost: jax.Array) -> jax.Array:
+    """A call's results in one array, for one host copy: per row, uint32 bits of its token, log-probability,
+    top ids [n], top log-probabilities [n], next chain key [2] and values lost: [R, 2n + 5]."""
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint32)
+    return jnp.concatenate([bits(picked.tokens)[:, None], bits(picked.logprob)[:, None], bits(picked.top_ids),
+                            bits(picked.top_logprobs), next_rng, bits(lost)[:, None]], axis=1)
+
+
+def unpack(packed: np.ndarray) -> tuple[programs.Picked, np.ndarray, np.ndarray]:
+    """`pack`'s array on the host [R, 2n + 5] as (picks, next chain keys [R, 2], values lost [R]): numpy views."""
+    n = programs.TOP_LOGPROBS
+    picked = programs.Picked(packed[:, 0].view(np.int32), packed[:, 1].view(np.float32),
+                             packed[:, 2 : 2 + n].view(np.int32), packed[:, 2 + n : 2 + 2 * n].view(np.float32))
+    return picked, packed[:, 2 + 2 * n : 4 + 2 * n], packed[:, 4 + 2 * n].view(np.int32)
+
+
 def step_program(graphdef, template, mesh=None, **model_kwargs):
     """The runner's one program, jitted, the pool's state donated: `call(params, calib, state, *padding(...),
     prefill=, echo=)` runs a call's rows (`programs.run_rows`) over the pool whose cache `template` (abstract,
-    lengths and table aside) holds `state` = (looped, plain), and returns (the new state, (picks, next chain
-    keys, prompt log-probabilities or None, values lost [rows])). `model_kwargs` are the model's (`num_loops`);
-    on `mesh` the state stays split as `sharding.cache_specs` says."""
+    lengths and table aside) holds `state` = (looped, plain), and returns (the new state, (the picks, next
+    chain keys and values lost per row in one array: `pack`, prompt log-probabilities or None)).
+    `model_kwargs` are the model's (`num_loops`); on `mesh` the state stays split as `sharding.cache_specs`
+    says."""
 
     def call(params, calib, state, tokens, num_new, lengths, table, params_rows, keys, targets, *,
              prefill: bool, echo: bool):
@@ -196,7 +239,7 @@ def step_program(graphdef, template, mesh=None, **model_kwargs):
         state = _state(cache)
         if mesh is not None:
             state = sharding.constrain(state, _state(sharding.cache_specs(cache, mesh)), mesh)
-        return state, (picked, next_rng, prompt, cache.out_of_range)
+        return state, (pack(picked, next_rng, cache.out_of_range), prompt)
 
     return jax.jit(call, donate_argnums=2, static_argnames=("prefill", "echo"))
 

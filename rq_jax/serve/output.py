@@ -83,8 +83,9 @@ class OutputProcessor:
         self.metrics = metrics
 
     def token(self, request: Request, token: int, logprob: float, top: Sequence[tuple[int, float]]) -> str | None:
-        """Record a request's new token with its log-probability and alternatives; returns the finish reason
-        it brings ("stop": a stop token or string, "length": max_tokens), or None (its delta is sent)."""
+        """Record a request's new token with its log-probability and alternatives; returns the finish reason its
+        id brings ("stop": a stop token, "length": max_tokens), or None. Its text comes with `emit` (or
+        `finish`), which the engine runs while the next step computes."""
         now = time.perf_counter()
         token = int(token)
         request.tokens.append(token)
@@ -96,23 +97,42 @@ class OutputProcessor:
             else:
                 self.metrics.itl.observe(now - request.last_time)
         request.last_time = now
-        reason = None
-        if token in request.stops or request.stream.add(token):
-            reason = "stop"
-        elif len(request.tokens) >= request.params.max_tokens:
-            reason = "length"
-        if reason is None:
-            self.send(request)
-        return reason
+        if token in request.stops:
+            return "stop"
+        if len(request.tokens) >= request.params.max_tokens:
+            return "length"
+        return None
+
+    def emit(self, request: Request) -> str | None:
+        """Decode the request's tokens recorded since its last delta and send it; returns "stop" when they
+        complete a stop string (then nothing is sent: `finish` sends the last delta)."""
+        if self._decode(request):
+            return "stop"
+        self.send(request)
+        return None
 
     def finish(self, request: Request, reason: str) -> None:
-        """End a request (one of `FINISH_REASONS`): its last delta, with everything held back."""
+        """End a request (one of `FINISH_REASONS`; "stop" when its undecoded tokens complete a stop string): its
+        last delta, with everything held back."""
+        if self._decode(request):
+            reason = "stop"
         request.finish_reason = reason
         self.send(request)
         if self.metrics is not None:
             self.metrics.finished(reason)
             if request.last_time is not None:
                 self.metrics.e2e.observe(time.perf_counter() - request.arrival)
+
+    @staticmethod
+    def _decode(request: Request) -> bool:
+        """Feed the request's text stream the tokens it has not seen (a stop token, always the last, is no
+        text); True when they complete a stop string."""
+        for token in request.tokens[len(request.stream.ids):]:
+            if token in request.stops:
+                return False
+            if request.stream.add(token):
+                return True
+        return False
 
     def send(self, request: Request) -> None:
         """Hand the request's sink what is new (everything on its last delta)."""
