@@ -15,7 +15,7 @@ from rq_jax.cache import cache_bytes, cache_nbytes, get_format, init_cache
 from rq_jax.data import Addition
 from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
 from rq_jax.serve import Engine, ParamError, SamplingParams
-from rq_jax.serve import programs
+from rq_jax.serve import model_runner, programs
 from rq_jax.serve.engine import DEFAULT_MAX_ROWS
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.serve.text import TextStream
@@ -172,6 +172,55 @@ def test_logprobs_stop_strings_and_prompt_logprobs(ouro):
         # bf16 cache (relative error 2^-9 per value), which moves a log-probability by ~1e-3 of itself.
         np.testing.assert_allclose(got[: engine.chunk - 1], want[: engine.chunk - 1], atol=2e-4)
         np.testing.assert_allclose(got[engine.chunk - 1 :], want[engine.chunk - 1 :], rtol=5e-3, atol=2e-4)
+
+
+def test_a_stop_string_found_while_the_next_step_runs_drops_its_row(ouro, monkeypatch):
+    """A step's text is made while the next step runs, so the request whose text reaches a stop string ("31"
+    at its 4th token) has a row in the step after: that row is dropped (no token, no chain key kept), the
+    text and tokens are what they were alone, the request beside it gets the Sampler's tokens, and no page
+    is held afterwards."""
+    model, tokenizer, stops, engine = ouro
+    prompts = additions(tokenizer, 2)
+    (alone,) = engine.generate([prompts[0]], SamplingParams(max_tokens=8))
+    launched, collected = [], []
+    launch, collect = engine.runner.launch, engine.runner.collect
+
+    def spy_launch(plan, rows):
+        launched.append({c.seq for c in plan.prefill + plan.decode})
+        return launch(plan, rows)
+
+    def spy_collect(calls, rows):
+        results, lost = collect(calls, rows)
+        collected.append(set(results))
+        return results, lost
+
+    monkeypatch.setattr(engine.runner, "launch", spy_launch)
+    monkeypatch.setattr(engine.runner, "collect", spy_collect)
+    cut, other = engine.generate(prompts, [SamplingParams(max_tokens=8, stop=("31",)), SamplingParams(max_tokens=8)])
+    assert cut.text == "42" and cut.finish_reason == "stop" and cut.tokens == alone.tokens[:4]
+    seq = min(set().union(*launched))  # the first request's id
+    assert sum(seq in s for s in launched) == 5 and sum(seq in s for s in collected) == 4
+    ref = Sampler(model, SamplingConfig(max_new_tokens=8, stop_tokens=stops), get_format("dense"))([prompts[1]])
+    assert list(other.tokens) == ref.tokens[0, : int(ref.num_generated[0])].tolist()
+    assert engine.scheduler.pool.held == 0 and not engine.runner._rng
+    engine.scheduler.check()
+
+
+def test_a_calls_results_come_back_packed_bit_for_bit():
+    """`pack` puts a call's picks, chain keys and lost values in one uint32 array; `unpack` gives them back
+    bit for bit (NaN, -inf and negative ids included)."""
+    n = programs.TOP_LOGPROBS
+    rng = np.random.default_rng(0)
+    logprob = np.array([-np.inf, np.nan, -0.0, -3.5], np.float32)
+    picked = programs.Picked(np.array([0, -1, 258, 2**31 - 1], np.int32), logprob,
+                             rng.integers(-5, 300, (4, n)).astype(np.int32), rng.normal(size=(4, n)).astype(np.float32))
+    keys = rng.integers(0, 2**32, (4, 2), dtype=np.uint32)
+    lost = np.array([0, 3, 0, 7], np.int32)
+    packed = np.asarray(jax.jit(model_runner.pack)(picked, keys, lost))
+    assert packed.dtype == np.uint32 and packed.shape == (4, 2 * n + 5)
+    got, got_keys, got_lost = model_runner.unpack(packed)
+    for want, have in zip((*picked, keys, lost), (*got, got_keys, got_lost)):
+        assert have.dtype == want.dtype and have.tobytes() == np.ascontiguousarray(want).tobytes()
 
 
 def test_cancel_frees_the_pages_at_once(ouro):
