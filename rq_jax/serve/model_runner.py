@@ -101,7 +101,7 @@ class ModelRunner:
         self.decode_rows = geometric(1, max_rows, 2)
         self.token_buckets = geometric(min(16, chunk), chunk, 2)
         self.prefill_rows = {t: geometric(1, max(1, min(max_rows, token_budget // t)), 2) for t in self.token_buckets}
-        self._graphdef, self.params, num_loops, self.calib, _ = setup.prepare(
+        self._graphdef, params, num_loops, self.calib, _ = setup.prepare(
             model, fmt, plain_fmt, calib=calib, mesh=mesh, **model_kwargs)
         if self.calib is None:
             raise ValueError(f"the {fmt.describe()} cache needs a calibration fitted on data (scripts/calibrate.py)")
@@ -112,8 +112,12 @@ class ModelRunner:
 
         self.template = jax.eval_shape(pool)  # the pool's cache, abstract
         shardings = None if mesh is None else sharding.named(mesh, _state(sharding.cache_specs(self.template, mesh)))
-        self.state = jax.jit(lambda: _state(pool()), out_shardings=shardings)()
-        self._call = step_program(self._graphdef, self.template, mesh, **model_kwargs)
+        # The program takes the parameters, calibration and pool as lists of leaves, and returns the pool so.
+        params, params_def = jax.tree_util.tree_flatten(params)
+        calib, calib_def = jax.tree_util.tree_flatten(self.calib)
+        self._fixed = (params, calib)
+        self.state = jax.tree_util.tree_leaves(jax.jit(lambda: _state(pool()), out_shardings=shardings)())
+        self._call = step_program(self._graphdef, self.template, params_def, calib_def, mesh, **model_kwargs)
         self._rng: dict[int, np.ndarray] = {}  # per request: its chain key (raw data) after its last call
 
     # ---- a step ----------------------------------------------------------------------------------------
@@ -152,7 +156,7 @@ class ModelRunner:
             else:
                 rng[i] = self._rng[c.seq]
         began = time.perf_counter()
-        self.state, out = self._call(self.params, self.calib, self.state, *call, prefill=prefill, echo=kind == "echo")
+        self.state, out = self._call(*self._fixed, self.state, *call, prefill=prefill, echo=kind == "echo")
         for leaf in jax.tree_util.tree_leaves(out):
             leaf.copy_to_host_async()
         return [Launched(chunks, count, kind, out, began)]
@@ -199,7 +203,7 @@ class ModelRunner:
         return out
 
     def _warm(self, count: int, width: int, prefill: bool, echo: bool) -> None:
-        self.state, out = self._call(self.params, self.calib, self.state, *padding(count, width, self.pages_per_row),
+        self.state, out = self._call(*self._fixed, self.state, *padding(count, width, self.pages_per_row),
                                      prefill=prefill, echo=echo)
         jax.block_until_ready(out)
 
@@ -220,26 +224,32 @@ def unpack(packed: np.ndarray) -> tuple[programs.Picked, np.ndarray, np.ndarray]
     return picked, packed[:, 2 + 2 * n : 4 + 2 * n], packed[:, 4 + 2 * n].view(np.int32)
 
 
-def step_program(graphdef, template, mesh=None, **model_kwargs):
+def step_program(graphdef, template, params_def, calib_def, mesh=None, **model_kwargs):
     """The runner's one program, jitted, the pool's state donated: `call(params, calib, state, *padding(...),
     prefill=, echo=)` runs a call's rows (`programs.run_rows`) over the pool whose cache `template` (abstract,
     lengths and table aside) holds `state` = (looped, plain), and returns (the new state, (the picks, next
-    chain keys and values lost per row in one array: `pack`, prompt log-probabilities or None)).
-    `model_kwargs` are the model's (`num_loops`); on `mesh` the state stays split as `sharding.cache_specs`
-    says."""
+    chain keys and values lost per row in one array: `pack`, prompt log-probabilities or None)). The
+    parameters, calibration and state come as lists of their leaves (of structures `params_def`, `calib_def`
+    and the template's), and the new state goes back as one: a dispatch then neither flattens nor rebuilds the
+    trees (Ouro-small's decode call at one row dispatched in 0.27 against 0.34 ms dense, 0.39 against 0.55 ms
+    residual). `model_kwargs` are the model's (`num_loops`); on `mesh` the state stays split as
+    `sharding.cache_specs` says."""
+    state_def = jax.tree_util.tree_structure(_state(template))
 
     def call(params, calib, state, tokens, num_new, lengths, table, params_rows, keys, targets, *,
              prefill: bool, echo: bool):
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(params_def, params))
+        looped, plain = jax.tree_util.tree_unflatten(state_def, state)
         rows = tokens.shape[0]
-        cache = template.replace(looped=state[0], plain=state[1], lengths=lengths, block_table=table,
+        cache = template.replace(looped=looped, plain=plain, lengths=lengths, block_table=table,
                                  overflow=jnp.zeros((rows,), bool), out_of_range=jnp.zeros((rows,), jnp.int32))
-        cache, picked, next_rng, prompt = programs.run_rows(model, calib, cache, tokens, num_new, params_rows, keys,
-                                                            prefill, targets if echo else None, **model_kwargs)
+        cache, picked, next_rng, prompt = programs.run_rows(
+            model, jax.tree_util.tree_unflatten(calib_def, calib), cache, tokens, num_new, params_rows, keys,
+            prefill, targets if echo else None, **model_kwargs)
         state = _state(cache)
         if mesh is not None:
             state = sharding.constrain(state, _state(sharding.cache_specs(cache, mesh)), mesh)
-        return state, (pack(picked, next_rng, cache.out_of_range), prompt)
+        return jax.tree_util.tree_leaves(state), (pack(picked, next_rng, cache.out_of_range), prompt)
 
     return jax.jit(call, donate_argnums=2, static_argnames=("prefill", "echo"))
 
