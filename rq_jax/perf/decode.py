@@ -207,11 +207,9 @@ class DecodeBench:
         per_row = -(-(context + 1) // page)
         pool = jax.eval_shape(lambda: init_paged_cache(self.config, 1, requests * per_row, page, per_row, fmt)
                               .held(self.platform))
-        (params, params_def), (calib, calib_def) = (jax.tree_util.tree_flatten(x)
-                                                    for x in (self.param_shapes, self.calib(label)))
-        program = model_runner.step_program(self.graphdef, pool, params_def, calib_def)
-        args = self._inputs(params, calib, jax.tree_util.tree_leaves((pool.looped, pool.plain)),
-                            *model_runner.padding(rows, width, per_row))
+        trees = (self.param_shapes, self.calib(label), (pool.looped, pool.plain))
+        program = model_runner.step_program(self.graphdef, pool, *trees[:2])
+        args = self._inputs(*map(jax.tree_util.tree_leaves, trees), *model_runner.padding(rows, width, per_row))
         lowered = self._lower(program, label, impl, *args, prefill=width > 1, echo=False)
         try:
             compiled = self._compile(lowered, search=True)

@@ -104,7 +104,7 @@ class Server:
         self.runner, self.tokenizer, self.model_name = runner, tokenizer, model_name
         self.chat_template, self.metrics = chat_template, metrics
         self._ids = itertools.count()
-        self._post: LoopPost | None = None  # made on the event loop, at the first request
+        self._post: LoopPost | None = None  # for the event loop serving the requests
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -117,8 +117,9 @@ class Server:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[_Choice], asyncio.Queue]:
         """Queue one request per prompt; their deltas arrive on the returned queue."""
-        if self._post is None:
-            self._post = LoopPost(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self._post is None or self._post.loop is not loop:
+            self._post = LoopPost(loop)
         post, events = self._post.put, asyncio.Queue()
 
         def sink(delta: Delta) -> None:

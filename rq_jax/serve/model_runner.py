@@ -113,11 +113,9 @@ class ModelRunner:
         self.template = jax.eval_shape(pool)  # the pool's cache, abstract
         shardings = None if mesh is None else sharding.named(mesh, _state(sharding.cache_specs(self.template, mesh)))
         # The program takes the parameters, calibration and pool as lists of leaves, and returns the pool so.
-        params, params_def = jax.tree_util.tree_flatten(params)
-        calib, calib_def = jax.tree_util.tree_flatten(self.calib)
-        self._fixed = (params, calib)
+        self._call = step_program(self._graphdef, self.template, params, self.calib, mesh, **model_kwargs)
+        self._fixed = (jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(self.calib))
         self.state = jax.tree_util.tree_leaves(jax.jit(lambda: _state(pool()), out_shardings=shardings)())
-        self._call = step_program(self._graphdef, self.template, params_def, calib_def, mesh, **model_kwargs)
         self._rng: dict[int, np.ndarray] = {}  # per request: its chain key (raw data) after its last call
 
     # ---- a step ----------------------------------------------------------------------------------------
@@ -224,17 +222,17 @@ def unpack(packed: np.ndarray) -> tuple[programs.Picked, np.ndarray, np.ndarray]
     return picked, packed[:, 2 + 2 * n : 4 + 2 * n], packed[:, 4 + 2 * n].view(np.int32)
 
 
-def step_program(graphdef, template, params_def, calib_def, mesh=None, **model_kwargs):
+def step_program(graphdef, template, params, calib, mesh=None, **model_kwargs):
     """The runner's one program, jitted, the pool's state donated: `call(params, calib, state, *padding(...),
     prefill=, echo=)` runs a call's rows (`programs.run_rows`) over the pool whose cache `template` (abstract,
     lengths and table aside) holds `state` = (looped, plain), and returns (the new state, (the picks, next
     chain keys and values lost per row in one array: `pack`, prompt log-probabilities or None)). The
-    parameters, calibration and state come as lists of their leaves (of structures `params_def`, `calib_def`
-    and the template's), and the new state goes back as one: a dispatch then neither flattens nor rebuilds the
-    trees (Ouro-small's decode call at one row dispatched in 0.27 against 0.34 ms dense, 0.39 against 0.55 ms
-    residual). `model_kwargs` are the model's (`num_loops`); on `mesh` the state stays split as
-    `sharding.cache_specs` says."""
-    state_def = jax.tree_util.tree_structure(_state(template))
+    parameters, calibration and state come as lists of their leaves (`jax.tree_util.tree_leaves` of trees
+    shaped as `params`, `calib` and the template's, concrete or abstract), and the new state goes back as
+    one: a dispatch then neither flattens nor rebuilds the trees (Ouro-small's decode call at one row
+    dispatched in 0.27 against 0.34 ms dense, 0.39 against 0.55 ms residual). `model_kwargs` are the
+    model's (`num_loops`); on `mesh` the state stays split as `sharding.cache_specs` says."""
+    params_def, calib_def, state_def = (jax.tree_util.tree_structure(x) for x in (params, calib, _state(template)))
 
     def call(params, calib, state, tokens, num_new, lengths, table, params_rows, keys, targets, *,
              prefill: bool, echo: bool):
