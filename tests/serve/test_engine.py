@@ -18,7 +18,6 @@ from rq_jax.serve import Engine, ParamError, SamplingParams
 from rq_jax.serve import model_runner, programs
 from rq_jax.serve.engine import DEFAULT_MAX_ROWS
 from rq_jax.serve.metrics import ServeMetrics
-from rq_jax.serve.text import TextStream
 from rq_jax.tokenizer import load_tokenizer
 
 SHIPPED = pathlib.Path(__file__).resolve().parents[2] / "checkpoints"
@@ -328,20 +327,3 @@ def test_per_row_sampling_matches_the_samplers_choice():
     many = jax.vmap(programs.choose, (None, None, 0))(logits, rows, jax.vmap(lambda k: jax.random.split(k, 3))(
         jax.random.split(keys[0], 8)))
     assert len({int(t) for t in many.tokens[:, 0]}) > 1
-
-
-class _Bytes:
-    """A tokenizer whose ids are characters (decode joins them)."""
-
-    def decode(self, ids):
-        return "".join(map(chr, ids))
-
-
-def test_text_stream_holds_back_possible_stop_strings():
-    stream = TextStream(_Bytes(), stop=("END",))
-    pieces = []
-    for ch in "abcEN":
-        assert not stream.add(ord(ch))
-        pieces.append(stream.pending())
-    assert "".join(pieces) == "abc"  # "EN" might start "END"
-    assert stream.add(ord("D")) and stream.pending(final=True) == "" and stream.text == "abc"
