@@ -33,7 +33,7 @@ from rq_jax.perf.attention import fallbacks, with_impl
 from rq_jax.perf.fill import filled_row, repeat_rows
 from rq_jax.sampling import PREFILL_CHUNK, decode_step, prefill
 from rq_jax.serve import model_runner
-from rq_jax.serve.engine import default_page_size
+from rq_jax.serve.sizing import default_page_size
 
 GiB = 2**30
 #: Compiler options of the search's programs on a CPU: LLVM optimisation off (buffer sizes unchanged);
@@ -199,7 +199,7 @@ class DecodeBench:
                       impl: str = "auto") -> dict | None:
         """The serving engine's program (`model_runner.step_program`) for a call of `rows` rows of `width`
         tokens (1: its decode program; more: one prompt chunk a row), over a pool of pages of the platform's
-        engine page (`engine.default_page_size`; a TPU's when compiling for one) holding `requests` requests
+        engine page (`sizing.default_page_size`; a TPU's when compiling for one) holding `requests` requests
         of `context` + 1 tokens, compiled for abstract inputs: its memory, with `tpu_kernels` on a TPU; None
         where the TPU compiler refuses it as over the chip's HBM (its words in `refused`)."""
         fmt = self.fmt(label, impl)

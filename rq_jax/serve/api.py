@@ -21,14 +21,13 @@ import asyncio
 import contextlib
 import itertools
 import json
-import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,62 +37,12 @@ from rq_jax.serve.params import ParamError, SamplingParams
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, request_error, sampling_params
 from rq_jax.serve.runner import EngineThread, NotReady, QueueFull
-
-#: How often a non-streaming request checks whether its client is still there (seconds).
-DISCONNECT_POLL = 0.1
-
-
-class LoopPost:
-    """Hands the engine thread's deltas to the server's event loop, one wake-up per burst: a step's deltas
-    (one per running request) would otherwise each write the loop's wake-up pipe (`call_soon_threadsafe`),
-    which at a few thousand tokens a second costs the server as much CPU as the rest of streaming."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, Delta]] = []
-
-    def put(self, events: asyncio.Queue, delta: Delta) -> None:
-        """From any thread: `events.put_nowait(delta)` on the loop, soon."""
-        with self._lock:
-            self._items.append((events, delta))
-            if len(self._items) > 1:  # a flush is already scheduled and has not run yet
-                return
-        self.loop.call_soon_threadsafe(self._flush)
-
-    def _flush(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        for events, delta in items:
-            events.put_nowait(delta)
+from rq_jax.serve.streams import Choice, LoopPost, gather, sse, sse_events
 
 
 def error_response(err: APIError) -> JSONResponse:
     """`err` as OpenAI's error JSON with its status."""
     return JSONResponse(err.body(), err.status)
-
-
-# ---- responses -----------------------------------------------------------------------------------
-
-
-class _Choice:
-    """What one prompt's request has produced (text, tokens, log-probabilities), from its deltas."""
-
-    def __init__(self, index: int, request_id: str, prompt: list[int]):
-        self.index, self.request_id, self.prompt = index, request_id, prompt
-        self.text: list[str] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-        self.num_tokens = 0
-        self.finish_reason: str | None = None
-
-    def add(self, delta: Delta) -> None:
-        self.text.append(delta.text)
-        self.logprobs += delta.logprobs
-        self.num_tokens += len(delta.tokens)
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
-        self.finish_reason = delta.finish_reason or self.finish_reason
 
 
 class Server:
@@ -115,7 +64,7 @@ class Server:
             raise APIError(404, f"model {json.dumps(model)} is not served here; this server serves "
                            f"{json.dumps(self.model_name)}", "model", code="model_not_found")
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[_Choice], asyncio.Queue]:
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Choice], asyncio.Queue]:
         """Queue one request per prompt; their deltas arrive on the returned queue."""
         loop = asyncio.get_running_loop()
         if self._post is None or self._post.loop is not loop:
@@ -125,10 +74,10 @@ class Server:
         def sink(delta: Delta) -> None:
             post(events, delta)
 
-        choices: list[_Choice] = []
+        choices: list[Choice] = []
         try:
             for i, prompt in enumerate(prompts):
-                choice = _Choice(i, f"{uuid.uuid4().hex[:12]}-{next(self._ids)}", prompt)
+                choice = Choice(i, f"{uuid.uuid4().hex[:12]}-{next(self._ids)}", prompt)
                 self.runner.submit(prompt, params, sink, choice.request_id)
                 choices.append(choice)
         except (NotReady, QueueFull, ParamError) as err:
@@ -143,55 +92,12 @@ class Server:
             raise error from None
         return choices, events
 
-    def cancel(self, choices: list[_Choice]) -> None:
+    def cancel(self, choices: list[Choice]) -> None:
         for c in choices:
             if c.finish_reason is None:
                 self.runner.cancel(c.request_id)
 
-    async def results(self, request: Request, choices: list[_Choice], events: asyncio.Queue) -> None:
-        """Wait for every choice to finish; a client that disconnects meanwhile cancels them (APIError 499)."""
-        by_id = {c.request_id: c for c in choices}
-        pending = len(choices)
-        try:
-            while pending:
-                try:
-                    delta = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        raise APIError(499, "the client disconnected") from None
-                    continue
-                choice = by_id[delta.request_id]
-                choice.add(delta)
-                pending -= delta.finish_reason is not None
-        finally:
-            self.cancel(choices)
-
-    async def stream(self, choices: list[_Choice], events: asyncio.Queue, chunk: Callable[[_Choice, Delta], dict],
-                     first: Callable[[_Choice], dict | None], usage: Callable[[], dict] | None) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per delta (and an opening one per choice when `first` gives one),
-        a usage chunk when asked for, then [DONE]. Closing the stream early cancels what is left."""
-        by_id = {c.request_id: c for c in choices}
-        pending = len(choices)
-        try:
-            for c in choices:
-                opening = first(c)
-                if opening is not None:
-                    yield f"data: {json.dumps(opening)}\n\n"
-            while pending:
-                delta = await events.get()
-                choice = by_id[delta.request_id]
-                choice.add(delta)
-                pending -= delta.finish_reason is not None
-                if delta.finish_reason == "cancelled":
-                    return
-                yield f"data: {json.dumps(chunk(choice, delta))}\n\n"
-            if usage is not None:
-                yield f"data: {json.dumps(usage())}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            self.cancel(choices)
-
-    def usage(self, choices: list[_Choice]) -> dict:
+    def usage(self, choices: list[Choice]) -> dict:
         prompt = sum(len(c.prompt) for c in choices)
         completion = sum(c.num_tokens for c in choices)
         return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -210,7 +116,7 @@ class Server:
                     top_logprobs=[None if e is None else {name(i): lp for i, lp in e.top} for e in entries],
                     text_offset=list(itertools.accumulate([len(t) for t in texts[:-1]], initial=0)))
 
-    def completion_choice(self, c: _Choice, want_logprobs: bool, echo: bool, as_ids: bool) -> dict:
+    def completion_choice(self, c: Choice, want_logprobs: bool, echo: bool, as_ids: bool) -> dict:
         text = "".join(c.text)
         logprobs = None
         generated = [e.token for e in c.logprobs]
@@ -232,14 +138,14 @@ class Server:
         head = dict(id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()),
                     model=self.model_name)
         if body.stream:
-            def chunk(c: _Choice, d: Delta) -> dict:
+            def chunk(c: Choice, d: Delta) -> dict:
                 lp = None
                 if logprobs is not None:
                     lp = self.completion_logprobs(list(d.logprobs), [e.token for e in d.logprobs], as_ids)
                 return {**head, "choices": [dict(index=c.index, text=d.text, logprobs=lp,
                                                  finish_reason=d.finish_reason)]}
 
-            def first(c: _Choice) -> dict | None:
+            def first(c: Choice) -> dict | None:
                 if not echo:
                     return None
                 return {**head, "choices": [dict(index=c.index, text=self.tokenizer.decode(c.prompt), logprobs=None,
@@ -248,8 +154,8 @@ class Server:
             def usage() -> dict:
                 return {**head, "choices": [], "usage": self.usage(choices)}
 
-            return sse(self.stream(choices, events, chunk, first, usage if body.include_usage else None))
-        await self.results(request, choices, events)
+            return sse(sse_events(choices, events, chunk, first, usage if body.include_usage else None, self.cancel))
+        await gather(request, choices, events, self.cancel)
         return JSONResponse({**head, "choices": [self.completion_choice(c, logprobs is not None, echo, as_ids)
                                                  for c in choices], "usage": self.usage(choices)})
 
@@ -280,29 +186,25 @@ class Server:
         if body.stream:
             head["object"] = "chat.completion.chunk"
 
-            def chunk(c: _Choice, d: Delta) -> dict:
+            def chunk(c: Choice, d: Delta) -> dict:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                 return {**head, "choices": [dict(index=c.index, delta=delta, finish_reason=d.finish_reason,
                                                  logprobs=self.chat_logprobs(d.logprobs, top) if want else None)]}
 
-            def first(c: _Choice) -> dict:
+            def first(c: Choice) -> dict:
                 return {**head, "choices": [dict(index=c.index, delta={"role": "assistant", "content": ""},
                                                  logprobs=None, finish_reason=None)]}
 
             def usage() -> dict:
                 return {**head, "choices": [], "usage": self.usage(choices)}
 
-            return sse(self.stream(choices, events, chunk, first, usage if body.include_usage else None))
-        await self.results(request, choices, events)
+            return sse(sse_events(choices, events, chunk, first, usage if body.include_usage else None, self.cancel))
+        await gather(request, choices, events, self.cancel)
         return JSONResponse({**head, "choices": [
             dict(index=c.index, message={"role": "assistant", "content": "".join(c.text)},
                  finish_reason=c.finish_reason, logprobs=self.chat_logprobs(c.logprobs, top) if want else None)
             for c in choices],
             "usage": self.usage(choices)})
-
-
-def sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def create_app(server: Server, on_shutdown: Callable[[], Any] | None = None) -> FastAPI:

@@ -42,34 +42,19 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from pallas_kernels.configs import TPU_PAGE
-from rq_jax import memory, setup
+from rq_jax import setup
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.calib import CacheCalib
 from rq_jax.cache.dense import Dense
-from rq_jax.cache.kv import cache_bytes
+from rq_jax.serve import sizing
 from rq_jax.serve.metrics import ServeMetrics
-from rq_jax.serve.model_runner import ModelRunner, RowSpec, page_budget
+from rq_jax.serve.model_runner import ModelRunner, RowSpec
 from rq_jax.serve.output import Completion, Delta, OutputProcessor, Request, TokenLogprob, completion
 from rq_jax.serve.params import ParamError, SamplingParams
 from rq_jax.serve.scheduler import Scheduler
 from rq_jax.serve.text import TextStream
-
-#: The largest decode batch compiled when only a memory budget is given (`Engine.max_rows`): twice vLLM's
-#: 256 on a GPU, since a compressed pool holds about 5x the requests of a dense one at the same budget.
-DEFAULT_MAX_ROWS = 512
-
-#: A step's tokens when none is given: vLLM's default for its OpenAI server on a CPU (max_num_batched_tokens).
-DEFAULT_TOKEN_BUDGET = 2048
-
-
-def compute_dtype(model) -> str:
-    """The dtype a model computes in (its embedding's): the dtype of the K/V it produces."""
-    return next(jnp.dtype(m.dtype).name for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Embed))
 
 
 def calibration_key(fmt: CacheFormat, plain_fmt: CacheFormat, calib: CacheCalib | None) -> str:
@@ -81,19 +66,12 @@ def calibration_key(fmt: CacheFormat, plain_fmt: CacheFormat, calib: CacheCalib 
     return h.hexdigest()
 
 
-def default_page_size(platform: str | None = None) -> int:
-    """Tokens per cache page on `platform` (default: the host's backend): 16, or on a TPU `configs.TPU_PAGE`
-    (128: its kernels hold tokens on the 128 lanes, and XLA:TPU relays out a pool of smaller pages around
-    every call)."""
-    return TPU_PAGE if (platform or jax.default_backend()) == "tpu" else 16
-
-
 class Engine:
     """Requests over a paged cache of `fmt` (default dense bf16): `memory_bytes` of pages of `page_size`
-    tokens (default `default_page_size()`), or room for `num_slots` requests of `max_len` tokens; at most
-    `max_rows` requests decoding at once (default `num_slots`, else `DEFAULT_MAX_ROWS`); prompts in chunks of
-    `chunk` tokens, a step's tokens at most `token_budget` (default max(chunk, `DEFAULT_TOKEN_BUDGET`));
-    `prefix_cache` shares full prompt pages.
+    tokens (default `sizing.default_page_size()`), or room for `num_slots` requests of `max_len` tokens; at most
+    `max_rows` requests decoding at once (default `num_slots`, else `sizing.DEFAULT_MAX_ROWS`); prompts in
+    chunks of `chunk` tokens, a step's tokens at most `token_budget` (default max(chunk,
+    `sizing.DEFAULT_TOKEN_BUDGET`)); `prefix_cache` shares full prompt pages (`sizing.size_pool`).
     `eos_ids` end every request. `calib`, `plain_fmt`, `mesh` and `model_kwargs` (e.g. `num_loops`,
     Huginn's `init_scale`) are the Sampler's. `metrics` (a `ServeMetrics`) is kept up to date when given.
     """
@@ -117,44 +95,19 @@ class Engine:
         if not 1 <= max_len <= config.max_position_embeddings:
             raise ValueError(f"max_len must lie in [1, {config.max_position_embeddings}], got {max_len}")
         self.max_len = max_len
-        # A format whose state is not one entry per position (kivi's windows) pages whole rows, shares nothing.
-        whole_rows = not (self.fmt.pageable and self.plain_fmt.pageable)
-        if whole_rows:
-            self.page_size, self.chunk, prefix_cache = max_len, min(chunk, max_len), False
-        else:
-            self.page_size = min(page_size or default_page_size(), max_len)
-            self.chunk = max(self.page_size, min(chunk, max_len) // self.page_size * self.page_size)
-        self.token_budget = token_budget or max(self.chunk, DEFAULT_TOKEN_BUDGET)
-        if self.token_budget < self.chunk:
-            raise ValueError(f"token_budget ({self.token_budget}) must hold a prompt chunk ({self.chunk})")
-        pages_per_row = -(-max_len // self.page_size)
-        kw = dict(num_loops=self.num_loops, plain_fmt=self.plain_fmt)
-        if num_slots is not None:
-            if num_slots < 1:
-                raise ValueError(f"num_slots must be ≥ 1, got {num_slots}")
-            pages = num_slots * pages_per_row
-            self.page_bytes = page_budget(config, self.fmt, self.page_size, 0, **kw)[1]
-        elif memory_bytes is not None:
-            pages, self.page_bytes = page_budget(config, self.fmt, self.page_size, memory_bytes, **kw)
-            if pages < pages_per_row:
-                raise ValueError(f"{memory_bytes:,} bytes of cache hold {pages} pages of {self.page_size} tokens "
-                                 f"({self.page_bytes:,} bytes each): not one request of {max_len} tokens")
-        else:
-            raise ValueError("give num_slots or memory_bytes")
-        self.num_pages = pages
-        self.max_rows = max_rows or num_slots or min(DEFAULT_MAX_ROWS, pages)
-        self.dense_token_bytes = cache_bytes(config, Dense("bfloat16"), 1, **{**kw, "plain_fmt": Dense()}).total
-        memory.check_fits(model, self.fmt, batch=pages, prompt_len=1, max_len=self.page_size,  # the pool's bytes
-                          num_loops=self.num_loops, compute_itemsize=jnp.dtype(compute_dtype(model)).itemsize,
-                          what=f"a pool of {pages} pages", advice="use a smaller memory budget, fewer slots or a "
-                          "shorter max_len")
-
-        self.runner = ModelRunner(model, self.fmt, pages=pages, page_size=self.page_size, max_len=max_len,
+        size = sizing.size_pool(model, self.fmt, self.plain_fmt, max_len=max_len, num_loops=self.num_loops,
+                                num_slots=num_slots, memory_bytes=memory_bytes, chunk=chunk,
+                                token_budget=token_budget, page_size=page_size, max_rows=max_rows,
+                                prefix_cache=prefix_cache)
+        self.page_size, self.chunk, self.token_budget = size.page_size, size.chunk, size.token_budget
+        self.num_pages, self.page_bytes, self.max_rows = size.num_pages, size.page_bytes, size.max_rows
+        self.dense_token_bytes = sizing.dense_token_bytes(config, self.num_loops)
+        self.runner = ModelRunner(model, self.fmt, pages=self.num_pages, page_size=self.page_size, max_len=max_len,
                                   max_rows=self.max_rows, chunk=self.chunk, token_budget=self.token_budget,
                                   plain_fmt=self.plain_fmt, calib=calib, mesh=mesh, timer=self._ran, **model_kwargs)
-        key = calibration_key(self.fmt, self.plain_fmt, self.runner.calib) if prefix_cache else None
-        self.scheduler = Scheduler(pages, self.page_size, self.chunk, self.token_budget, max_len, cache_key=key,
-                                   max_running=self.max_rows)
+        key = calibration_key(self.fmt, self.plain_fmt, self.runner.calib) if size.prefix_cache else None
+        self.scheduler = Scheduler(self.num_pages, self.page_size, self.chunk, self.token_budget, max_len,
+                                   cache_key=key, max_running=self.max_rows)
         self.output = OutputProcessor(metrics)
         self._ids = itertools.count()
         self._requests: dict[int, Request] = {}  # by the scheduler's id
@@ -353,4 +306,4 @@ class Engine:
         m.prefix_hits.set(s.prefix_hits)
 
 
-__all__ = ["Completion", "Delta", "Engine", "ParamError", "SamplingParams", "TokenLogprob", "compute_dtype"]
+__all__ = ["Completion", "Delta", "Engine", "ParamError", "SamplingParams", "TokenLogprob"]

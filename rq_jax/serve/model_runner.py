@@ -31,7 +31,7 @@ from flax import nnx
 from rq_jax import setup, sharding
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.calib import CacheCalib
-from rq_jax.cache.kv import cache_bytes, init_paged_cache
+from rq_jax.cache.kv import init_paged_cache
 from rq_jax.serve import programs
 from rq_jax.serve.scheduler import Chunk, StepPlan
 
@@ -269,10 +269,3 @@ def padding(count: int, width: int, pages_per_row: int) -> tuple:
 def _state(cache):
     """The pool's leaves a call donates and returns: (looped, plain)."""
     return cache.looped, cache.plain
-
-
-def page_budget(config, fmt: CacheFormat, page_size: int, memory_bytes: int, *, num_loops: int | None = None,
-                plain_fmt: CacheFormat | None = None) -> tuple[int, int]:
-    """(pages that `memory_bytes` of cache hold, bytes per page) for pages of `page_size` tokens of `fmt`."""
-    per_page = cache_bytes(config, fmt, page_size, num_loops=num_loops, plain_fmt=plain_fmt).total
-    return memory_bytes // per_page, per_page

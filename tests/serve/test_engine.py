@@ -16,7 +16,7 @@ from rq_jax.data import Addition
 from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
 from rq_jax.serve import Engine, ParamError, SamplingParams
 from rq_jax.serve import model_runner, programs
-from rq_jax.serve.engine import DEFAULT_MAX_ROWS
+from rq_jax.serve.sizing import DEFAULT_MAX_ROWS
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.tokenizer import load_tokenizer
 

@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from rq_jax.serve.scheduler import PagePool, Scheduler, Status, prefix_hashes
+from rq_jax.serve.pages import PagePool, prefix_hashes
+from rq_jax.serve.scheduler import Scheduler, Status
 
 
 def pick(tokens: list[int]) -> int:

@@ -1,0 +1,94 @@
+"""How big the engine's cache pool and its steps are: pages of `page_size` tokens sized by a memory budget
+or a number of `max_len` slots, the prompt chunk, the step's token budget and the largest decode batch,
+checked against the host's memory before anything is allocated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.configs import TPU_PAGE
+from rq_jax import memory
+from rq_jax.cache.base import CacheFormat
+from rq_jax.cache.dense import Dense
+from rq_jax.cache.kv import cache_bytes
+
+#: The largest decode batch compiled when only a memory budget is given (`PoolSize.max_rows`): twice vLLM's
+#: 256 on a GPU, since a compressed pool holds about 5x the requests of a dense one at the same budget.
+DEFAULT_MAX_ROWS = 512
+
+#: A step's tokens when none is given: vLLM's default for its OpenAI server on a CPU (max_num_batched_tokens).
+DEFAULT_TOKEN_BUDGET = 2048
+
+
+def compute_dtype(model) -> str:
+    """The dtype a model computes in (its embedding's): the dtype of the K/V it produces."""
+    return next(jnp.dtype(m.dtype).name for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Embed))
+
+
+def default_page_size(platform: str | None = None) -> int:
+    """Tokens per cache page on `platform` (default: the host's backend): 16, or on a TPU `configs.TPU_PAGE`
+    (128: its kernels hold tokens on the 128 lanes, and XLA:TPU relays out a pool of smaller pages around
+    every call)."""
+    return TPU_PAGE if (platform or jax.default_backend()) == "tpu" else 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSize:
+    """A pool of `num_pages` pages of `page_size` tokens, `page_bytes` each; prompts in chunks of `chunk`
+    tokens, at most `token_budget` tokens and `max_rows` decoding requests a step; `prefix_cache` when its
+    pages may be shared (not for a format paged by whole rows)."""
+
+    page_size: int
+    chunk: int
+    token_budget: int
+    num_pages: int
+    page_bytes: int
+    max_rows: int
+    prefix_cache: bool
+
+
+def size_pool(model, fmt: CacheFormat, plain_fmt: CacheFormat, *, max_len: int, num_loops: int,
+              num_slots: int | None = None, memory_bytes: int | None = None, chunk: int = 256,
+              token_budget: int | None = None, page_size: int | None = None, max_rows: int | None = None,
+              prefix_cache: bool = True) -> PoolSize:
+    """The `Engine`'s pool (its docstring names the arguments): `memory_bytes` of pages, or room for
+    `num_slots` requests of `max_len`. A format whose state is not one entry per position (kivi's windows)
+    takes whole rows as pages and shares nothing. Raises ValueError naming the setting that cannot work,
+    MemoryError when the pool would not fit the host."""
+    if not (fmt.pageable and plain_fmt.pageable):
+        page_size, chunk, prefix_cache = max_len, min(chunk, max_len), False
+    else:
+        page_size = min(page_size or default_page_size(), max_len)
+        chunk = max(page_size, min(chunk, max_len) // page_size * page_size)
+    token_budget = token_budget or max(chunk, DEFAULT_TOKEN_BUDGET)
+    if token_budget < chunk:
+        raise ValueError(f"token_budget ({token_budget}) must hold a prompt chunk ({chunk})")
+    pages_per_row = -(-max_len // page_size)
+    page_bytes = cache_bytes(model.config, fmt, page_size, num_loops=num_loops, plain_fmt=plain_fmt).total
+    if num_slots is not None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be ≥ 1, got {num_slots}")
+        pages = num_slots * pages_per_row
+    elif memory_bytes is not None:
+        pages = memory_bytes // page_bytes
+        if pages < pages_per_row:
+            raise ValueError(f"{memory_bytes:,} bytes of cache hold {pages} pages of {page_size} tokens "
+                             f"({page_bytes:,} bytes each): not one request of {max_len} tokens")
+    else:
+        raise ValueError("give num_slots or memory_bytes")
+    memory.check_fits(model, fmt, batch=pages, prompt_len=1, max_len=page_size,  # the pool's bytes
+                      num_loops=num_loops, compute_itemsize=jnp.dtype(compute_dtype(model)).itemsize,
+                      what=f"a pool of {pages} pages", advice="use a smaller memory budget, fewer slots or a "
+                      "shorter max_len")
+    return PoolSize(page_size, chunk, token_budget, pages, page_bytes,
+                    max_rows or num_slots or min(DEFAULT_MAX_ROWS, pages), prefix_cache)
+
+
+def dense_token_bytes(config, num_loops: int) -> int:
+    """Bytes of one token's K/V in dense bf16 (every loop and layer): what the pool's tokens would take
+    uncompressed."""
+    return cache_bytes(config, Dense("bfloat16"), 1, num_loops=num_loops, plain_fmt=Dense()).total
