@@ -26,6 +26,7 @@
 
 #include "kernels.h"
 #include "numerics.h"
+#include "vectors.h"
 
 #if defined(__x86_64__) && defined(__AVX2__)
 #include <immintrin.h>
@@ -45,35 +46,6 @@ namespace {
 constexpr int kChunk = 64;  // tokens per online-softmax step
 
 // ---- vectors ----------------------------------------------------------------------------------------
-
-// Lanes of the target's float register: vectors of kLanes are the working width, and the link functions'
-// byte blocks are at most kLanes wide (wider vectors are lowered lane by lane on narrower targets).
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX2__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
-
-template <int W>
-struct V {
-  typedef float f __attribute__((vector_size(4 * W)));
-  typedef int32_t i __attribute__((vector_size(4 * W)));
-};
-using vf = V<kLanes>::f;
-using vi = V<kLanes>::i;
-
-template <class T>
-inline T load(const void* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-template <class T>
-inline void store(void* p, T v) {
-  std::memcpy(p, &v, sizeof v);
-}
 
 inline float hsum(V<4>::f v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 inline float hsum(V<8>::f v) {
@@ -174,10 +146,15 @@ class Arena {
     if (block().size() < floats) block().resize(floats);
   }
   static size_t rounded(size_t n) { return (n + 15) / 16 * 16; }
-  float* take(size_t n, float fill = 0.0f) {
+  // n floats as the last item left them: for buffers written before they are read.
+  float* take(size_t n) {
     float* p = block().data() + next_;
     next_ += rounded(n);
-    std::fill(p, p + n, fill);
+    return p;
+  }
+  float* zeros(size_t n) {
+    float* p = take(n);
+    std::fill(p, p + n, 0.0f);
     return p;
   }
 
@@ -197,8 +174,8 @@ struct LinkMeta {
   static size_t floats(const Link& ln) { return 2 * Arena::rounded(size_t(kChunk) * (ln.dim / ln.group) + kLanes); }
   void init(const Link& ln, Arena& arena) {
     const size_t n = size_t(kChunk) * (ln.dim / ln.group) + kLanes;
-    scale = arena.take(n);
-    offset = arena.take(n);
+    scale = arena.zeros(n);  // the padding is read (as lanes no result keeps)
+    offset = arena.zeros(n);
   }
   void decode(const Link& ln, int64_t tok0, int n) const {
     const int ng = ln.dim / ln.group;
@@ -465,15 +442,17 @@ void link_fns(const Link& ln, KeyFn* kf, ValueFn* vf_) {
 
 // ---- the online softmax ---------------------------------------------------------------------------------
 
-// A chunk's step: scores [rows, kChunk] (n valid) become p = exp(score − m_new) in place (0 past n); m, l and
-// the accumulators [rows, acc_len] (plus `extra` [rows, extra_len]) are rescaled by exp(m_old − m_new).
+// A chunk's step: scores [rows, kChunk] (n valid) become p = exp(score − m_new) in place (0 past n, up to the
+// next whole vector); m, l and the accumulators [rows, acc_len] (plus `extra` [rows, extra_len]) are rescaled by
+// exp(m_old − m_new).
 void softmax_step(int rows, int n, float* scores, float* m, float* l, float* acc, int acc_len, float* extra,
                   int extra_len) {
+  const int width = (n + kLanes - 1) / kLanes * kLanes;
   for (int r = 0; r < rows; ++r) {
     float* s = scores + r * kChunk;
-    std::fill(s + n, s + kChunk, kNeg);
+    std::fill(s + n, s + width, kNeg);
     vf mv = vf{} + m[r];
-    for (int j = 0; j < kChunk; j += kLanes) {
+    for (int j = 0; j < width; j += kLanes) {
       const vf x = load<vf>(s + j);
       mv = x > mv ? x : mv;
     }
@@ -481,7 +460,7 @@ void softmax_step(int rows, int n, float* scores, float* m, float* l, float* acc
     for (int i = 1; i < kLanes; ++i) mx = std::max(mx, mv[i]);
     const float corr = std::exp(m[r] - mx);
     vf sum = vf{};
-    for (int j = 0; j < kChunk; j += kLanes) {
+    for (int j = 0; j < width; j += kLanes) {
       const vf e = vexp(load<vf>(s + j) - mx);
       store(s + j, e);
       sum += e;
@@ -546,7 +525,7 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   for (int i = 0; i < vc.n; ++i) floats += LinkMeta::floats(vc.link[i]);
   Arena arena(floats);
   float *q = arena.take(rows * d), *scores = arena.take(rows * kChunk), *w = arena.take(rows * kChunk);
-  float *offacc = arena.take(rows * v_groups), *means = arena.take(kc.n * rows);
+  float *offacc = arena.zeros(rows * v_groups), *means = arena.take(kc.n * rows);
   float *k_coef = arena.take(kMaxLinks * kChunk), *v_coef = arena.take(kMaxLinks * kChunk);
   for (int r = 0; r < rows; ++r) {
     const int64_t qrow = (b * p.K + k) * p.R + p.row0 + r;
@@ -557,9 +536,13 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   float* qsum[kMaxLinks];  // Σ_{c∈g} q_c per key link, row and group (qsum_stride per row)
   for (int i = 0; i < kc.n; ++i) {
     const int g = kc.link[i].group, stride = qsum_stride(d / g);
-    qsum[i] = arena.take(rows * stride);
+    qsum[i] = arena.zeros(rows * stride);  // zero past the groups
     for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < d; ++c) qsum[i][r * stride + c / g] += q[r * d + c];
+      for (int gi = 0; gi < d / g; ++gi) {
+        float sum = 0.0f;
+        for (int c = gi * g; c < (gi + 1) * g; ++c) sum += q[r * d + c];
+        qsum[i][r * stride + gi] = sum;
+      }
   }
   LinkMeta k_meta[kMaxLinks], v_meta[kMaxLinks];
   for (int i = 0; i < kc.n; ++i) k_meta[i].init(kc.link[i], arena);

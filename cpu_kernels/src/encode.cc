@@ -23,6 +23,7 @@
 
 #include "kernels.h"
 #include "numerics.h"
+#include "vectors.h"
 
 #ifndef RQ_ISA
 #error "compile with -DRQ_ISA=generic|avx2|avx512"
@@ -77,6 +78,25 @@ inline float store_meta(float v, int meta, void* out, int64_t i, int& lost) {
   return back;
 }
 
+// The least and greatest finite values of x[0, n) (+inf and -inf when there are none), a vector of lanes at a
+// time: min and max are exact, so their order changes no value (only which of a -0 and a +0 tie returns).
+void finite_range(const float* x, int n, float* lo, float* hi) {
+  vf vlo = vf{} + INFINITY, vhi = vf{} - INFINITY;
+  int c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    const vf v = load<vf>(x + c);
+    const vi finite = (v - v) == (v - v);  // x − x is NaN for an infinity or a NaN
+    vlo = (finite & (v < vlo)) ? v : vlo;
+    vhi = (finite & (v > vhi)) ? v : vhi;
+  }
+  float l = INFINITY, h = -INFINITY;
+  for (int i = 0; i < kLanes; ++i) l = std::min(l, vlo[i]), h = std::max(h, vhi[i]);
+  for (; c < n; ++c)
+    if (std::isfinite(x[c])) l = std::min(l, x[c]), h = std::max(h, x[c]);
+  *lo = l;
+  *hi = h;
+}
+
 // The codes of one group's n values as floats: clamp(round_half_down((x − o) / div), 0, top), NaN quotients
 // coded as 0 and infinite ones as the finite extremes.
 void code_values(const float* __restrict x, int n, float o, float div, float top, float* __restrict out) {
@@ -102,9 +122,8 @@ int quantize(const EncodeLoop& ln, int meta, int d, int64_t v, const float* targ
   const int g = ln.group, ng = d / g, top = (1 << ln.bits) - 1;
   for (int gi = 0; gi < ng; ++gi) {
     const float* x = target + gi * g;
-    float lo = INFINITY, hi = -INFINITY;
-    for (int c = 0; c < g; ++c)
-      if (std::isfinite(x[c])) lo = std::min(lo, x[c]), hi = std::max(hi, x[c]);
+    float lo, hi;
+    finite_range(x, g, &lo, &hi);
     if (!(lo <= hi)) lo = hi = 0.0f;  // no finite value
     float rad, low;
     if (ln.clip == 1.0f) {
