@@ -2,11 +2,12 @@
 the calibration and the paged cache (a pool of pages, held as bits and donated to every call, so that each
 step writes it in place), and each request's PRNG chain; it knows nothing of text or scheduling.
 
-A plan's rows run in at most three calls: the decode rows (one token each) in one call over the fewest rows of
+A plan's rows run in a few calls: the decode rows (one token each) in one call over the fewest rows of
 `decode_rows` (1, 2, 4, ... `max_rows`: a call's cost grows with its rows) that hold them, the prompt chunks in
 calls over `token_buckets` (16, 32, ... `chunk` tokens) × `prefill_rows` (1, 2, 4, ... as the token budget
-allows; each chunk padded to the bucket of the longest), and a prompt whose log-probabilities are asked
-for (`echo`) alone in a call of its own. Padding rows feed nothing and store nothing.
+allows; each chunk padded to its call's width, chunks of far apart widths in calls of their own:
+`prefill_groups`), and a prompt whose log-probabilities are asked for (`echo`) alone in a call of its own.
+Padding rows feed nothing and store nothing.
 
 A step is launched, then collected: `launch` dispatches its calls and starts the host copy of each call's
 results (packed into one uint32 array: `pack`), so the engine does the host work of the previous step (text,
@@ -36,6 +37,11 @@ from rq_jax.serve import programs
 from rq_jax.serve.scheduler import Chunk, StepPlan
 
 
+#: A call's fixed cost (dispatch, and its operations' overheads) in padded token slots: Ouro-small's prompt
+#: call on this project's 2-core CPU host costs ~0.65 ms plus ~0.03 ms a slot (1 x 16 and 8 x 16 slots timed).
+CALL_TOKENS = 32
+
+
 def geometric(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
     """lo, ratio·lo, ... below hi, then hi: the compiled sizes of a dimension (a call padded to the next
     size wastes less than `ratio`x on it)."""
@@ -45,6 +51,35 @@ def geometric(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
         out.append(b)
         b *= ratio
     return tuple(out) + (hi,)
+
+
+def call_cost(count: int, width: int, rows: Sequence[int]) -> int:
+    """Padded token slots (plus `CALL_TOKENS` a call) of `count` chunks in calls of `width` tokens over the
+    compiled row counts `rows`: the fewest that hold them, halved until one does (as `ModelRunner` splits)."""
+    fit = next((r for r in rows if r >= count), None)
+    if fit is None:
+        return call_cost(count // 2, width, rows) + call_cost(count - count // 2, width, rows)
+    return CALL_TOKENS + fit * width
+
+
+def prefill_groups(lengths: Sequence[int], buckets: Sequence[int], rows: dict[int, Sequence[int]]) -> list[list[int]]:
+    """Prompt chunks of `lengths` tokens grouped into calls: the indices of each group. A chunk's width is the
+    narrowest of `buckets` that holds it; a group is the chunks of consecutive widths, padded to the widest
+    (`rows[width]`: its compiled row counts), chosen to cost the fewest padded slots (`call_cost`: 12-token
+    prompts beside a 200-token one run in a 16-token call of their own, not padded to 256)."""
+    by_width: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_width.setdefault(next(t for t in buckets if t >= n), []).append(i)
+    widths = sorted(by_width)
+    best: list[tuple[int, list[list[int]]]] = [(0, [])]  # best[j]: the cheapest grouping of widths[:j]
+    for j in range(1, len(widths) + 1):
+        options = []
+        for i in range(j):
+            members = [c for w in widths[i:j] for c in by_width[w]]
+            options.append((best[i][0] + call_cost(len(members), widths[j - 1], rows[widths[j - 1]]),
+                            best[i][1] + [members]))
+        best.append(min(options, key=lambda o: o[0]))
+    return best[-1][1]
 
 
 class RowSpec(NamedTuple):
@@ -126,7 +161,9 @@ class ModelRunner:
         echo = [c for c in plan.prefill if rows[c.seq].echo]
         prefill = [c for c in plan.prefill if not rows[c.seq].echo]
         calls = []
-        for chunks, kind in ((plan.decode, "decode"), (prefill, "prefill"), *(([c], "echo") for c in echo)):
+        groups = prefill_groups([len(c.tokens) for c in prefill], self.token_buckets, self.prefill_rows)
+        for chunks, kind in ((plan.decode, "decode"), *(([prefill[i] for i in g], "prefill") for g in groups),
+                             *(([c], "echo") for c in echo)):
             if chunks:
                 calls += self._launch(list(chunks), rows, kind)
         return calls

@@ -205,6 +205,66 @@ def test_a_stop_string_found_while_the_next_step_runs_drops_its_row(ouro, monkey
     engine.scheduler.check()
 
 
+def test_prompt_chunks_of_far_apart_widths_run_in_calls_of_their_own():
+    """`prefill_groups` puts every chunk in one call of a width that holds it, and its grouping costs what the
+    cheapest split of the widths into runs costs (every split tried): twelve-token prompts beside a
+    200-token one run in a 16-token call of their own; a 20- and a 12-token prompt share one call."""
+    buckets = model_runner.geometric(16, 256, 2)
+    rows = {t: model_runner.geometric(1, max(1, 2048 // t), 2) for t in buckets}
+
+    def width(n):
+        return next(t for t in buckets if t >= n)
+
+    def cost(lengths, groups):
+        widest = [max(width(lengths[i]) for i in g) for g in groups]
+        return sum(model_runner.call_cost(len(g), w, rows[w]) for g, w in zip(groups, widest))
+
+    assert model_runner.prefill_groups([200] + [12] * 10, buckets, rows) == [list(range(1, 11)), [0]]
+    assert model_runner.prefill_groups([20, 12], buckets, rows) == [[1, 0]]
+    assert model_runner.prefill_groups([], buckets, rows) == []
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = rng.integers(1, 257, rng.integers(1, 40)).tolist()
+        groups = model_runner.prefill_groups(lengths, buckets, rows)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        widths = sorted({width(n) for n in lengths})
+        best = min(cost(lengths, [[i for i, n in enumerate(lengths) if width(n) in run] for run in runs])
+                   for cuts in range(2 ** (len(widths) - 1))
+                   for runs in [np.split(widths, [k + 1 for k in range(len(widths) - 1) if cuts >> k & 1])])
+        assert cost(lengths, groups) == best, (lengths, groups)
+
+
+def test_prompts_of_many_widths_in_one_step_equal_the_sampler():
+    """An 86-token prompt (chunks of 64 and 22), a 23-token one and three sums arrive together: their first
+    chunks run in calls of different widths in one step, and every request's tokens are the Sampler's."""
+    model, tokenizer, stops = load("ouro-small")
+    engine = Engine(model, tokenizer, get_format("residual"), eos_ids=stops, max_len=128, num_slots=5, chunk=64)
+    assert engine.runner.token_buckets == (16, 32, 64)
+    steps, call, launch = [], engine.runner._call, engine.runner.launch
+
+    def spy(params, calib, state, tokens, *args, prefill, echo):
+        if prefill:
+            steps[-1].append(tokens.shape[1])
+        return call(params, calib, state, tokens, *args, prefill=prefill, echo=echo)
+
+    def each_step(*args):
+        steps.append([])
+        return launch(*args)
+
+    engine.runner._call, engine.runner.launch = spy, each_step
+    prompts = [tokenizer.encode(RETRIEVAL[0][:-2] * 4 + "\nx").ids, tokenizer.encode(RETRIEVAL[1]).ids,
+               *additions(tokenizer, 3)]
+    assert [len(p) for p in prompts] == [86, 23, 12, 12, 12]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6))
+    assert 64 in steps[0] and min(steps[0]) < 64, steps  # the sums not padded to the long prompt's 64
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=6, stop_tokens=stops, prefill_chunk=64),
+                      get_format("residual"))
+    for prompt, out in zip(prompts, outs):
+        ref = sampler([prompt])
+        assert list(out.tokens) == ref.tokens[0, : int(ref.num_generated[0])].tolist()
+    assert engine.scheduler.pool.held == 0
+
+
 def test_a_calls_results_come_back_packed_bit_for_bit():
     """`pack` puts a call's picks, chain keys and lost values in one uint32 array; `unpack` gives them back
     bit for bit (NaN, -inf and negative ids included)."""
