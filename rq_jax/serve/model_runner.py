@@ -53,31 +53,40 @@ def geometric(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
-def call_cost(count: int, width: int, rows: Sequence[int]) -> int:
-    """Padded token slots (plus `CALL_TOKENS` a call) of `count` chunks in calls of `width` tokens over the
-    compiled row counts `rows`: the fewest that hold them, halved until one does (as `ModelRunner` splits)."""
+@functools.lru_cache(maxsize=None)
+def call_sizes(count: int, width: int, rows: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """The cheapest way to run `count` prompt chunks in calls of `width` tokens over the compiled row counts
+    `rows`: (its cost, the chunks of each call). A call costs `CALL_TOKENS` plus its padded token slots: one
+    call padded to the fewest rows that hold the chunks, or a full call of fewer rows and the rest (9 chunks
+    of 16 tokens: 8 + 1 rather than 16 rows)."""
     fit = next((r for r in rows if r >= count), None)
-    if fit is None:
-        return call_cost(count // 2, width, rows) + call_cost(count - count // 2, width, rows)
-    return CALL_TOKENS + fit * width
+    options = [] if fit is None else [(CALL_TOKENS + fit * width, (count,))]
+    for r in sorted(rows, reverse=True):  # of equal costs, the one with the larger first call
+        if r < count:
+            cost, rest = call_sizes(count - r, width, rows)
+            options.append((CALL_TOKENS + r * width + cost, (r, *rest)))
+    return min(options, key=lambda o: o[0])
 
 
-def prefill_groups(lengths: Sequence[int], buckets: Sequence[int], rows: dict[int, Sequence[int]]) -> list[list[int]]:
-    """Prompt chunks of `lengths` tokens grouped into calls: the indices of each group. A chunk's width is the
-    narrowest of `buckets` that holds it; a group is the chunks of consecutive widths, padded to the widest
-    (`rows[width]`: its compiled row counts), chosen to cost the fewest padded slots (`call_cost`: 12-token
-    prompts beside a 200-token one run in a 16-token call of their own, not padded to 256)."""
+def prefill_groups(lengths: Sequence[int], buckets: Sequence[int], rows: dict[int, tuple[int, ...]]
+                   ) -> list[list[int]]:
+    """Prompt chunks of `lengths` tokens grouped into calls: the indices of each call's chunks. A chunk's width
+    is the narrowest of `buckets` that holds it; the chunks of a run of consecutive widths share calls of the
+    widest (`rows[width]`: its compiled row counts; `call_sizes` splits them), the runs chosen to cost the
+    fewest padded slots (12-token prompts beside a 200-token one run in a 16-token call of their own, not
+    padded to 256)."""
     by_width: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         by_width.setdefault(next(t for t in buckets if t >= n), []).append(i)
     widths = sorted(by_width)
-    best: list[tuple[int, list[list[int]]]] = [(0, [])]  # best[j]: the cheapest grouping of widths[:j]
+    best: list[tuple[int, list[list[int]]]] = [(0, [])]  # best[j]: the cheapest calls of widths[:j]
     for j in range(1, len(widths) + 1):
         options = []
         for i in range(j):
             members = [c for w in widths[i:j] for c in by_width[w]]
-            options.append((best[i][0] + call_cost(len(members), widths[j - 1], rows[widths[j - 1]]),
-                            best[i][1] + [members]))
+            cost, sizes = call_sizes(len(members), widths[j - 1], rows[widths[j - 1]])
+            starts = np.cumsum((0, *sizes))
+            options.append((best[i][0] + cost, best[i][1] + [members[a:b] for a, b in zip(starts, starts[1:])]))
         best.append(min(options, key=lambda o: o[0]))
     return best[-1][1]
 
@@ -165,17 +174,14 @@ class ModelRunner:
         for chunks, kind in ((plan.decode, "decode"), *(([prefill[i] for i in g], "prefill") for g in groups),
                              *(([c], "echo") for c in echo)):
             if chunks:
-                calls += self._launch(list(chunks), rows, kind)
+                calls.append(self._launch(list(chunks), rows, kind))
         return calls
 
-    def _launch(self, chunks: list[Chunk], rows: dict[int, RowSpec], kind: str) -> list[Launched]:
+    def _launch(self, chunks: list[Chunk], rows: dict[int, RowSpec], kind: str) -> Launched:
         prefill = kind != "decode"
         width = 1 if not prefill else next(t for t in self.token_buckets if t >= max(len(c.tokens) for c in chunks))
         sizes = self.decode_rows if not prefill else self.prefill_rows[width]
-        count = next((r for r in sizes if r >= len(chunks)), None)
-        if count is None:  # more prompt chunks than a call holds: split (a plan's budget allows it only past 1)
-            half = len(chunks) // 2
-            return self._launch(chunks[:half], rows, kind) + self._launch(chunks[half:], rows, kind)
+        count = next(r for r in sizes if r >= len(chunks))  # prompt chunks come in calls that fit (prefill_groups)
         call = padding(count, width, self.pages_per_row)
         tokens, num_new, lengths, table, (temperature, top_k, top_p), (seed, chunk_index, rng), targets = call
         for i, c in enumerate(chunks):
@@ -194,7 +200,7 @@ class ModelRunner:
         self.state, out = self._call(*self._fixed, self.state, *call, prefill=prefill, echo=kind == "echo")
         for leaf in jax.tree_util.tree_leaves(out):
             leaf.copy_to_host_async()
-        return [Launched(chunks, count, kind, out, began)]
+        return Launched(chunks, count, kind, out, began)
 
     def collect(self, calls: list[Launched], rows: dict[int, RowSpec]) -> tuple[dict[int, RowResult], int]:
         """Wait for `calls` (`launch`'s) and return each row's result by request and the values the cache could

@@ -205,33 +205,38 @@ def test_a_stop_string_found_while_the_next_step_runs_drops_its_row(ouro, monkey
     engine.scheduler.check()
 
 
-def test_prompt_chunks_of_far_apart_widths_run_in_calls_of_their_own():
-    """`prefill_groups` puts every chunk in one call of a width that holds it, and its grouping costs what the
-    cheapest split of the widths into runs costs (every split tried): twelve-token prompts beside a
-    200-token one run in a 16-token call of their own; a 20- and a 12-token prompt share one call."""
+def test_prompt_chunks_run_in_calls_of_their_widths_and_few_padding_rows():
+    """`prefill_groups` puts every chunk in one call that holds it (a compiled row count, a width at least its
+    length), and its calls cost what the cheapest split of the widths into runs costs (every split tried,
+    `call_sizes` within a run): twelve-token prompts beside a 200-token one run in a 16-token call of their
+    own, a 20- and a 12-token one share a call, nine sums run as 8 + 1 rows, fifteen in one call of 16."""
     buckets = model_runner.geometric(16, 256, 2)
     rows = {t: model_runner.geometric(1, max(1, 2048 // t), 2) for t in buckets}
 
     def width(n):
         return next(t for t in buckets if t >= n)
 
-    def cost(lengths, groups):
-        widest = [max(width(lengths[i]) for i in g) for g in groups]
-        return sum(model_runner.call_cost(len(g), w, rows[w]) for g, w in zip(groups, widest))
-
-    assert model_runner.prefill_groups([200] + [12] * 10, buckets, rows) == [list(range(1, 11)), [0]]
+    calls = model_runner.prefill_groups([200] + [12] * 10, buckets, rows)
+    assert sorted(map(len, calls[:-1])) == [2, 8] and calls[-1] == [0], calls
     assert model_runner.prefill_groups([20, 12], buckets, rows) == [[1, 0]]
+    assert [len(g) for g in model_runner.prefill_groups([12] * 9, buckets, rows)] == [8, 1]
+    assert [len(g) for g in model_runner.prefill_groups([12] * 15, buckets, rows)] == [15]
     assert model_runner.prefill_groups([], buckets, rows) == []
     rng = np.random.default_rng(0)
     for _ in range(200):
         lengths = rng.integers(1, 257, rng.integers(1, 40)).tolist()
-        groups = model_runner.prefill_groups(lengths, buckets, rows)
-        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        calls = model_runner.prefill_groups(lengths, buckets, rows)
+        assert sorted(i for g in calls for i in g) == list(range(len(lengths)))
+        cost = 0
+        for g in calls:
+            w = max(width(lengths[i]) for i in g)
+            cost += model_runner.CALL_TOKENS + next(r for r in rows[w] if r >= len(g)) * w
         widths = sorted({width(n) for n in lengths})
-        best = min(cost(lengths, [[i for i, n in enumerate(lengths) if width(n) in run] for run in runs])
+        best = min(sum(model_runner.call_sizes(sum(width(n) in run for n in lengths), max(run), rows[max(run)])[0]
+                       for run in runs)
                    for cuts in range(2 ** (len(widths) - 1))
                    for runs in [np.split(widths, [k + 1 for k in range(len(widths) - 1) if cuts >> k & 1])])
-        assert cost(lengths, groups) == best, (lengths, groups)
+        assert cost == best, (lengths, calls)
 
 
 def test_prompts_of_many_widths_in_one_step_equal_the_sampler():
