@@ -1,12 +1,13 @@
 """The engine on a thread of its own, fed through a thread-safe inbox: what the HTTP server talks to.
 
-The thread warms the engine up (compiling every program), then loops: take new requests and
-cancellations from the inbox, run one `Engine.step` while there is work, sleep on the inbox when
-there is none. Callers on other threads (the asyncio server) only `submit`, `cancel` and read state.
+The thread warms the engine up (compiling every program) and freezes the heap it made (`freeze_heap`), then
+loops: take new requests and cancellations from the inbox, run one `Engine.step` while there is work, sleep
+on the inbox when there is none. Callers on other threads (the asyncio server) only `submit`, `cancel` and read state.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -18,6 +19,15 @@ from rq_jax.serve.output import Delta
 from rq_jax.serve.params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object alive (the model, its compiled programs, the caches of jax and the
+    libraries: nearly all of the heap) to the collector's permanent generation, as vLLM and SGLang do after
+    their warm-up. While serving, a full collection otherwise walks all of it to free almost nothing:
+    Ouro-small's server at concurrency 128 paused 68-246 ms in each, stalling every request."""
+    gc.collect()
+    gc.freeze()
 
 
 class NotReady(Exception):
@@ -88,6 +98,7 @@ class EngineThread:
     def _run(self) -> None:
         try:
             self.warm_up_seconds = self.engine.warm_up(echo=self.warm_up_echo, stop=self._stop.is_set)
+            freeze_heap()
             if self.state == "warming up":
                 self.state = "ready"
             while not self._stop.is_set():
