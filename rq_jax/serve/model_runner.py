@@ -59,13 +59,15 @@ def call_sizes(count: int, width: int, rows: tuple[int, ...]) -> tuple[int, tupl
     `rows`: (its cost, the chunks of each call). A call costs `CALL_TOKENS` plus its padded token slots: one
     call padded to the fewest rows that hold the chunks, or a full call of fewer rows and the rest (9 chunks
     of 16 tokens: 8 + 1 rather than 16 rows)."""
-    fit = next((r for r in rows if r >= count), None)
-    options = [] if fit is None else [(CALL_TOKENS + fit * width, (count,))]
-    for r in sorted(rows, reverse=True):  # of equal costs, the one with the larger first call
-        if r < count:
-            cost, rest = call_sizes(count - r, width, rows)
-            options.append((CALL_TOKENS + r * width + cost, (r, *rest)))
-    return min(options, key=lambda o: o[0])
+    best = [(0, ())]  # best[n]: the cheapest calls of n chunks, built up from n = 1 (no recursion to run out of)
+    for n in range(1, count + 1):
+        fit = next((r for r in rows if r >= n), None)
+        options = [] if fit is None else [(CALL_TOKENS + fit * width, (n,))]
+        for r in sorted(rows, reverse=True):  # of equal costs, the one with the larger first call
+            if r < n:
+                options.append((CALL_TOKENS + r * width + best[n - r][0], (r, *best[n - r][1])))
+        best.append(min(options, key=lambda o: o[0]))
+    return best[count]
 
 
 def prefill_groups(lengths: Sequence[int], buckets: Sequence[int], rows: dict[int, tuple[int, ...]]

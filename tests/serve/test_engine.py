@@ -222,6 +222,8 @@ def test_prompt_chunks_run_in_calls_of_their_widths_and_few_padding_rows():
     assert [len(g) for g in model_runner.prefill_groups([12] * 9, buckets, rows)] == [8, 1]
     assert [len(g) for g in model_runner.prefill_groups([12] * 15, buckets, rows)] == [15]
     assert model_runner.prefill_groups([], buckets, rows) == []
+    # 3,000 chunks on a runner of at most 2 rows: 1,500 calls (built up, not recursed 1,500 deep)
+    assert model_runner.call_sizes(3000, 16, (1, 2))[1] == (2,) * 1500
     rng = np.random.default_rng(0)
     for _ in range(200):
         lengths = rng.integers(1, 257, rng.integers(1, 40)).tolist()
