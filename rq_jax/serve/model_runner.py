@@ -53,6 +53,11 @@ def geometric(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+def holding(sizes: Sequence[int], n: int) -> int | None:
+    """The first of the ascending compiled `sizes` (`geometric`'s) that holds `n`; None when none does."""
+    return next((s for s in sizes if s >= n), None)
+
+
 @functools.lru_cache(maxsize=None)
 def call_sizes(count: int, width: int, rows: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
     """The cheapest way to run `count` prompt chunks in calls of `width` tokens over the compiled row counts
@@ -61,7 +66,7 @@ def call_sizes(count: int, width: int, rows: tuple[int, ...]) -> tuple[int, tupl
     of 16 tokens: 8 + 1 rather than 16 rows)."""
     best = [(0, ())]  # best[n]: the cheapest calls of n chunks, built up from n = 1 (no recursion to run out of)
     for n in range(1, count + 1):
-        fit = next((r for r in rows if r >= n), None)
+        fit = holding(rows, n)
         options = [] if fit is None else [(CALL_TOKENS + fit * width, (n,))]
         for r in sorted(rows, reverse=True):  # of equal costs, the one with the larger first call
             if r < n:
@@ -79,7 +84,7 @@ def prefill_groups(lengths: Sequence[int], buckets: Sequence[int], rows: dict[in
     padded to 256)."""
     by_width: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
-        by_width.setdefault(next(t for t in buckets if t >= n), []).append(i)
+        by_width.setdefault(holding(buckets, n), []).append(i)
     widths = sorted(by_width)
     best: list[tuple[int, list[list[int]]]] = [(0, [])]  # best[j]: the cheapest calls of widths[:j]
     for j in range(1, len(widths) + 1):
@@ -181,9 +186,9 @@ class ModelRunner:
 
     def _launch(self, chunks: list[Chunk], rows: dict[int, RowSpec], kind: str) -> Launched:
         prefill = kind != "decode"
-        width = 1 if not prefill else next(t for t in self.token_buckets if t >= max(len(c.tokens) for c in chunks))
+        width = 1 if not prefill else holding(self.token_buckets, max(len(c.tokens) for c in chunks))
         sizes = self.decode_rows if not prefill else self.prefill_rows[width]
-        count = next(r for r in sizes if r >= len(chunks))  # prompt chunks come in calls that fit (prefill_groups)
+        count = holding(sizes, len(chunks))  # prompt chunks come in calls that fit (prefill_groups)
         call = padding(count, width, self.pages_per_row)
         tokens, num_new, lengths, table, (temperature, top_k, top_p), (seed, chunk_index, rng), targets = call
         for i, c in enumerate(chunks):
