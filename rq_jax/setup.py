@@ -16,6 +16,7 @@ from rq_jax import sharding
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.calib import CacheCalib, default_calib
 from rq_jax.cache.kv import init_cache
+from rq_jax.nn import common
 
 
 class Prepared(NamedTuple):
@@ -37,14 +38,23 @@ def num_loops(config, model_kwargs: Mapping[str, Any]) -> int:
     return int(given[0]) if given else config.num_loops
 
 
+def weights(model, mesh: Mesh | None = None) -> tuple[Any, Any]:
+    """`model` split for generation: (graphdef, params), the params placed by `sharding.shard_state`. On one
+    CPU device each layer's weights are copied out of their stacks here, once (`common.per_layer`: XLA:CPU
+    would copy them at every step), so they are held twice while the caller keeps `model`."""
+    if mesh is None and jax.default_backend() == "cpu":
+        model = common.per_layer(model)
+    graphdef, params = nnx.split(model)
+    return graphdef, sharding.shard_state(params, model.config, mesh)
+
+
 def prepare(model, fmt: CacheFormat, plain_fmt: CacheFormat | None = None, *, calib: CacheCalib | None = None,
             mesh: Mesh | None = None, **model_kwargs) -> Prepared:
     """`model` set up for generation with a cache of `fmt` (`plain_fmt` for Huginn's prelude and coda, default
-    `fmt`) under `model_kwargs` (`num_loops`/`num_steps`): params by `sharding.shard_state`, `calib` or the
-    formats' `default_calib` (built once, abstractly) by `sharding.shard_calib`."""
+    `fmt`) under `model_kwargs` (`num_loops`/`num_steps`): its `weights`, `calib` or the formats' `default_calib`
+    (built once, abstractly) by `sharding.shard_calib`."""
     plain_fmt = plain_fmt or fmt
-    graphdef, params = nnx.split(model)
-    params = sharding.shard_state(params, model.config, mesh)
+    graphdef, params = weights(model, mesh)
     loops = num_loops(model.config, model_kwargs)
     needs_data = fmt.needs_data or plain_fmt.needs_data
     if calib is None and not needs_data:

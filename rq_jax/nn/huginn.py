@@ -232,6 +232,8 @@ class SandwichBlock(nnx.Module):
 class Huginn(common.LoopedModule):
     """Huginn causal LM. Call it with tokens [B, T] and an optional cache; see `__call__`."""
 
+    stacks = ("prelude", "core_block", "coda")
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         if config.family != "huginn":
             raise ValueError(f"Huginn needs a 'huginn' config, got family {config.family!r}")

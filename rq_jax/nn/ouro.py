@@ -115,6 +115,8 @@ class OuroLayer(nnx.Module):
 class Ouro(common.LoopedModule):
     """Ouro causal LM. Call it with tokens [B, T] and an optional cache; see `__call__`."""
 
+    stacks = ("layers",)
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         if config.family != "ouro":
             raise ValueError(f"Ouro needs an 'ouro' config, got family {config.family!r}")

@@ -45,7 +45,7 @@ from rq_jax.calibrate import load_calibration
 from rq_jax.calibrate.provenance import fingerprint, weights_mismatch
 from rq_jax.convert.hf import save_hf
 from rq_jax.data import TASKS, Mixture, StdlibText, Tasks
-from rq_jax import scoring
+from rq_jax import scoring, setup
 from rq_jax.nn import common
 from rq_jax.nn.layers import RMSNorm
 from rq_jax.tokenizer import byte_level_tokenizer
@@ -287,7 +287,7 @@ class QATTrainer:
             kw = {"num_loops": self.num_loops}
             self._scorer = scoring.CacheScorer(self.model(), self.fmt, calib=self.calib, seed=tasks.seed, **kw)
         else:
-            self._scorer.params = nnx.state(self.model())
+            self._scorer.params = setup.weights(self.model())[1]
         out = {}
         for name, examples, length in tasks.answer_sets():
             scores, _, answer_id = scoring.score_examples(self._scorer, examples, length, batch)

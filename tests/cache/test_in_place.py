@@ -1,7 +1,8 @@
 """In place, by the compiled programs' own memory analysis: every jitted entry that takes a cache and
 returns one (the Sampler's prefill and decode loop, the benchmark's step) aliases the output cache to
 the donated input and holds no second copy of it among its temporaries; the eval loop's caches (built
-inside its program) are not copied either; and a step with bf16 weights makes no float32 copy of them.
+inside its program) are not copied either; a step with bf16 weights makes no float32 copy of them, and
+a decode step copies no layer's weights out of their stack.
 
 Context tiles are cut to 4096 float32 elements (32 tokens here): at the default size one tile would
 cover these tiny caches whole, and its float32 decode would outweigh the packed cache it came from."""
@@ -110,6 +111,27 @@ def test_a_step_makes_no_float32_copy_of_bf16_weights(batch, dtype):
                  default_calib(cache), jax.random.key(0))
     head = config.hidden_size * config.vocab_size * 4
     assert m.temp_size_in_bytes < head, m.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("name", ["dense", "residual"])
+def test_a_decode_step_copies_no_layer_out_of_its_stack(name):
+    """The Sampler's decode loop (weights `per_layer` on a CPU) holds less than one layer's weights in
+    temporaries; the same step over the stacked weights copies a layer out of the stack (what it avoids)."""
+    config = preset("ouro-tiny").replace(hidden_size=256, head_dim=64, intermediate_size=2048)
+    model = init_model(config, 0)
+    layer = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model.layers))) // config.num_layers
+    fmt = get_format(name, **({} if name == "dense" else dict(group_size=8)))
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=4), fmt)
+    cache = jax.eval_shape(lambda: sampler._empty_cache(1, 64))
+    args = (sampler.params, sampler.calib, jax.ShapeDtypeStruct((1, 8), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32), cache, jax.random.key(0))
+    decode = analysis(sampler._decode, sampler.params, sampler.calib, jax.eval_shape(sampler._prefill_fn, *args))
+    assert decode.temp_size_in_bytes < layer / 4, (decode.temp_size_in_bytes, layer)
+    graphdef, params = nnx.split(model)
+    bits = jax.eval_shape(lambda: init_cache(config, 1, 64, fmt).as_bits())
+    stacked = analysis(greedy_step(graphdef), params, jax.ShapeDtypeStruct((1, 1), jnp.int32), bits,
+                       default_calib(bits), jax.random.key(0))
+    assert stacked.temp_size_in_bytes > layer, (stacked.temp_size_in_bytes, layer)
 
 
 #: Run under XLA's default code generator (the suite runs the classic emitters, tests/conftest.py), so in a

@@ -11,6 +11,7 @@ from rq_jax.cache import Dense, default_calib, get_format, init_cache
 from rq_jax.cache.base import fake_quant_loops
 from rq_jax.config import preset
 from rq_jax.models import init_model
+from rq_jax.nn import common
 from rq_jax.sampling import Sampler, SamplingConfig
 
 
@@ -80,6 +81,30 @@ def test_layers_are_stacked_params(ouro):
     kernel = model.layers.self_attn.q_proj.kernel[...]
     assert kernel.shape == (model.config.num_layers, model.config.hidden_size,
                             model.config.num_heads * model.config.head_dim)
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_per_layer_weights_compute_what_the_stacks_do(family, request):
+    """`per_layer` (each layer's arrays its own, picked by a switch): a prompt then a decode step through a
+    residual cache give the stacked model's logits, to float32 rounding (XLA fuses a branch's products and
+    sums apart from the scanned body's: ~1e-6 here), and the given model keeps its stacks."""
+    model, _ = request.getfixturevalue(family)
+    split = common.per_layer(model)
+    for name in model.stacks:
+        stack, layers = getattr(model, name), getattr(split, name)
+        assert not isinstance(stack, nnx.List)
+        assert isinstance(layers, nnx.List) and len(layers) == jax.tree_util.tree_leaves(nnx.state(stack))[0].shape[0]
+    fmt = get_format("residual", group_size=8)
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, model.config.vocab_size)
+    outs = []
+    for m in (model, split):
+        cache = init_cache(model.config, 2, 16, fmt)
+        calib = default_calib(cache)
+        first = nnx.jit(lambda m, t, c: m(t, c, num_new=jnp.asarray([9, 6]), calib=calib))(m, tokens, cache)
+        step = nnx.jit(lambda m, t, c: m(t, c, calib=calib))(m, tokens[:, :1], first.cache)
+        outs.append((first.logits, step.logits))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["dense", "uniform", "rotated", "residual", "kivi", "residual_vq"])
