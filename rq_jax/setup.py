@@ -38,11 +38,18 @@ def num_loops(config, model_kwargs: Mapping[str, Any]) -> int:
     return int(given[0]) if given else config.num_loops
 
 
+def splits_layers(mesh: Mesh | None = None, platform: str | None = None) -> bool:
+    """Whether generation on `platform` (default: the host's backend) runs each layer's weights as arrays of
+    their own (`common.per_layer`): on one CPU device, where XLA copies a layer out of a stacked weight at
+    every step. GPU and TPU programs keep the stacks (and one compiled layer; their copies not measured)."""
+    return mesh is None and (platform or jax.default_backend()) == "cpu"
+
+
 def weights(model, mesh: Mesh | None = None) -> tuple[Any, Any]:
-    """`model` split for generation: (graphdef, params), the params placed by `sharding.shard_state`. On one
-    CPU device each layer's weights are copied out of their stacks here, once (`common.per_layer`: XLA:CPU
-    would copy them at every step), so they are held twice while the caller keeps `model`."""
-    if mesh is None and jax.default_backend() == "cpu":
+    """`model` split for generation: (graphdef, params), the params placed by `sharding.shard_state`. Where
+    `splits_layers`, each layer's weights are copied out of their stacks here, once, so they are held twice
+    while the caller keeps `model`."""
+    if splits_layers(mesh):
         model = common.per_layer(model)
     graphdef, params = nnx.split(model)
     return graphdef, sharding.shard_state(params, model.config, mesh)

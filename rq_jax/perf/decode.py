@@ -22,13 +22,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels import tpu_deviceless
-from rq_jax import memory
+from rq_jax import memory, setup
 from rq_jax.cache import base, schemes
 from rq_jax.cache.calib import default_calib
 from rq_jax.cache.context import CacheContext
 from rq_jax.cache.kv import cache_nbytes, init_cache, init_paged_cache
 from rq_jax.config import ModelConfig
 from rq_jax.models import init_model
+from rq_jax.nn import common
 from rq_jax.perf.attention import fallbacks, with_impl
 from rq_jax.perf.fill import filled_row, repeat_rows
 from rq_jax.sampling import PREFILL_CHUNK, decode_step, prefill
@@ -98,8 +99,11 @@ class DecodeBench:
         self.on_tpu = bool(self.tpu) or jax.default_backend() == "tpu"  # compiled for one, or run on one
         self.platform = "tpu" if self.on_tpu else None  # the lowering platform's choices (None: the host's)
         run = run and self.tpu is None
-        make = functools.partial(init_model, config, dtype=jnp.dtype(args.dtype),
-                                 param_dtype=jnp.dtype(args.weight_dtype))
+
+        def make():  # random weights, laid out as generation runs them on the platform (`setup.weights`)
+            model = init_model(config, dtype=jnp.dtype(args.dtype), param_dtype=jnp.dtype(args.weight_dtype))
+            return common.per_layer(model) if setup.splits_layers(platform=self.platform) else model
+
         self.graphdef, self.param_shapes = nnx.split(nnx.eval_shape(make))
         self.params = nnx.split(make())[1] if run else None
         self.weights = base.tree_nbytes(self.param_shapes)

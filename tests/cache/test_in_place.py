@@ -1,8 +1,8 @@
 """In place, by the compiled programs' own memory analysis: every jitted entry that takes a cache and
-returns one (the Sampler's prefill and decode loop, the benchmark's step) aliases the output cache to
-the donated input and holds no second copy of it among its temporaries; the eval loop's caches (built
-inside its program) are not copied either; a step with bf16 weights makes no float32 copy of them, and
-a decode step copies no layer's weights out of their stack.
+returns one (the Sampler's prefill and decode loop, the benchmark's step, the serving engine's programs)
+aliases the output cache to the donated input and holds no second copy of it among its temporaries; the
+eval loop's caches (built inside its program) are not copied either; a step with bf16 weights makes no
+float32 copy of them, and a decode step copies no layer's weights out of their stack.
 
 Context tiles are cut to 4096 float32 elements (32 tokens here): at the default size one tile would
 cover these tiny caches whole, and its float32 decode would outweigh the packed cache it came from."""
@@ -23,6 +23,7 @@ from rq_jax.scoring import CacheScorer
 from rq_jax.models import init_model
 from rq_jax.perf.decode import greedy_step
 from rq_jax.sampling import Sampler, SamplingConfig
+from rq_jax.serve.model_runner import ModelRunner, padding
 
 MAX_LEN = 2048  # long enough that the cache dwarfs every other buffer of these tiny models
 CONFIG = preset("ouro-tiny").replace(max_position_embeddings=MAX_LEN)
@@ -111,6 +112,21 @@ def test_a_step_makes_no_float32_copy_of_bf16_weights(batch, dtype):
                  default_calib(cache), jax.random.key(0))
     head = config.hidden_size * config.vocab_size * 4
     assert m.temp_size_in_bytes < head, m.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("name,policy", FORMATS[:2])
+def test_the_serving_programs_update_the_pool_in_place(model, name, policy):
+    """The model runner's decode and prompt programs alias the page pool to the donated input and hold no
+    copy of any of its leaves (a tenth of the pool: residual's anchor codes alone are ~40% of it): a copy
+    would cost every step the whole pool, whatever the step's rows. (With the layers unrolled, XLA copied
+    the anchor's leaves: the writes no longer waited for the reads.)"""
+    runner = ModelRunner(model, get_format(name, **policy), pages=2048, page_size=16, max_len=256, max_rows=4,
+                         chunk=32, token_budget=64)
+    nbytes = base.tree_nbytes(runner.state)
+    for rows, width, prefill in ((4, 1, False), (2, 32, True)):
+        args = (*runner._fixed, runner.state, *padding(rows, width, runner.pages_per_row))
+        m = runner._call.lower(*args, prefill=prefill, echo=False).compile().memory_analysis()
+        assert m.alias_size_in_bytes >= nbytes and m.temp_size_in_bytes < nbytes / 10, (rows, m)
 
 
 @pytest.mark.parametrize("name", ["dense", "residual"])
