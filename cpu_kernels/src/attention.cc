@@ -4,9 +4,9 @@
 // supports. Vectors are GCC vector extensions as wide as the target's registers (kLanes: 16, 8 or 4 floats);
 // a few widenings use intrinsics where GCC's generic lowering goes lane by lane.
 //
-// An item walks its tokens in chunks of up to kChunk consecutive rows of every leaf (a chunk never crosses
-// a page). Per chunk: every link's metadata is decoded to float32 (scales token-major, offsets group-
-// major), the α chains multiplied out per token, then
+// An item walks its tokens in chunks of up to kChunk, each read a page's run of rows at a time (`Segment`:
+// a chunk spans pages). Per chunk: every link's metadata is decoded to float32 (scales token-major, offsets
+// group-major), the α chains multiplied out per token, then
 //
 //   score = Σ_i (Π_{j<i} αk_j) · ( Σ_g scale_ig · (q_g · c_ig) + Σ_g offset_ig · Σ_{c∈g} q_c + q·μ_i ) / √D
 //   acc  += Σ_i (Π_{j<i} αv_j) · p · ( scale_ig · c_ig + offset_ig )        (rotated value basis)
@@ -177,14 +177,16 @@ struct LinkMeta {
     scale = arena.zeros(n);  // the padding is read (as lanes no result keeps)
     offset = arena.zeros(n);
   }
-  void decode(const Link& ln, int64_t tok0, int n) const {
+  // The n tokens from flat token tok0, as the chunk's tokens [j0, j0 + n).
+  void decode(const Link& ln, int64_t tok0, int n, int j0) const {
     const int ng = ln.dim / ln.group;
-    decode_meta(ln.scale, ln.meta, tok0 * ng, n * ng, scale);
-    decode_meta(ln.offset, ln.meta, tok0 * ng, n * ng, offset);
+    decode_meta(ln.scale, ln.meta, tok0 * ng, n * ng, scale + j0 * ng);
+    decode_meta(ln.offset, ln.meta, tok0 * ng, n * ng, offset + j0 * ng);
   }
 };
 
-// The α chain of each link over a chunk: coef[i][j] = Π_{i' < i} α_{i'}(token j).
+// The α chain of each link over n tokens from flat token tok0: coef[i][j] = Π_{i' < i} α_{i'}(token j)
+// (coef: the chunk's row, from the run's first position).
 void chain_coefs(const Chain& c, int64_t tok0, int n, float* coef) {
   for (int j = 0; j < n; ++j) coef[j] = 1.0f;
   for (int i = 1; i < c.n; ++i) {
@@ -492,14 +494,37 @@ void load_row(const void* base, bool bf16, int64_t row, int n, float* out) {
   for (int i = 0; i < n; ++i) out[i] = from_bf16(p[i]);
 }
 
-// The item's tokens [s0, s1) in chunks of at most kChunk that never cross a page: fn(first flat token, n).
+// A run of a chunk's tokens that lie in one page: its first flat token (rows of every leaf), its first
+// position in the chunk and its length.
+struct Segment {
+  int64_t tok;
+  int j0, n;
+};
+
+// The item's tokens [s0, s1) in chunks of at most kChunk, each in the segments of the pages it spans:
+// fn(segments, count, n). A chunk is one online-softmax step whatever the page size (chunks of a 16-token
+// page each: a dense decode call of 16 rows at 3k tokens took 372 rather than 350 ms; residual's the same).
 template <class Fn>
 void for_chunks(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, Fn fn) {
+  Segment seg[kChunk];
   for (int64_t t0 = s0; t0 < s1;) {
-    const int n = int(std::min({int64_t(kChunk), s1 - t0, p.P - t0 % p.P}));
-    fn(p.token(b, k, t0), n);
+    const int n = int(std::min(int64_t(kChunk), s1 - t0));
+    int count = 0;
+    for (int j = 0; j < n;) {
+      const int m = int(std::min(int64_t(n - j), p.P - (t0 + j) % p.P));
+      seg[count++] = {p.token(b, k, t0 + j), j, m};
+      j += m;
+    }
+    fn(seg, count, n);
     t0 += n;
   }
+}
+
+// The flat token of a chunk's token j.
+inline int64_t flat(const Segment* seg, int count, int j) {
+  int g = 0;
+  while (g + 1 < count && seg[g + 1].j0 <= j) ++g;
+  return seg[g].tok + (j - seg[g].j0);
 }
 
 // ---- quantized chains --------------------------------------------------------------------------------------
@@ -548,15 +573,19 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   for (int i = 0; i < kc.n; ++i) k_meta[i].init(kc.link[i], arena);
   for (int i = 0; i < vc.n; ++i) v_meta[i].init(vc.link[i], arena);
   const float inv = 1.0f / std::sqrt(float(d));
-  for_chunks(p, b, k, s0, s1, [&](int64_t tok0, int n) {
-    chain_coefs(kc, tok0, n, k_coef);
+  for_chunks(p, b, k, s0, s1, [&](const Segment* seg, int count, int n) {
+    for (int g = 0; g < count; ++g) chain_coefs(kc, seg[g].tok, seg[g].n, k_coef + seg[g].j0);
     std::fill(scores, scores + rows * kChunk, 0.0f);
     for (int i = 0; i < kc.n; ++i) {
       const Link& ln = kc.link[i];
       const float* coef = &k_coef[i * kChunk];
-      k_meta[i].decode(ln, tok0, n);
-      kfn[i](ln, ln.codes + tok0 * (d * ln.bits / 8), n, rows, q, qsum[i], k_meta[i].scale, k_meta[i].offset, coef,
-             scores);
+      const int ng = d / ln.group;
+      for (int g = 0; g < count; ++g) {
+        const Segment& sg = seg[g];
+        k_meta[i].decode(ln, sg.tok, sg.n, sg.j0);
+        kfn[i](ln, ln.codes + sg.tok * (d * ln.bits / 8), sg.n, rows, q, qsum[i], k_meta[i].scale + sg.j0 * ng,
+               k_meta[i].offset + sg.j0 * ng, coef + sg.j0, scores + sg.j0);
+      }
       if (p.mean_scores)
         for (int r = 0; r < rows; ++r) {  // + coef · q·μ
           const float mu = means[i * rows + r];
@@ -566,15 +595,19 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < n; ++j) scores[r * kChunk + j] *= inv;
     softmax_step(rows, n, scores, m, l, acc, d, offacc, v_groups);
-    chain_coefs(vc, tok0, n, v_coef);
+    for (int g = 0; g < count; ++g) chain_coefs(vc, seg[g].tok, seg[g].n, v_coef + seg[g].j0);
     for (int i = 0; i < vc.n; ++i) {
       const Link& ln = vc.link[i];
       const float* coef = &v_coef[i * kChunk];
-      v_meta[i].decode(ln, tok0, n);
+      const int ng = d / ln.group;
       for (int r = 0; r < rows; ++r)
         for (int j = 0; j < n; ++j) w[r * kChunk + j] = scores[r * kChunk + j] * coef[j];
-      vfn[i](ln, ln.codes + tok0 * (d * ln.bits / 8), n, rows, w, v_meta[i].scale, v_meta[i].offset, acc,
-             &offacc[v_off[i]], v_groups);
+      for (int g = 0; g < count; ++g) {
+        const Segment& sg = seg[g];
+        v_meta[i].decode(ln, sg.tok, sg.n, sg.j0);
+        vfn[i](ln, ln.codes + sg.tok * (d * ln.bits / 8), sg.n, rows, w + sg.j0, v_meta[i].scale + sg.j0 * ng,
+               v_meta[i].offset + sg.j0 * ng, acc, &offacc[v_off[i]], v_groups);
+      }
     }
   });
   for (int i = 0; i < vc.n; ++i) {
@@ -607,9 +640,9 @@ void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
   const char* kbase = static_cast<const char*>(p.k);
   const char* vbase = static_cast<const char*>(p.v);
   const float inv = 1.0f / std::sqrt(float(D));
-  for_chunks(p, b, k, s0, s1, [&](int64_t tok0, int n) {
+  for_chunks(p, b, k, s0, s1, [&](const Segment* seg, int count, int n) {
     for (int j = 0; j < n; ++j) {
-      const void* row = kbase + (tok0 + j) * D * esize;
+      const void* row = kbase + flat(seg, count, j) * D * esize;
       vf blk[NB];
       for (int c = 0; c < NB; ++c) blk[c] = dense_block(row, p.kv_bf16, c);
       for (int r = 0; r < rows; ++r) {
@@ -623,7 +656,7 @@ void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
     }
     softmax_step(rows, n, scores, m, l, acc, D, nullptr, 0);
     for (int j = 0; j < n; ++j) {
-      const void* row = vbase + (tok0 + j) * D * esize;
+      const void* row = vbase + flat(seg, count, j) * D * esize;
       vf blk[NB];
       for (int c = 0; c < NB; ++c) blk[c] = dense_block(row, p.kv_bf16, c);
       for (int r = 0; r < rows; ++r) {
@@ -641,9 +674,9 @@ void dense_any(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, f
   std::vector<float> q(rows * d), row(d), scores(rows * kChunk);
   for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, d, &q[r * d]);
   const float inv = 1.0f / std::sqrt(float(d));
-  for_chunks(p, b, k, s0, s1, [&](int64_t tok0, int n) {
+  for_chunks(p, b, k, s0, s1, [&](const Segment* seg, int count, int n) {
     for (int j = 0; j < n; ++j) {
-      load_row(p.k, p.kv_bf16, tok0 + j, d, row.data());
+      load_row(p.k, p.kv_bf16, flat(seg, count, j), d, row.data());
       for (int r = 0; r < rows; ++r) {
         float s = 0.0f;
         for (int c = 0; c < d; ++c) s += q[r * d + c] * row[c];
@@ -652,7 +685,7 @@ void dense_any(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, f
     }
     softmax_step(rows, n, scores.data(), m, l, acc, d, nullptr, 0);
     for (int j = 0; j < n; ++j) {
-      load_row(p.v, p.kv_bf16, tok0 + j, d, row.data());
+      load_row(p.v, p.kv_bf16, flat(seg, count, j), d, row.data());
       for (int r = 0; r < rows; ++r) {
         const float wr = scores[r * kChunk + j];
         for (int c = 0; c < d; ++c) acc[r * d + c] += wr * row[c];
