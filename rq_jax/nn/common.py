@@ -88,10 +88,10 @@ def per_layer(model: LoopedModule) -> LoopedModule:
     slicing a layer out of a stack at every step.
 
     XLA:CPU copies a dynamic slice of a stacked weight before a dot reads it, so a scanned stack copies
-    every layer's weights at every loop: Ouro-1.4B's widths at 2 layers, float32, spent 120 of a 1-row
-    decode step's 188 ms copying 1.6 GB of weights (66 ms per layer; the dots themselves read the weights in
-    place). Each layer of the list is a branch of its own, so a program compiles the layer once per layer,
-    not once per stack (residual decode at those widths: 2.7 → 3.6 s for 2 layers)."""
+    every layer's weights at every loop: at Ouro-1.4B's widths (2 layers, float32) a 1-row decode step
+    copied 1.6 GB and took 226 ms, 57 ms per layer (docs/performance.md). Each layer of the list is a
+    branch of its own, so a program compiles the layer once per layer, not once per stack (residual decode
+    at those widths: 2.7 → 3.6 s for 2 layers)."""
     graphdef, state = nnx.split(model)
     out = nnx.merge(graphdef, state)
     for name in out.stacks:
