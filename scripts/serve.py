@@ -98,7 +98,7 @@ def main(argv=None):
                         prefix_cache=not args.no_prefix_cache, metrics=metrics, **cli.model_kwargs(args))
     except (ValueError, MemoryError) as err:
         p.error(str(err))
-    del model  # the engine holds the weights as it runs them (per layer on a CPU: setup.prepare); these go
+    del model  # the engine holds its own weights (per layer on a CPU: setup.weights): free this copy
     runner = EngineThread(engine, max_waiting=args.max_waiting, warm_up_echo=args.warmup_echo)
     launch.run(runner, tokenizer, name, ChatTemplate.from_folder(folder), metrics, source=cli.checkpoint_source(args),
                mesh=mesh, host=args.host, port=args.port, drain_timeout=args.drain_timeout, started=started)
