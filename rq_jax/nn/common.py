@@ -113,29 +113,30 @@ def scan_layers(layers: nnx.Module | nnx.List, x: Array,
     i (a pytree with a leading [N] axis, or None). Returns the final x and the outputs stacked [N, ...].
     """
     if isinstance(layers, nnx.List):  # the index picks a branch reading that layer's own arrays
-        def pick(x, xs):
-            i, e = xs
+        n, per_step = len(layers), None
+
+        def body(x, xs):
+            _, i, e = xs
             return jax.lax.switch(i, [functools.partial(call, layer, i) for layer in layers], x, e)
+    else:
+        graphdef, params = nnx.split(layers)
+        n = jax.tree_util.tree_leaves(params)[0].shape[0]
+        # XLA:CPU widens a dynamic slice of bf16 to float32 and hoists the conversion of the whole stack
+        # out of the loop: a float32 copy of every layer's weights in each call. Behind a barrier with the
+        # layer index only the layer's slice is made (float32 stacks keep the plain scan, as training does).
+        narrow = any(jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize < 4
+                     for w in jax.tree_util.tree_leaves(params))
+        per_step = None if narrow else params
 
-        return jax.lax.scan(jax.checkpoint(pick, prevent_cse=False) if _REMAT.get() else pick, x,
-                            (jnp.arange(len(layers)), extra))
-    graphdef, params = nnx.split(layers)
-    n = jax.tree_util.tree_leaves(params)[0].shape[0]
-    narrow = any(jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize < 4
-                 for w in jax.tree_util.tree_leaves(params))
-
-    def body(x, xs):
-        p, i, e = xs
-        if narrow:  # slice layer i out of the stacks inside the loop body (see below)
-            p = jax.tree_util.tree_map(lambda w: w[i], jax.lax.optimization_barrier((params, i))[0])
-        return call(nnx.merge(graphdef, p), i, x, e)
+        def body(x, xs):
+            p, i, e = xs
+            if narrow:  # slice layer i out of the stacks inside the loop body
+                p = jax.tree_util.tree_map(lambda w: w[i], jax.lax.optimization_barrier((params, i))[0])
+            return call(nnx.merge(graphdef, p), i, x, e)
 
     if _REMAT.get():
         body = jax.checkpoint(body, prevent_cse=False)
-    # XLA:CPU widens a dynamic slice of bf16 to float32 and hoists the conversion of the whole stack
-    # out of the loop: a float32 copy of every layer's weights in each call. Behind a barrier with the
-    # layer index only the layer's slice is made (float32 stacks keep the plain scan, as training does).
-    return jax.lax.scan(body, x, (None if narrow else params, jnp.arange(n), extra))
+    return jax.lax.scan(body, x, (per_step, jnp.arange(n), extra))
 
 
 _REMAT = contextvars.ContextVar("rq_jax_remat_layers", default=False)
