@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from rq_jax.cache.context import CacheContext
 from rq_jax.nn import common
-from rq_jax.nn.layers import rope_angles
+from rq_jax.nn.layers import rope_table
 from rq_jax.shapes import LoopKV
 
 
@@ -62,11 +62,11 @@ def _ouro(model, tokens, num_loops: int, rng, init_scale: float) -> ModelActivat
     del rng, init_scale  # Ouro is deterministic
     c = model.config
     ctx = CacheContext.build(None, jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32), tokens.shape[1], None)
-    angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
+    rope = rope_table(ctx.positions, c.head_dim, c.rope_theta)
     attend = _capture(ctx)
 
     def loop(h, _):
-        h, qkv = common.scan_layers(model.layers, h, lambda layer, i, x, e: layer(x, angles, attend))
+        h, qkv = common.scan_layers(model.layers, h, lambda layer, i, x, e: layer(x, rope, attend))
         return model.norm(h), qkv
 
     _, qkv = jax.lax.scan(loop, model.embed_tokens(tokens), None, length=num_loops)
@@ -76,10 +76,10 @@ def _ouro(model, tokens, num_loops: int, rng, init_scale: float) -> ModelActivat
 def _huginn(model, tokens, num_loops: int, rng, init_scale: float) -> ModelActivations:
     c = model.config
     ctx = CacheContext.build(None, jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32), tokens.shape[1], None)
-    angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta)
+    rope = rope_table(ctx.positions, c.head_dim, c.rope_theta)
     attend = _capture(ctx)
     def block(layer, i, x, e):
-        return layer(x, angles, attend)
+        return layer(x, rope, attend)
     e = model.wte(tokens) * jnp.asarray(c.embed_scale, model.wte.dtype)
     plain = []
     if model.prelude is not None:

@@ -37,7 +37,7 @@ from rq_jax.cache.context import CallContext, ContextSource
 from rq_jax.cache.kv import KV, KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
-from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_interleaved, wide
+from rq_jax.nn.layers import RMSNorm, linear, rope_interleaved, rope_table, wide
 from rq_jax.shapes import NumNew, Tokens
 
 
@@ -183,7 +183,7 @@ class HuginnAttention(nnx.Module):
         self.proj = linear(c.hidden_size, c.hidden_size, **kw)
         self.shape = (c.num_heads, c.num_kv_heads, c.head_dim)
 
-    def __call__(self, x, angles, attend: common.Attend):
+    def __call__(self, x, rope, attend: common.Attend):
         """x [B, T, E] → (output [B, T, E], the stored K/V [B, K, T, D] each)."""
         h, k, d = self.shape
         bt = x.shape[:2]
@@ -192,7 +192,7 @@ class HuginnAttention(nnx.Module):
         if self.qk_bias is not None:
             bias = self.qk_bias[...].astype(x.dtype)
             q, key = q + bias[0], key + bias[1]
-        q, key = rope_interleaved(q, angles), rope_interleaved(key, angles)
+        q, key = rope_interleaved(q, rope), rope_interleaved(key, rope)
         o, kv = attend(q, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3))
         return self.proj(o.reshape(*bt, h * d)), kv
 
@@ -222,9 +222,9 @@ class SandwichBlock(nnx.Module):
         self.attn = HuginnAttention(c, **kw)
         self.mlp = HuginnMLP(c, **kw)
 
-    def __call__(self, x, angles, attend: common.Attend):
+    def __call__(self, x, rope, attend: common.Attend):
         """x [B, T, E] → (x [B, T, E], the stored K/V)."""
-        a, kv = self.attn(self.norm_1(x), angles, attend)
+        a, kv = self.attn(self.norm_1(x), rope, attend)
         x = self.norm_2(x + a)
         return self.norm_4(x + self.mlp(self.norm_3(x))), kv
 
@@ -307,24 +307,24 @@ class Huginn(common.LoopedModule):
                  adaptive, context) -> common.ModelOutput:
         c = self.config
         ctx = common.start_call(tokens, cache, num_new, num_loops, calib, context)
-        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta, self.wte.dtype)
+        rope = rope_table(ctx.positions, c.head_dim, c.rope_theta, self.wte.dtype)
         e = self.wte(tokens) * jnp.asarray(c.embed_scale, self.wte.dtype)
         prelude_kv = None
         if self.prelude is not None:
-            e, prelude_kv = self._plain(self.prelude, 0, e, angles, ctx)
+            e, prelude_kv = self._plain(self.prelude, 0, e, rope, ctx)
         s = self.initial_state(e, rng, init_scale)
         segments = ctx.segments("looped", num_loops)
         steps_used = None
         if adaptive is not None:
             adaptive.check_cache(cache)
-            s, logits, steps_used, looped_kv, coda_kv = self._adaptive(e, s, angles, ctx, segments, adaptive)
+            s, logits, steps_used, looped_kv, coda_kv = self._adaptive(e, s, rope, ctx, segments, adaptive)
             extras = dict(latents=self.ln_f(s), steps_used=steps_used)
         else:
             def step(s, seg, g, r):
-                return self._core(s, e, angles, ctx, seg, g, r)
+                return self._core(s, e, rope, ctx, seg, g, r)
 
             s, looped_kv = common.run_loops(segments, s, step)
-            x, coda_kv = self._coda(s, angles, ctx)
+            x, coda_kv = self._coda(s, rope, ctx)
             logits = self.head(common.take_last(x, ctx.num_new) if last_only else x)
             extras = dict(latents=self.ln_f(s))
         if last_only and adaptive is not None:
@@ -334,34 +334,34 @@ class Huginn(common.LoopedModule):
         new_cache, left = ctx.finish(looped_kv, plain_kv, steps_used)
         return common.ModelOutput(logits, new_cache, {**extras, **left})
 
-    def _plain(self, blocks: nnx.Module, first: int, x, angles, ctx: CallContext, frozen=None):
+    def _plain(self, blocks: nnx.Module, first: int, x, rope, ctx: CallContext, frozen=None):
         """x through prelude or coda blocks (plain slots `first` + i): (x, K/V [N, B, K, T, D] each).
         `frozen` = (exited [B, T], previous K/V [N, B, K, T, D] each) holds exited tokens' K/V."""
         def block(module, i, x, prev):
             attend = common.slot_attend(ctx, "plain", 0, (0, first + i), 0)
-            return module(x, angles, attend if frozen is None else _frozen(attend, frozen[0], prev))
+            return module(x, rope, attend if frozen is None else _frozen(attend, frozen[0], prev))
 
         return common.scan_layers(blocks, x, block, None if frozen is None else frozen[1])
 
-    def _core(self, s, e, angles, ctx: CallContext, seg: int, g, r: int, frozen=None):
+    def _core(self, s, e, rope, ctx: CallContext, seg: int, g, r: int, frozen=None):
         """One recurrence step from state s: adapter, then the core blocks (looped slots of segment
         `seg`, group g, position r). Returns the new state and the K/V [N, B, K, T, D] each."""
         s = self.adapter(jnp.concatenate([s, e], axis=-1))
 
         def block(module, i, s, prev):
             attend = common.slot_attend(ctx, "looped", seg, (g, i), r)
-            return module(s, angles, attend if frozen is None else _frozen(attend, frozen[0], prev))
+            return module(s, rope, attend if frozen is None else _frozen(attend, frozen[0], prev))
 
         return common.scan_layers(self.core_block, s, block, None if frozen is None else frozen[1])
 
-    def _coda(self, s, angles, ctx: CallContext, frozen=None):
+    def _coda(self, s, rope, ctx: CallContext, frozen=None):
         """ln_f then the coda blocks: the head's input [B, T, E] and the coda's K/V (None without coda)."""
         x = self.ln_f(s)
         if self.coda is None:
             return x, None
-        return self._plain(self.coda, self.config.num_prelude, x, angles, ctx, frozen)
+        return self._plain(self.coda, self.config.num_prelude, x, rope, ctx, frozen)
 
-    def _adaptive(self, e, s, angles, ctx: CallContext, segments, rule: AdaptiveExit):
+    def _adaptive(self, e, s, rope, ctx: CallContext, segments, rule: AdaptiveExit):
         """The core recurrence with early exit (per row, or per token without `exit_in_prefill`): final
         states [B, T, E] (frozen at exit), logits [B, T, V] of each token's exit step (else the last),
         steps used [B, T] int32, the looped K/V per segment and the coda's K/V."""
@@ -380,8 +380,8 @@ class Huginn(common.LoopedModule):
 
         def step(carry, seg, g, r):
             s, exited, steps_used, tracker, logits, core_kv, coda_kv = carry
-            s_new, core_kv = self._core(s, e, angles, ctx, seg, g, r, frozen=(exited, core_kv))
-            x, new_coda = self._coda(s_new, angles, ctx, frozen=(exited, coda_kv))
+            s_new, core_kv = self._core(s, e, rope, ctx, seg, g, r, frozen=(exited, core_kv))
+            x, new_coda = self._coda(s_new, rope, ctx, frozen=(exited, coda_kv))
             step_logits = self.head(x)
             keep = exited[..., None]
             logits = jnp.where(keep, logits, step_logits)

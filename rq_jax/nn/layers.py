@@ -11,6 +11,8 @@ Linear kernels are [in, out] (the HF converter transposes). Matrix products take
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -78,17 +80,31 @@ def rope_angles(positions: Int[Array, "b t"], head_dim: int, theta: float,
     return positions.astype(dtype)[..., None] * inv_freq
 
 
-def rope_half(x: Float[Array, "b t h d"], angles: Float[Array, "b t d2"]) -> Float[Array, "b t h d"]:
+class Rope(NamedTuple):
+    """RoPE's cos and sin of the angles pos·θ^(−2i/D) (`rope_angles`), [b, t, D/2] each in `wide(dtype)`:
+    computed once per call (`rope_table`) and read by every layer of every loop (recomputed in each layer,
+    the sines and cosines took ~9% of Ouro-small's prompt calls on a CPU)."""
+
+    cos: Float[Array, "b t d2"]
+    sin: Float[Array, "b t d2"]
+
+
+def rope_table(positions: Int[Array, "b t"], head_dim: int, theta: float, dtype=jnp.float32) -> Rope:
+    """The `Rope` of `positions` [b, t]: cos and sin [b, t, D/2] of `rope_angles`."""
+    angles = rope_angles(positions, head_dim, theta, dtype)
+    return Rope(jnp.cos(angles), jnp.sin(angles))
+
+
+def rope_half(x: Float[Array, "b t h d"], rope: Rope) -> Float[Array, "b t h d"]:
     """Llama-style RoPE on halves (`rotate_half`), as Ouro uses; cos/sin cast to x's dtype."""
-    ang = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
+    cos, sin = (jnp.concatenate([c, c], axis=-1)[:, :, None, :].astype(x.dtype) for c in rope)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def rope_interleaved(x: Float[Array, "b t h d"], angles: Float[Array, "b t d2"]) -> Float[Array, "b t h d"]:
+def rope_interleaved(x: Float[Array, "b t h d"], rope: Rope) -> Float[Array, "b t h d"]:
     """RoPE on interleaved pairs (2i, 2i+1), computed in float32 (float64 for float64 x), as Huginn does."""
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    cos, sin = rope.cos[:, :, None, :], rope.sin[:, :, None, :]
     pairs = x.astype(wide(x.dtype)).reshape(*x.shape[:-1], -1, 2)
     re, im = pairs[..., 0], pairs[..., 1]
     out = jnp.stack([re * cos - im * sin, im * cos + re * sin], axis=-1)

@@ -21,7 +21,7 @@ from rq_jax.cache.context import ContextSource
 from rq_jax.cache.kv import KVCache
 from rq_jax.config import ModelConfig
 from rq_jax.nn import common
-from rq_jax.nn.layers import RMSNorm, linear, rope_angles, rope_half
+from rq_jax.nn.layers import RMSNorm, linear, rope_half, rope_table
 from rq_jax.shapes import NumNew, Tokens
 
 
@@ -68,12 +68,12 @@ class OuroAttention(nnx.Module):
         self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, **kw)
         self.shape = (c.num_heads, c.num_kv_heads, c.head_dim)
 
-    def __call__(self, x, angles, attend: common.Attend):
+    def __call__(self, x, rope, attend: common.Attend):
         """x [B, T, E] → (output [B, T, E], the stored K/V [B, K, T, D] each)."""
         h, k, d = self.shape
         bt = x.shape[:2]
-        q = rope_half(self.q_proj(x).reshape(*bt, h, d), angles)
-        key = rope_half(self.k_proj(x).reshape(*bt, k, d), angles)
+        q = rope_half(self.q_proj(x).reshape(*bt, h, d), rope)
+        key = rope_half(self.k_proj(x).reshape(*bt, k, d), rope)
         value = self.v_proj(x).reshape(*bt, k, d)
         o, kv = attend(q, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3))
         return self.o_proj(o.reshape(*bt, h * d)), kv
@@ -105,9 +105,9 @@ class OuroLayer(nnx.Module):
         self.input_layernorm, self.input_layernorm_2 = norm(), norm()
         self.post_attention_layernorm, self.post_attention_layernorm_2 = norm(), norm()
 
-    def __call__(self, x, angles, attend: common.Attend):
+    def __call__(self, x, rope, attend: common.Attend):
         """x [B, T, E] → (x [B, T, E], the stored K/V)."""
-        a, kv = self.self_attn(self.input_layernorm(x), angles, attend)
+        a, kv = self.self_attn(self.input_layernorm(x), rope, attend)
         x = x + self.input_layernorm_2(a)
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x))), kv
 
@@ -154,11 +154,11 @@ class Ouro(common.LoopedModule):
         num_loops = c.num_loops if num_loops is None else num_loops
         exit = exit or ExitRule("threshold", c.early_exit_threshold)
         ctx = common.start_call(tokens, cache, num_new, num_loops, calib, context)
-        angles = rope_angles(ctx.positions, c.head_dim, c.rope_theta, self.embed_tokens.dtype)
+        rope = rope_table(ctx.positions, c.head_dim, c.rope_theta, self.embed_tokens.dtype)
 
         def loop(h, seg, g, r):
             def layer(module, i, h, _):
-                return module(h, angles, common.slot_attend(ctx, "looped", seg, (g, i), r))
+                return module(h, rope, common.slot_attend(ctx, "looped", seg, (g, i), r))
 
             h, kv = common.scan_layers(self.layers, h, layer)
             h = self.norm(h)

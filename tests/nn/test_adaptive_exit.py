@@ -16,7 +16,7 @@ from flax import nnx
 import rq_jax.cache as rq_cache
 from rq_jax.cache import Dense
 from rq_jax.nn.huginn import AdaptiveExit, _exit_fires, _ExitTracker
-from rq_jax.nn.layers import rope_angles
+from rq_jax.nn.layers import rope_table
 from rq_jax.sampling import Sampler, SamplingConfig
 
 N = 4  # core steps everywhere (the tiny model's mean recurrence)
@@ -324,18 +324,18 @@ def reference_generation(model, prompt, new_tokens, threshold):
     tokens, steps, logits_out, inputs, start = [], [], [], list(prompt), 0
     for _ in range(new_tokens):
         ids = jnp.asarray([inputs])
-        angles = rope_angles(start + jnp.arange(len(inputs))[None], c.head_dim, c.rope_theta)
+        rope = rope_table(start + jnp.arange(len(inputs))[None], c.head_dim, c.rope_theta)
         e = model.wte(ids) * c.embed_scale
         for i, block in enumerate(prelude):
-            e, _ = block(e, angles, attend_at(i, start))
+            e, _ = block(e, rope, attend_at(i, start))
         s, prev = jnp.zeros_like(e), np.full(c.vocab_size, -np.log(c.vocab_size))
         for step in range(N):
             s = model.adapter(jnp.concatenate([s, e], axis=-1))
             for j, block in enumerate(core):
-                s, _ = block(s, angles, attend_at(c.num_prelude + step * c.num_layers + j, start))
+                s, _ = block(s, rope, attend_at(c.num_prelude + step * c.num_layers + j, start))
             x = model.ln_f(s)
             for i, block in enumerate(coda):
-                x, _ = block(x, angles, attend_at(-(i + 1), start))
+                x, _ = block(x, rope, attend_at(-(i + 1), start))
             logits = np.asarray(model.head(x)[0, -1], np.float64)
             lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
             kl, prev = float((np.exp(prev) * (prev - lp)).sum()), lp

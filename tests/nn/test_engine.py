@@ -15,8 +15,8 @@ from rq_jax.nn import common
 from rq_jax.sampling import Sampler, SamplingConfig
 
 
-def decode_jaxpr_size(config, fmt) -> int:
-    """Equations in the jaxpr of one cached decode step (nested jaxprs included)."""
+def decode_jaxpr(config, fmt):
+    """The jaxpr of one cached decode step."""
     model = init_model(config)
     graphdef, params = nnx.split(model)
     cache = init_cache(config, 1, 8, fmt)
@@ -25,13 +25,22 @@ def decode_jaxpr_size(config, fmt) -> int:
     def step(params, cache):
         return nnx.merge(graphdef, params)(jnp.zeros((1, 1), jnp.int32), cache, calib=calib).logits
 
-    def count(jaxpr) -> int:
-        subs = [sub for e in jaxpr.eqns for p in e.params.values()
-                for sub in (p if isinstance(p, (tuple, list)) else (p,))
-                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr")]
-        return len(jaxpr.eqns) + sum(count(getattr(sub, "jaxpr", sub)) for sub in subs)
+    return jax.make_jaxpr(step)(params, cache).jaxpr
 
-    return count(jax.make_jaxpr(step)(params, cache).jaxpr)
+
+def equations(jaxpr, inside=()):
+    """Every equation of `jaxpr`, nested jaxprs included, with the primitives of the equations it sits in."""
+    for e in jaxpr.eqns:
+        yield e, inside
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    yield from equations(getattr(sub, "jaxpr", sub), inside + (e.primitive.name,))
+
+
+def decode_jaxpr_size(config, fmt) -> int:
+    """Equations in the jaxpr of one cached decode step (nested jaxprs included)."""
+    return sum(1 for _ in equations(decode_jaxpr(config, fmt)))
 
 
 @pytest.mark.parametrize("name", ["dense", "residual"])
@@ -43,6 +52,16 @@ def test_trace_does_not_grow_with_depth(name):
     assert decode_jaxpr_size(ouro.replace(num_loops=8), fmt) == decode_jaxpr_size(ouro, fmt)
     assert decode_jaxpr_size(huginn, fmt) == decode_jaxpr_size(
         huginn.replace(num_layers=4, num_prelude=2, num_coda=2, num_loops=16), fmt)
+
+
+@pytest.mark.parametrize("family", ["ouro-tiny", "huginn-tiny"])
+def test_rope_sines_are_taken_once_a_call(family):
+    """A decode step takes RoPE's sines and cosines once, outside the layers and loops that read them
+    (`layers.rope_table`), not in every layer of every loop."""
+    found = [(e.primitive.name, inside) for e, inside in equations(decode_jaxpr(preset(family), Dense()))
+             if e.primitive.name in ("sin", "cos")]
+    assert sorted(name for name, _ in found) == ["cos", "sin"]
+    assert not any({"scan", "while", "cond"} & set(inside) for _, inside in found), found
 
 
 def test_gradient_through_a_fake_quantized_residual_cache(ouro):
