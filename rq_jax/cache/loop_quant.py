@@ -430,7 +430,8 @@ class LoopQuant(base.CacheFormat):
             mean = None if kind == "v" or calib.key_mean is None else jnp.broadcast_to(
                 jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :], z.shape)  # [p, G, N, B, K, T, D]
             coded[kind] = attention.ENCODE(self.write_impl, self, kind, z, mean, who=self.name)
-            lost = lost + coded[kind].lost + jnp.sum(~finite, axis=(1, -1))  # [G, N, B, K, T]
+            # [G, N, B, K, T]; summed over channels first (XLA:CPU otherwise writes the mask out as int32)
+            lost = lost + coded[kind].lost + jnp.sum(jnp.sum(~finite, axis=-1, dtype=jnp.int32), axis=1)
         new = tuple(LoopSlot(coded["k"].loops[r], coded["v"].loops[r],
                              *(coded[kind].alpha[cfg.alpha_index(r)] if self._has_alpha(cfg, r) else None
                                for kind in "kv"))
