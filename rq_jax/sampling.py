@@ -259,10 +259,10 @@ class Sampler:
         # The default calibration is built once, here, and passed to the compiled steps.
         self.graphdef, self.params, self.num_loops, self.calib, self.needs_data = setup.prepare(
             model, self.fmt, self.plain_fmt, calib=calib, mesh=mesh, **model_kwargs)
-        self._calibrate = jax.jit(self._calibrate_fn)
+        self._calibrate = setup.jit(self._calibrate_fn)
         # The cache is donated to both (updated in place): the prefill's empty cache, the decode loop's state.
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=4)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=2)
+        self._prefill = setup.jit(self._prefill_fn, donate_argnums=4)
+        self._decode = setup.jit(self._decode_fn, donate_argnums=2)
 
     def _empty_cache(self, batch: int, max_len: int, mesh: Mesh | None = None) -> KVCache:
         return sharding.init_sharded_cache(self.model_config, batch, max_len, self.fmt, mesh, num_loops=self.num_loops,

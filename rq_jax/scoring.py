@@ -94,8 +94,8 @@ class CacheScorer:
             model, self.fmt, self.plain_fmt, calib=calib, mesh=mesh, **model_kwargs)
         self.ref_calib = sharding.shard_calib(
             default_calib(jax.eval_shape(lambda: self._cache(reference, reference, 1, 1))), mesh, reference)
-        self._calibrate = jax.jit(self._calibrate_fn)
-        self._score = jax.jit(self._score_fn)
+        self._calibrate = setup.jit(self._calibrate_fn)
+        self._score = setup.jit(self._score_fn)
 
     def _cache(self, fmt, plain_fmt, batch, max_len):
         cache = init_cache(self.config, batch, max_len, fmt, num_loops=self.num_loops, plain_fmt=plain_fmt)

@@ -2,7 +2,7 @@
 `CacheScorer` and the serving engine's model runner: the parameters split from the module and sharded over a
 mesh, the loop count every model call and cache agrees on, and the calibration (the formats' defaults when
 none is given and none needs fitting), sharded beside them. Each user then builds its own caches and
-compiled programs (with the cache donated) on top."""
+compiled programs (with the cache donated) on top, jitted by `jit`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rq_jax import sharding
+from rq_jax.cache import attention
 from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.calib import CacheCalib, default_calib
 from rq_jax.cache.kv import init_cache
@@ -29,6 +30,12 @@ class Prepared(NamedTuple):
     num_loops: int
     calib: CacheCalib | None
     needs_data: bool
+
+
+def jit(fn, **kwargs):
+    """`jax.jit(fn, **kwargs)` for a program that runs on this host's default backend: the kernel ops' "auto"
+    traces only that backend's implementations (`attention.for_host`), not every platform's."""
+    return jax.jit(attention.for_host(fn), **kwargs)
 
 
 def num_loops(config, model_kwargs: Mapping[str, Any]) -> int:

@@ -14,7 +14,11 @@ and `write_impl` (policy fields of the formats) name the one to try first:
 "auto" follows the lowering platform, not the host's default backend (`jax.lax.platform_dependent`): each
 platform's chain is traced, and only the one of the platform being compiled for is lowered, so a TPU
 program compiled on a CPU host (`pallas_kernels.tpu_deviceless`) inlines the TPU kernel. While a chain is
-traced, `target()` names its platform (a kernel compiles for it, or runs in interpret mode off it).
+traced, `target()` names its platform (a kernel compiles for it, or runs in interpret mode off it). A program
+that runs where it is traced (the Sampler's, the eval loops', the serving runner's: `rq_jax.setup.jit`) is
+traced `for_host`: "auto" then traces the host platform's chain alone. Tracing every platform's chain took
+most of a residual program's trace (Ouro-small's decode program: 2.3 s against 0.6 s for the CPU's chain
+alone), and a server traces each of its ~40 programs at every start, from its compile cache or not.
 
 A kernel (any implementation but XLA) of a differentiable op is differentiated as the XLA implementation
 (`base.with_gradient_of`); the encoder is not differentiated (training reads K/V through `fake_quant`).
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 IMPLEMENTATIONS = {"pallas": "cuda", "pallas-tpu": "tpu", "native": "cpu", "xla": None}
 _WARNED: set[tuple[str, str, str]] = set()
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("rq_jax_attention_target", default=None)
+_HOST_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("rq_jax_attention_host_only", default=False)
 
 
 def host_platform() -> str:
@@ -54,6 +59,20 @@ def target() -> str:
     """The platform the implementation being traced is for: an "auto" chain's platform while it is traced,
     else the host's (`host_platform`)."""
     return _TARGET.get() or host_platform()
+
+
+def for_host(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, with every op's "auto" tracing only the chain of the host's platform (`host_platform`) while
+    `fn` runs: for a function traced by a program that runs on this host's default backend."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        token = _HOST_ONLY.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _HOST_ONLY.reset(token)
+
+    return traced
 
 
 @contextlib.contextmanager
@@ -103,9 +122,9 @@ class KernelOp:
     def __call__(self, impl: str, *args, who: str = "") -> Any:
         """The first implementation of `order(impl)` this op has that covers `args`; every one that raises
         NotImplementedError is logged (with its reason) and passed over. Under "auto", one such chain per
-        platform with a kernel here, picked by the platform the program is lowered for. `who` names the
-        caller in the log."""
-        if impl != "auto":
+        platform with a kernel here, picked by the platform the program is lowered for (within `for_host`,
+        the host's chain alone). `who` names the caller in the log."""
+        if impl != "auto" or _HOST_ONLY.get():
             return self._first(order(impl), impl, who, *args)
         chains = {platform: functools.partial(self._first, order(impl, platform), impl, who, *args, platform=platform)
                   for name, platform in IMPLEMENTATIONS.items() if platform and name in self.impls}

@@ -299,7 +299,7 @@ def step_program(graphdef, template, params, calib, mesh=None, **model_kwargs):
             state = sharding.constrain(state, _state(sharding.cache_specs(cache, mesh)), mesh)
         return jax.tree_util.tree_leaves(state), (pack(picked, next_rng, cache.out_of_range), prompt)
 
-    return jax.jit(call, donate_argnums=2, static_argnames=("prefill", "echo"))
+    return setup.jit(call, donate_argnums=2, static_argnames=("prefill", "echo"))
 
 
 def padding(count: int, width: int, pages_per_row: int) -> tuple:

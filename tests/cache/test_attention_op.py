@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from pallas_kernels import tpu_deviceless as td
 
+from rq_jax import setup
 from rq_jax.cache import attention, get_format
 from rq_jax.cache.base import Segment
 
@@ -42,6 +43,19 @@ def test_auto_lowers_only_the_hosts_chain():
     assert "tpu_custom_call" not in hlo and "triton" not in hlo  # the other chains are traced, never lowered
     native = cpu_kernels.available()
     assert ("rq_cpu_dense" in hlo) == native  # the CPU chain: the native kernel where it is built, else XLA
+
+
+def test_a_program_for_this_host_traces_only_the_hosts_chain():
+    """`setup.jit` (the Sampler's, the eval loops' and the runner's programs) traces "auto" for this host's
+    platform alone: no platform switch, and the same result; a plain jit keeps every platform's chain."""
+    attend, args = written_attend(get_format("residual"))
+
+    def platform_switches(fn):
+        return str(jax.make_jaxpr(fn)(*args)).count("platform_index")
+
+    assert platform_switches(attend) > 0 and platform_switches(attention.for_host(attend)) == 0
+    for a, b in zip(jax.jit(attend)(*args), setup.jit(attend)(*args)):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("impl", ["auto", "pallas-tpu"])
