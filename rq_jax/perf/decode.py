@@ -212,7 +212,7 @@ class DecodeBench:
         pool = jax.eval_shape(lambda: init_paged_cache(self.config, 1, requests * per_row, page, per_row, fmt)
                               .held(self.platform))
         trees = (self.param_shapes, self.calib(label), (pool.looped, pool.plain))
-        program = model_runner.step_program(self.graphdef, pool, *trees[:2])
+        program = model_runner.step_program(self.graphdef, pool, *trees[:2], jit=jax.jit)  # lowered for self.platform
         args = self._inputs(*map(jax.tree_util.tree_leaves, trees), *model_runner.padding(rows, width, per_row))
         lowered = self._lower(program, label, impl, *args, prefill=width > 1, echo=False)
         try:

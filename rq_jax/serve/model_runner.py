@@ -272,16 +272,17 @@ def unpack(packed: np.ndarray) -> tuple[programs.Picked, np.ndarray, np.ndarray]
     return picked, packed[:, 2 + 2 * n : 4 + 2 * n], packed[:, 4 + 2 * n].view(np.int32)
 
 
-def step_program(graphdef, template, params, calib, mesh=None, **model_kwargs):
-    """The runner's one program, jitted, the pool's state donated: `call(params, calib, state, *padding(...),
+def step_program(graphdef, template, params, calib, mesh=None, *, jit=setup.jit, **model_kwargs):
+    """The runner's one program, jitted by `jit` (`setup.jit`: to run on this host; `jax.jit` to lower it for another
+    platform, as `bench_decode.py --tpu` does), the pool's state donated: `call(params, calib, state, *padding(...),
     prefill=, echo=)` runs a call's rows (`programs.run_rows`) over the pool whose cache `template` (abstract,
-    lengths and table aside) holds `state` = (looped, plain), and returns (the new state, (the picks, next
-    chain keys and values lost per row in one array: `pack`, prompt log-probabilities or None)). The
-    parameters, calibration and state come as lists of their leaves (`jax.tree_util.tree_leaves` of trees
-    shaped as `params`, `calib` and the template's, concrete or abstract), and the new state goes back as
-    one: a dispatch then neither flattens nor rebuilds the trees (Ouro-small's decode call at one row
-    dispatched in 0.27 against 0.34 ms dense, 0.39 against 0.55 ms residual). `model_kwargs` are the
-    model's (`num_loops`); on `mesh` the state stays split as `sharding.cache_specs` says."""
+    lengths and table aside) holds `state` = (looped, plain), and returns (the new state, (the picks, next chain
+    keys and values lost per row in one array: `pack`, prompt log-probabilities or None)). The parameters,
+    calibration and state come as lists of their leaves (`jax.tree_util.tree_leaves` of trees shaped as `params`,
+    `calib` and the template's, concrete or abstract), and the new state goes back as one: a dispatch then neither
+    flattens nor rebuilds the trees (Ouro-small's decode call at one row dispatched in 0.27 against 0.34 ms dense,
+    0.39 against 0.55 ms residual). `model_kwargs` are the model's (`num_loops`); on `mesh` the state stays split as
+    `sharding.cache_specs` says."""
     params_def, calib_def, state_def = (jax.tree_util.tree_structure(x) for x in (params, calib, _state(template)))
 
     def call(params, calib, state, tokens, num_new, lengths, table, params_rows, keys, targets, *,
@@ -299,7 +300,7 @@ def step_program(graphdef, template, params, calib, mesh=None, **model_kwargs):
             state = sharding.constrain(state, _state(sharding.cache_specs(cache, mesh)), mesh)
         return jax.tree_util.tree_leaves(state), (pack(picked, next_rng, cache.out_of_range), prompt)
 
-    return setup.jit(call, donate_argnums=2, static_argnames=("prefill", "echo"))
+    return jit(call, donate_argnums=2, static_argnames=("prefill", "echo"))
 
 
 def padding(count: int, width: int, pages_per_row: int) -> tuple:
