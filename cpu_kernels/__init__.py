@@ -209,23 +209,25 @@ def _partitioned(run, ranks: tuple[int, ...], paged: bool, has_means: bool):
 
 
 def _partitioned_encode(run, rank: int, has_mean: bool, channels: Sequence[int | None]):
-    """`run` (z [L, *lead, D], mean) as a custom-partitioned op: the vectors' axes (lead) keep whatever
-    sharding z has, each device encoding its own vectors; loops and channels are whole on each device.
-    `channels`: per result, 1 for [*lead, channels], 0 for [*lead], None for α's [rows, *lead]."""
-    vec = [f"x{i}" for i in range(rank - 2)]
-    operands = [" ".join(["l", *vec, "d"])] * (1 + has_mean)
-    results = [" ".join(["a", *vec] if extra is None else [*vec, *[f"c{i}"] * extra])
+    """`run` (z [..., K, L, B, T, D], mean) as a custom-partitioned op: the vectors' axes (all but L and D)
+    keep whatever sharding z has, each device encoding its own vectors; loops and channels are whole on each
+    device. `channels`: per result, 1 for [*lead, channels], 0 for [*lead], None for α's [rows, *lead], lead
+    = [..., B, K, T]."""
+    outer = [f"x{i}" for i in range(rank - 5)]
+    dims = [*outer, "k", "l", "b", "t", "d"]  # z's axes
+    lead = [*outer, "b", "k", "t"]
+    operands = [" ".join(dims)] * (1 + has_mean)
+    results = [" ".join(["a", *lead] if extra is None else [*lead, *[f"c{i}"] * extra])
                for i, extra in enumerate(channels)]
     factors = [f for part in operands + results for f in part.split()]
-    whole = tuple(f for f in dict.fromkeys(factors) if not f.startswith("x"))
+    whole = tuple(f for f in dict.fromkeys(factors) if f not in dims or f in ("l", "d"))
 
     def partition(mesh, arg_shapes, result_shape):
-        spec = tuple(arg_shapes[0].sharding.spec) + (None,) * rank
-        lead = spec[1 : rank - 1]
+        spec = dict(zip(dims, tuple(arg_shapes[0].sharding.spec) + (None,) * rank))
+        spec["l"] = spec["d"] = None
 
         def named(part):
-            axes = [lead[int(f[1:])] if f.startswith("x") else None for f in part.split()]
-            return NamedSharding(mesh, P(*axes))
+            return NamedSharding(mesh, P(*(spec.get(f) for f in part.split())))
 
         return (mesh, lambda z, *mean: run(z, mean[0] if mean else None), tuple(map(named, results)),
                 tuple(map(named, operands)))
@@ -352,8 +354,8 @@ _ENCODE_META = {jnp.dtype(jnp.float8_e4m3fn): 3, jnp.dtype(jnp.bfloat16): 1}
 
 
 def residual_encode(
-    z: jax.Array,                   # [L, ..., D] float32: a loop group of rotated K or V vectors
-    mean: jax.Array | None = None,  # [L, ..., D] float32 per-loop key means (None: none)
+    z: jax.Array,                   # [..., K, L, B, T, D] float32: a loop group of rotated K or V vectors
+    mean: jax.Array | None = None,  # z's shape, float32: per-loop key means (None: none)
     *,
     bits: Sequence[int],            # per loop: 0 (nothing stored), 1, 2, 4 or 8
     group_sizes: Sequence[int],     # per loop: channels per scale/offset
@@ -365,12 +367,16 @@ def residual_encode(
 ) -> tuple[tuple[tuple[jax.Array, jax.Array, jax.Array], ...], jax.Array | None, jax.Array]:
     """ResidualQuant's encoder of one loop group, natively: the same bits as rq_jax's XLA encoder
     (`rq_jax.quant.residual.encode_decode_group`, `affine.quantize`, `packing.pack`; src/encode.cc gives the
-    arithmetic). Returns per loop (codes uint8 [..., D·bits/8] planar-packed, scale and offset [..., D/g] in
-    `meta_dtype`; [..., 0] at 0 bits), α [L', ...] bfloat16 (one row per loop with a parent, in loop order;
-    None without least squares) and the values no field could hold, per vector [...] int32. Raises
-    NotImplementedError for what it does not cover (other widths or metadata dtypes, D > 512, more than 8
-    loops) and ValueError for shapes that disagree."""
-    n, d = z.shape[0], z.shape[-1]
+    arithmetic). z is laid out as the rotation's dot product gives it (per kv head K, the L loops, then rows B
+    and tokens T), and every result by vector in the cache's order, lead = [..., B, K, T]: nothing is
+    transposed on the way. Returns per loop (codes uint8 [*lead, D·bits/8] planar-packed, scale and offset
+    [*lead, D/g] in `meta_dtype`; [*lead, 0] at 0 bits), α [L', *lead] bfloat16 (one row per loop with a
+    parent, in loop order; None without least squares) and the values no field could hold, per vector [*lead]
+    int32. Raises NotImplementedError for what it does not cover (other widths or metadata dtypes, D > 512,
+    more than 8 loops) and ValueError for shapes that disagree."""
+    if z.ndim < 5:
+        raise ValueError(f"z must be [..., K, L, B, T, D], got shape {z.shape}")
+    n, d = z.shape[-4], z.shape[-1]
     if not all(len(x) == n for x in (bits, group_sizes, clips, parents, order)):
         raise ValueError(f"z holds {n} loops; bits, group_sizes, clips, parents and order need one entry each")
     if mean is not None and mean.shape != z.shape:
@@ -405,17 +411,20 @@ def residual_encode(
                  alpha_rows=np.array(alpha_rows, np.int64), order=np.array(order, np.int64),
                  meta=np.int64(_ENCODE_META[meta]), least_squares=np.int64(has_alpha))
 
-    def run(z, mean):  # [L, V, D] row-major is [L, *lead, D]: the outputs' rows of vectors are the same bytes
-        operands = [x.astype(jnp.float32).reshape(n, -1, d) for x in (z, *([] if mean is None else [mean]))]
-        return tuple(jax.ffi.ffi_call("rq_cpu_encode", out_shapes(z.shape[1:-1]), vmap_method="sequential")(
+    def vectors(shape):  # z's [..., K, L, B, T, D] → the results' [..., B, K, T]
+        return (*shape[:-5], shape[-3], shape[-5], shape[-2])
+
+    def run(z, mean):  # as [O, K, L, B, T, D]: the same bytes
+        operands = [x.astype(jnp.float32).reshape(-1, *z.shape[-5:]) for x in (z, *([] if mean is None else [mean]))]
+        return tuple(jax.ffi.ffi_call("rq_cpu_encode", out_shapes(vectors(z.shape)), vmap_method="sequential")(
             *operands, **attrs))
 
+    lead = vectors(z.shape)
     if jax.device_count() == 1:
         out = list(run(z, mean))
     else:
         channels = [1] * 3 * sum(b > 0 for b in bits) + [None] * has_alpha + [0]
         out = list(_partitioned_encode(run, z.ndim, mean is not None, channels)(z, mean))
-    lead = z.shape[1:-1]
     lost = out.pop()
     alpha = jax.lax.bitcast_convert_type(out.pop(), jnp.bfloat16) if has_alpha else None
     loops, it = [], iter(out)

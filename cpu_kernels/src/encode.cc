@@ -158,13 +158,17 @@ void encode_vectors(const EncodeProblem& p, int64_t v0, int64_t v1) {
   const int d = p.D;
   float recon[kMaxLinks][kMaxDim], target[kMaxDim], deq[kMaxDim], pred[kMaxDim], scratch[2 * kMaxDim];
   uint8_t codes[kMaxDim];
+  const int64_t rows = p.B * p.T;  // the vectors of one loop of one head, [B, T]
   for (int64_t v = v0; v < v1; ++v) {
+    // v = ((o·B + b)·K + k)·T + t in the results; in z, loop r of it lies at ((o·K + k)·L + r)·B·T + b·T + t.
+    const int64_t t = v % p.T, k = v / p.T % p.K, b = v / (p.T * p.K) % p.B, o = v / (p.T * p.K * p.B);
+    const int64_t first = (o * p.K + k) * p.L * rows + b * p.T + t;
     int lost = 0;
-    for (int o = 0; o < p.L; ++o) {
-      const int r = p.order[o];
+    for (int i = 0; i < p.L; ++i) {
+      const int r = p.order[i];
       const EncodeLoop& ln = p.loop[r];
-      const float* z = p.z + (int64_t(r) * p.V + v) * d;
-      const float* mu = p.mean ? p.mean + (int64_t(r) * p.V + v) * d : nullptr;
+      const float* z = p.z + (first + r * rows) * d;
+      const float* mu = p.mean ? p.mean + (first + r * rows) * d : nullptr;
       const bool has_pred = ln.parent >= 0;
       if (has_pred) {
         const float* ref = recon[ln.parent];

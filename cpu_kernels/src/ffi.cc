@@ -3,7 +3,7 @@
 //   RqDenseAttention     q, lengths, slot, block table, k, v         -> acc, m, l
 //   RqQuantAttention     q, lengths, slot, block table, key links (codes, scale, offset)..., key α...,
 //                        value links..., value α..., [mean scores]   -> acc, m, l
-//   RqEncode             z [L, V, D], [mean]   -> per stored loop: codes, scale, offset; [α]; lost
+//   RqEncode             z [O, K, L, B, T, D], [mean]   -> per stored loop: codes, scale, offset; [α]; lost
 //                        (kernels.h, EncodeProblem; encode.cc)
 //
 // The block table [B, N] names each row's pages (a contiguous cache passes the identity [B, 1]); a page a
@@ -282,13 +282,15 @@ ffi::Error encode(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingR
     return ffi::Error::InvalidArgument("encoder attributes disagree");
   if (meta != kFP8 && meta != kBF16) return ffi::Error::InvalidArgument("metadata dtype not covered");
   auto z = args.get<ffi::AnyBuffer>(0);
-  if (z.has_error() || z->element_type() != ffi::DataType::F32 || z->dimensions().size() != 3 ||
-      z->dimensions()[0] != n)
-    return ffi::Error::InvalidArgument("z must be float32 [L, V, D]");
+  if (z.has_error() || z->element_type() != ffi::DataType::F32 || z->dimensions().size() != 6 ||
+      z->dimensions()[2] != n)
+    return ffi::Error::InvalidArgument("z must be float32 [O, K, L, B, T, D]");
+  const auto dims = z->dimensions();
   EncodeProblem p;
   p.L = n;
-  p.V = z->dimensions()[1];
-  p.D = int(z->dimensions()[2]);
+  p.O = dims[0], p.K = dims[1], p.B = dims[3], p.T = dims[4];
+  p.V = p.O * p.K * p.B * p.T;
+  p.D = int(dims[5]);
   if (p.D > kMaxDim) return ffi::Error::InvalidArgument("head dim over 512");
   p.meta = int(meta);
   p.least_squares = least_squares != 0;

@@ -72,11 +72,13 @@ struct Problem {
 using ItemFn = void (*)(const Problem&, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m,
                         float* l);
 
-// The encoder (encode.cc): V vectors of a loop group of L loops, z and mean [L, V, D] float32, coded loop by
-// loop in `order` (references first). Per loop: its codes [V, D·bits/8] (planar packed; none at 0 bits),
-// metadata scale/offset [V, D/g] (kFP8: uint8 bits, kBF16: uint16 bits), its parent in the group (-1: none,
-// the anchor or a loop coded on its own) and, with least squares, its α row of alpha [L', V] (bfloat16 bits);
-// lost [V] counts the values no stored field could hold.
+// The encoder (encode.cc): the V = O·B·K·T vectors of a loop group of L loops, z and mean [O, K, L, B, T, D]
+// float32 (the rotation's dot product lays them out so: per head, the loops, then rows and tokens), coded loop
+// by loop in `order` (references first); every result is laid out by vector [O, B, K, T] (the cache's order).
+// Per loop: its codes [V, D·bits/8] (planar packed; none at 0 bits), metadata scale/offset [V, D/g] (kFP8:
+// uint8 bits, kBF16: uint16 bits), its parent in the group (-1: none, the anchor or a loop coded on its own)
+// and, with least squares, its α row of alpha [L', V] (bfloat16 bits); lost [V] counts the values no stored
+// field could hold.
 struct EncodeLoop {
   int bits;   // 0, 1, 2, 4 or 8
   int group;  // channels per scale/offset
@@ -89,7 +91,7 @@ struct EncodeLoop {
 };
 
 struct EncodeProblem {
-  int64_t V = 0;
+  int64_t V = 0, O = 0, K = 0, B = 0, T = 0;
   int L = 0, D = 0, meta = kFP8;
   bool least_squares = false;
   const float* z = nullptr;

@@ -210,21 +210,24 @@ class Coded(NamedTuple):
 
 
 @attention.ENCODE.register("xla")
-def encode_xla(fmt: "LoopQuant", kind: str, z: Float[Array, "p ... d"], mean: Float[Array, "p ... d"] | None) -> Coded:
-    """The encode op in XLA: the quantization toolbox's group coding (`rq_jax.quant.residual`), packed."""
-    cfg = fmt.group_config(z.shape[0], kind)
+def encode_xla(fmt: "LoopQuant", kind: str, z: Float[Array, "g n k p b t e"],
+               mean: Float[Array, "g n k p b t e"] | None) -> Coded:
+    """The encode op in XLA: the quantization toolbox's group coding (`rq_jax.quant.residual`) of z with its loop
+    axis first ([p, G, N, B, K, T, E]), packed."""
+    cfg = fmt.group_config(z.shape[3], kind)
+    z, mean = (None if x is None else jnp.transpose(x, (3, 0, 1, 4, 2, 5, 6)) for x in (z, mean))
     enc = fmt._encode(z, cfg, mean)
     loops = tuple(PackedCodes.from_quantized(enc.loops[r], cfg.quant_config(r)) for r in range(cfg.num_loops))
     return Coded(loops, enc.alpha, enc.out_of_range)
 
 
 @attention.ENCODE.register("native")
-def encode_native(fmt: "LoopQuant", kind: str, z: Float[Array, "p ... d"],
-                  mean: Float[Array, "p ... d"] | None) -> Coded:
-    """The encode op through the native encoder (`cpu_kernels.residual_encode`, the same bits as XLA's).
-    Raises NotImplementedError (at trace time) for what it does not cover: super-scaled or float16/float32
-    metadata, 16-bit loops, or the library not built here."""
-    cfg = fmt.group_config(z.shape[0], kind)
+def encode_native(fmt: "LoopQuant", kind: str, z: Float[Array, "g n k p b t e"],
+                  mean: Float[Array, "g n k p b t e"] | None) -> Coded:
+    """The encode op through the native encoder (`cpu_kernels.residual_encode`, the same bits as XLA's), which
+    reads z in the rotation's layout and writes the cache's. Raises NotImplementedError (at trace time) for what
+    it does not cover: super-scaled or float16/float32 metadata, 16-bit loops, or the library not built here."""
+    cfg = fmt.group_config(z.shape[3], kind)
     if cfg.super_scale:
         raise NotImplementedError("super-scaled metadata (the native encoder stores plain FP8 or bf16 metadata)")
     if cfg.alpha_dtype != jnp.bfloat16:
@@ -238,7 +241,7 @@ def encode_native(fmt: "LoopQuant", kind: str, z: Float[Array, "p ... d"],
         meta_dtype=cfg.meta_dtype)
     packed = tuple(PackedCodes(c, s, o, b, z.shape[-1], g) for (c, s, o), b, g in zip(loops, cfg.bits, cfg.group_sizes))
     if alpha is None and cfg.least_squares:  # a group of the anchor alone: no α rows, as the toolbox gives them
-        alpha = jnp.zeros((0,) + z.shape[1:-1], jnp.bfloat16)
+        alpha = jnp.zeros((0,) + lost.shape, jnp.bfloat16)
     return Coded(packed, alpha, lost)
 
 
@@ -426,9 +429,10 @@ class LoopQuant(base.CacheFormat):
         for kind, x, u in (("k", k, calib.key_rot), ("v", v, calib.value_rot)):
             x = x.astype(jnp.float32)
             finite = jnp.isfinite(x)
-            z = jnp.einsum("gpnbktd,gnked->pgnbkte", jnp.where(finite, x, 0.0), u, precision=_HI)
+            # [G, N, K, p, B, T, E]: the dot's own order (batch axes first), which the native encoder reads
+            z = jnp.einsum("gpnbktd,gnked->gnkpbte", jnp.where(finite, x, 0.0), u, precision=_HI)
             mean = None if kind == "v" or calib.key_mean is None else jnp.broadcast_to(
-                jnp.moveaxis(calib.key_mean, 2, 0)[:, :, :, None, :, None, :], z.shape)  # [p, G, N, B, K, T, D]
+                jnp.moveaxis(calib.key_mean, 3, 2)[:, :, :, :, None, None, :], z.shape)
             coded[kind] = attention.ENCODE(self.write_impl, self, kind, z, mean, who=self.name)
             # [G, N, B, K, T]; summed over channels first (XLA:CPU otherwise writes the mask out as int32)
             lost = lost + coded[kind].lost + jnp.sum(jnp.sum(~finite, axis=-1, dtype=jnp.int32), axis=1)

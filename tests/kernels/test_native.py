@@ -295,7 +295,7 @@ def test_native_encoder_declines_by_name(caplog):
 
 
 def test_native_encoder_bad_input_is_named():
-    z = jnp.zeros((2, 3, 32), jnp.float32)
+    z = jnp.zeros((1, 2, 1, 3, 32), jnp.float32)  # [K, L, B, T, D]
     kw = dict(bits=(2, 4), group_sizes=(32, 32), clips=(0.9, 1.0), parents=(1, -1), order=(1, 0), least_squares=True,
               meta_dtype=jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="need one entry each"):
