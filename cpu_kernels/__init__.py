@@ -209,18 +209,21 @@ def _partitioned(run, ranks: tuple[int, ...], paged: bool, has_means: bool):
 
 
 def _partitioned_encode(run, rank: int, has_mean: bool, channels: Sequence[int | None]):
-    """`run` (z [..., K, L, B, T, D], mean) as a custom-partitioned op: the vectors' axes (all but L and D)
-    keep whatever sharding z has, each device encoding its own vectors; loops and channels are whole on each
-    device. `channels`: per result, 1 for [*lead, channels], 0 for [*lead], None for α's [rows, *lead], lead
-    = [..., B, K, T]."""
+    """`run` (z [..., K, L, B, T, D], num_new [B], mean) as a custom-partitioned op: the vectors' axes (all but
+    L and D) keep whatever sharding z has, each device encoding its own vectors; loops and channels are whole on
+    each device. `channels`: per result, 1 for [*lead, channels], 0 for [*lead], None for α's [rows, *lead],
+    lead = [..., B, K, T]."""
     outer = [f"x{i}" for i in range(rank - 5)]
     dims = [*outer, "k", "l", "b", "t", "d"]  # z's axes
     lead = [*outer, "b", "k", "t"]
-    operands = [" ".join(dims)] * (1 + has_mean)
+    operands = [" ".join(dims), "b"] + [" ".join(dims)] * has_mean
     results = [" ".join(["a", *lead] if extra is None else [*lead, *[f"c{i}"] * extra])
                for i, extra in enumerate(channels)]
     factors = [f for part in operands + results for f in part.split()]
     whole = tuple(f for f in dict.fromkeys(factors) if f not in dims or f in ("l", "d"))
+
+    def op_fn(z, num_new, *mean):
+        return run(z, num_new, mean[0] if mean else None)
 
     def partition(mesh, arg_shapes, result_shape):
         spec = dict(zip(dims, tuple(arg_shapes[0].sharding.spec) + (None,) * rank))
@@ -229,13 +232,12 @@ def _partitioned_encode(run, rank: int, has_mean: bool, channels: Sequence[int |
         def named(part):
             return NamedSharding(mesh, P(*(spec.get(f) for f in part.split())))
 
-        return (mesh, lambda z, *mean: run(z, mean[0] if mean else None), tuple(map(named, results)),
-                tuple(map(named, operands)))
+        return mesh, op_fn, tuple(map(named, results)), tuple(map(named, operands))
 
-    op = custom_partitioning(lambda z, *mean: run(z, mean[0] if mean else None))
+    op = custom_partitioning(op_fn)
     op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> " + ", ".join(results),
                      need_replication_factors=whole)
-    return lambda z, mean: op(z, *([] if mean is None else [mean]))
+    return lambda z, num_new, mean: op(z, num_new, *([] if mean is None else [mean]))
 
 
 def dense_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, slot: jax.Array | int,
@@ -356,6 +358,7 @@ _ENCODE_META = {jnp.dtype(jnp.float8_e4m3fn): 3, jnp.dtype(jnp.bfloat16): 1}
 def residual_encode(
     z: jax.Array,                   # [..., K, L, B, T, D] float32: a loop group of rotated K or V vectors
     mean: jax.Array | None = None,  # z's shape, float32: per-loop key means (None: none)
+    num_new: jax.Array | None = None,  # [B] int32: each row's tokens t < num_new[b] are coded (None: all T)
     *,
     bits: Sequence[int],            # per loop: 0 (nothing stored), 1, 2, 4 or 8
     group_sizes: Sequence[int],     # per loop: channels per scale/offset
@@ -369,7 +372,8 @@ def residual_encode(
     (`rq_jax.quant.residual.encode_decode_group`, `affine.quantize`, `packing.pack`; src/encode.cc gives the
     arithmetic). z is laid out as the rotation's dot product gives it (per kv head K, the L loops, then rows B
     and tokens T), and every result by vector in the cache's order, lead = [..., B, K, T]: nothing is
-    transposed on the way. Returns per loop (codes uint8 [*lead, D·bits/8] planar-packed, scale and offset
+    transposed on the way. The results of a row's tokens past num_new[b] (a call's padding) are zeros. Returns
+    per loop (codes uint8 [*lead, D·bits/8] planar-packed, scale and offset
     [*lead, D/g] in `meta_dtype`; [*lead, 0] at 0 bits), α [L', *lead] bfloat16 (one row per loop with a
     parent, in loop order; None without least squares) and the values no field could hold, per vector [*lead]
     int32. Raises NotImplementedError for what it does not cover (other widths or metadata dtypes, D > 512,
@@ -414,17 +418,21 @@ def residual_encode(
     def vectors(shape):  # z's [..., K, L, B, T, D] → the results' [..., B, K, T]
         return (*shape[:-5], shape[-3], shape[-5], shape[-2])
 
-    def run(z, mean):  # as [O, K, L, B, T, D]: the same bytes
-        operands = [x.astype(jnp.float32).reshape(-1, *z.shape[-5:]) for x in (z, *([] if mean is None else [mean]))]
+    def run(z, num_new, mean):  # z and mean as [O, K, L, B, T, D]: the same bytes
+        six = [x.astype(jnp.float32).reshape(-1, *z.shape[-5:]) for x in (z, *([] if mean is None else [mean]))]
         return tuple(jax.ffi.ffi_call("rq_cpu_encode", out_shapes(vectors(z.shape)), vmap_method="sequential")(
-            *operands, **attrs))
+            six[0], num_new.astype(jnp.int32), *six[1:], **attrs))
 
     lead = vectors(z.shape)
+    if num_new is None:
+        num_new = jnp.full(z.shape[-3], z.shape[-2], jnp.int32)
+    if num_new.shape != (z.shape[-3],):
+        raise ValueError(f"num_new must be [B] = [{z.shape[-3]}] for z {z.shape}, got {num_new.shape}")
     if jax.device_count() == 1:
-        out = list(run(z, mean))
+        out = list(run(z, num_new, mean))
     else:
         channels = [1] * 3 * sum(b > 0 for b in bits) + [None] * has_alpha + [0]
-        out = list(_partitioned_encode(run, z.ndim, mean is not None, channels)(z, mean))
+        out = list(_partitioned_encode(run, z.ndim, mean is not None, channels)(z, num_new, mean))
     lost = out.pop()
     alpha = jax.lax.bitcast_convert_type(out.pop(), jnp.bfloat16) if has_alpha else None
     loops, it = [], iter(out)

@@ -154,6 +154,22 @@ void pack(const uint8_t* codes, int bits, int d, uint8_t* out) {
   }
 }
 
+// Vector v's results zeroed: every stored loop's codes and metadata, its α rows and its lost count.
+void clear_vector(const EncodeProblem& p, int64_t v) {
+  const int meta_bytes = p.meta == kFP8 ? 1 : 2;
+  for (int r = 0; r < p.L; ++r) {
+    const EncodeLoop& ln = p.loop[r];
+    if (ln.bits) {
+      const int64_t code_bytes = p.D * ln.bits / 8, meta_row = int64_t(p.D / ln.group) * meta_bytes;
+      std::memset(ln.codes + v * code_bytes, 0, code_bytes);
+      std::memset(static_cast<uint8_t*>(ln.scale) + v * meta_row, 0, meta_row);
+      std::memset(static_cast<uint8_t*>(ln.offset) + v * meta_row, 0, meta_row);
+    }
+    if (p.alpha && ln.parent >= 0) p.alpha[int64_t(ln.alpha_row) * p.V + v] = 0;
+  }
+  p.lost[v] = 0;
+}
+
 void encode_vectors(const EncodeProblem& p, int64_t v0, int64_t v1) {
   const int d = p.D;
   float recon[kMaxLinks][kMaxDim], target[kMaxDim], deq[kMaxDim], pred[kMaxDim], scratch[2 * kMaxDim];
@@ -162,6 +178,10 @@ void encode_vectors(const EncodeProblem& p, int64_t v0, int64_t v1) {
   for (int64_t v = v0; v < v1; ++v) {
     // v = ((o·B + b)·K + k)·T + t in the results; in z, loop r of it lies at ((o·K + k)·L + r)·B·T + b·T + t.
     const int64_t t = v % p.T, k = v / p.T % p.K, b = v / (p.T * p.K) % p.B, o = v / (p.T * p.K * p.B);
+    if (t >= p.num_new[b]) {  // padding: nothing coded, every result zero
+      clear_vector(p, v);
+      continue;
+    }
     const int64_t first = (o * p.K + k) * p.L * rows + b * p.T + t;
     int lost = 0;
     for (int i = 0; i < p.L; ++i) {

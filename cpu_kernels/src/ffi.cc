@@ -3,7 +3,8 @@
 //   RqDenseAttention     q, lengths, slot, block table, k, v         -> acc, m, l
 //   RqQuantAttention     q, lengths, slot, block table, key links (codes, scale, offset)..., key α...,
 //                        value links..., value α..., [mean scores]   -> acc, m, l
-//   RqEncode             z [O, K, L, B, T, D], [mean]   -> per stored loop: codes, scale, offset; [α]; lost
+//   RqEncode             z [O, K, L, B, T, D], num_new [B], [mean]   -> per stored loop: codes, scale, offset;
+//                        [α]; lost
 //                        (kernels.h, EncodeProblem; encode.cc)
 //
 // The block table [B, N] names each row's pages (a contiguous cache passes the identity [B, 1]); a page a
@@ -295,8 +296,13 @@ ffi::Error encode(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingR
   p.meta = int(meta);
   p.least_squares = least_squares != 0;
   p.z = static_cast<const float*>(z->untyped_data());
-  if (args.size() > 1) {
-    auto mean = args.get<ffi::AnyBuffer>(1);
+  auto num_new = args.get<ffi::AnyBuffer>(1);
+  if (num_new.has_error() || num_new->element_type() != ffi::DataType::S32 ||
+      num_new->element_count() != size_t(p.B))
+    return ffi::Error::InvalidArgument("num_new must be int32 [B]");
+  p.num_new = static_cast<const int32_t*>(num_new->untyped_data());
+  if (args.size() > 2) {
+    auto mean = args.get<ffi::AnyBuffer>(2);
     if (mean.has_error()) return ffi::Error::InvalidArgument("bad mean");
     p.mean = static_cast<const float*>(mean->untyped_data());
   }

@@ -75,6 +75,7 @@ using ItemFn = void (*)(const Problem&, int64_t b, int64_t k, int64_t s0, int64_
 // The encoder (encode.cc): the V = O·B·K·T vectors of a loop group of L loops, z and mean [O, K, L, B, T, D]
 // float32 (the rotation's dot product lays them out so: per head, the loops, then rows and tokens), coded loop
 // by loop in `order` (references first); every result is laid out by vector [O, B, K, T] (the cache's order).
+// Only the tokens t < num_new[b] of each row are coded: the others' results are zeros (a call's padding).
 // Per loop: its codes [V, D·bits/8] (planar packed; none at 0 bits), metadata scale/offset [V, D/g] (kFP8:
 // uint8 bits, kBF16: uint16 bits), its parent in the group (-1: none, the anchor or a loop coded on its own)
 // and, with least squares, its α row of alpha [L', V] (bfloat16 bits); lost [V] counts the values no stored
@@ -95,6 +96,7 @@ struct EncodeProblem {
   int L = 0, D = 0, meta = kFP8;
   bool least_squares = false;
   const float* z = nullptr;
+  const int32_t* num_new = nullptr;
   const float* mean = nullptr;
   int order[kMaxLinks] = {};
   EncodeLoop loop[kMaxLinks];

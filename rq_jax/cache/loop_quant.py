@@ -211,9 +211,9 @@ class Coded(NamedTuple):
 
 @attention.ENCODE.register("xla")
 def encode_xla(fmt: "LoopQuant", kind: str, z: Float[Array, "g n k p b t e"],
-               mean: Float[Array, "g n k p b t e"] | None) -> Coded:
+               mean: Float[Array, "g n k p b t e"] | None, num_new: NumNew) -> Coded:
     """The encode op in XLA: the quantization toolbox's group coding (`rq_jax.quant.residual`) of z with its loop
-    axis first ([p, G, N, B, K, T, E]), packed."""
+    axis first ([p, G, N, B, K, T, E]), packed; every token, num_new[b] or not."""
     cfg = fmt.group_config(z.shape[3], kind)
     z, mean = (None if x is None else jnp.transpose(x, (3, 0, 1, 4, 2, 5, 6)) for x in (z, mean))
     enc = fmt._encode(z, cfg, mean)
@@ -223,10 +223,12 @@ def encode_xla(fmt: "LoopQuant", kind: str, z: Float[Array, "g n k p b t e"],
 
 @attention.ENCODE.register("native")
 def encode_native(fmt: "LoopQuant", kind: str, z: Float[Array, "g n k p b t e"],
-                  mean: Float[Array, "g n k p b t e"] | None) -> Coded:
+                  mean: Float[Array, "g n k p b t e"] | None, num_new: NumNew) -> Coded:
     """The encode op through the native encoder (`cpu_kernels.residual_encode`, the same bits as XLA's), which
-    reads z in the rotation's layout and writes the cache's. Raises NotImplementedError (at trace time) for what
-    it does not cover: super-scaled or float16/float32 metadata, 16-bit loops, or the library not built here."""
+    reads z in the rotation's layout and writes the cache's, and codes only each row's tokens t < num_new[b]
+    (the rest, a call's padding, are never stored; their results are zeros). Raises NotImplementedError (at
+    trace time) for what it does not cover: super-scaled or float16/float32 metadata, 16-bit loops, or the
+    library not built here."""
     cfg = fmt.group_config(z.shape[3], kind)
     if cfg.super_scale:
         raise NotImplementedError("super-scaled metadata (the native encoder stores plain FP8 or bf16 metadata)")
@@ -235,7 +237,7 @@ def encode_native(fmt: "LoopQuant", kind: str, z: Float[Array, "g n k p b t e"],
     n = cfg.num_loops
     parents = [-1 if not fmt.residual or r == cfg.anchor else cfg.parent(r) for r in range(n)]
     loops, alpha, lost = cpu_kernels.residual_encode(
-        z, mean, bits=cfg.bits, group_sizes=cfg.group_sizes,
+        z, mean, num_new, bits=cfg.bits, group_sizes=cfg.group_sizes,
         clips=[cfg.quant_config(r).clip_factor for r in range(n)], parents=parents,
         order=cfg.encode_order() if fmt.residual else tuple(range(n)), least_squares=cfg.least_squares,
         meta_dtype=cfg.meta_dtype)
@@ -433,7 +435,7 @@ class LoopQuant(base.CacheFormat):
             z = jnp.einsum("gpnbktd,gnked->gnkpbte", jnp.where(finite, x, 0.0), u, precision=_HI)
             mean = None if kind == "v" or calib.key_mean is None else jnp.broadcast_to(
                 jnp.moveaxis(calib.key_mean, 3, 2)[:, :, :, :, None, None, :], z.shape)
-            coded[kind] = attention.ENCODE(self.write_impl, self, kind, z, mean, who=self.name)
+            coded[kind] = attention.ENCODE(self.write_impl, self, kind, z, mean, num_new, who=self.name)
             # [G, N, B, K, T]; summed over channels first (XLA:CPU otherwise writes the mask out as int32)
             lost = lost + coded[kind].lost + jnp.sum(jnp.sum(~finite, axis=-1, dtype=jnp.int32), axis=1)
         new = tuple(LoopSlot(coded["k"].loops[r], coded["v"].loops[r],

@@ -294,6 +294,27 @@ def test_native_encoder_declines_by_name(caplog):
         np.testing.assert_array_equal(base.bits_of(a), base.bits_of(w))
 
 
+def test_native_encoder_codes_only_each_rows_new_tokens():
+    """With num_new, a row's tokens t < num_new[b] get the results of coding every token (they do not depend
+    on one another), and the rest, a call's padding, are zeros: codes, metadata, α and lost counts."""
+    z = jnp.asarray(seeded("num_new").normal(size=(2, 4, 3, 5, 64)), jnp.float32)  # [K, L, B, T, D]
+    kw = dict(bits=(2, 2, 2, 4), group_sizes=(32,) * 4, clips=(0.9, 0.9, 0.9, 1.0), parents=(3, 3, 3, -1),
+              order=(3, 0, 1, 2), least_squares=True, meta_dtype=jnp.float8_e4m3fn)
+    num_new = jnp.array([5, 2, 0], jnp.int32)
+    new = (np.arange(5)[None, :] < np.asarray(num_new)[:, None])[:, None, :]  # [B, 1, T] against lead [B, K, T]
+    every, some = (jax.tree_util.tree_leaves(cpu_kernels.residual_encode(z, num_new=n, **kw)) for n in (None, num_new))
+    assert len(every) == len(some) == 4 * 3 + 2
+    skipped = 0
+    for a, b in zip(every, some):
+        a, b = np.asarray(base.bits_of(a)), np.asarray(base.bits_of(b))
+        at = 1 if a.shape[1:] == (3, 2, 5) else 0  # α: rows of vectors; the rest: vectors first
+        keep = np.broadcast_to(new.reshape((1,) * at + new.shape + (1,) * (a.ndim - at - 3)), a.shape)
+        np.testing.assert_array_equal(b[keep], a[keep])
+        assert not b[~keep].any()
+        skipped += int(a[~keep].any())
+    assert skipped == 4 * 3 + 1  # every result but the lost counts (none here) held something there
+
+
 def test_native_encoder_bad_input_is_named():
     z = jnp.zeros((1, 2, 1, 3, 32), jnp.float32)  # [K, L, B, T, D]
     kw = dict(bits=(2, 4), group_sizes=(32, 32), clips=(0.9, 1.0), parents=(1, -1), order=(1, 0), least_squares=True,
