@@ -373,11 +373,11 @@ def residual_encode(
     arithmetic). z is laid out as the rotation's dot product gives it (per kv head K, the L loops, then rows B
     and tokens T), and every result by vector in the cache's order, lead = [..., B, K, T]: nothing is
     transposed on the way. The results of a row's tokens past num_new[b] (a call's padding) are zeros. Returns
-    per loop (codes uint8 [*lead, D·bits/8] planar-packed, scale and offset
-    [*lead, D/g] in `meta_dtype`; [*lead, 0] at 0 bits), α [L', *lead] bfloat16 (one row per loop with a
-    parent, in loop order; None without least squares) and the values no field could hold, per vector [*lead]
-    int32. Raises NotImplementedError for what it does not cover (other widths or metadata dtypes, D > 512,
-    more than 8 loops) and ValueError for shapes that disagree."""
+    per loop (codes uint8 [*lead, D·bits/8] planar-packed, scale and offset [*lead, D/g] in `meta_dtype`;
+    [*lead, 0] at 0 bits), α [L', *lead] bfloat16 (one row per loop with a parent, in loop order; None without
+    least squares) and the values no field could hold, per vector [*lead] int32. Raises NotImplementedError
+    for what it does not cover (other widths or metadata dtypes, D > 512, more than 8 loops) and ValueError for
+    shapes that disagree."""
     if z.ndim < 5:
         raise ValueError(f"z must be [..., K, L, B, T, D], got shape {z.shape}")
     n, d = z.shape[-4], z.shape[-1]

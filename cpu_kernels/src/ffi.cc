@@ -289,8 +289,8 @@ ffi::Error encode(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingR
   const auto dims = z->dimensions();
   EncodeProblem p;
   p.L = n;
-  p.O = dims[0], p.K = dims[1], p.B = dims[3], p.T = dims[4];
-  p.V = p.O * p.K * p.B * p.T;
+  p.K = dims[1], p.B = dims[3], p.T = dims[4];
+  p.V = dims[0] * p.K * p.B * p.T;
   p.D = int(dims[5]);
   if (p.D > kMaxDim) return ffi::Error::InvalidArgument("head dim over 512");
   p.meta = int(meta);

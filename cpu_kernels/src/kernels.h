@@ -92,7 +92,7 @@ struct EncodeLoop {
 };
 
 struct EncodeProblem {
-  int64_t V = 0, O = 0, K = 0, B = 0, T = 0;
+  int64_t V = 0, K = 0, B = 0, T = 0;  // V = O·B·K·T vectors
   int L = 0, D = 0, meta = kFP8;
   bool least_squares = false;
   const float* z = nullptr;

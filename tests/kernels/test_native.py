@@ -327,3 +327,7 @@ def test_native_encoder_bad_input_is_named():
         cpu_kernels.residual_encode(z, **{**kw, "bits": (3, 4)})
     with pytest.raises(NotImplementedError, match="metadata dtype float16"):
         cpu_kernels.residual_encode(z, **{**kw, "meta_dtype": jnp.float16})
+    with pytest.raises(ValueError, match=r"z must be \[\.\.\., K, L, B, T, D\], got shape \(2, 3, 32\)"):
+        cpu_kernels.residual_encode(z[0, :, 0], **kw)
+    with pytest.raises(ValueError, match=r"num_new must be \[B\] = \[1\]"):
+        cpu_kernels.residual_encode(z, num_new=jnp.ones(3, jnp.int32), **kw)
