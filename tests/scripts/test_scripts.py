@@ -237,7 +237,7 @@ def test_bench_decode_on_a_tpu_compiled_here(tmp_path, monkeypatch):
             "vocab_size=256")
     out = tmp_path / "tpu"
     run_ok("bench_decode", "--tpu", "v5e:2x2", "--models", tiny, "--formats", "dense bf16", "[2,2,2,4] g32",
-           "--context", "200", "--batch", "2", "100000", "--memory-gb", "0.01", "--max-batch", "8", "--engine-chunk",
+           "--context", "200", "--batch", "2", "100000", "--memory-gb", "0.01", "--max-batch", "2", "--engine-chunk",
            "32", "--out", out)
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["platform"] == "tpu" and data["read_bandwidth"] is None and data["args"]["no_run"]
