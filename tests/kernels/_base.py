@@ -47,12 +47,20 @@ TOL = {"float32": 2e-4, "bfloat16": 1e-4}
 ALLOCATION = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "allocation"
 
 
-def allocated_configs() -> dict[str, configs.KernelConfig]:
+#: RQ_KERNEL_COMPILE=all: every allocated schedule's chains (`allocated_configs`) and, in test_compile.py, the
+#: whole configuration matrix; otherwise a covering set of each.
+EVERY = os.environ.get("RQ_KERNEL_COMPILE") == "all"
+
+
+def allocated_configs(every: bool = EVERY) -> dict[str, configs.KernelConfig]:
     """The decode-kernel calls of every schedule the bit allocator emitted for the shipped models
     (docs/results/allocation/MODEL-BUDGET.json): their chains at head dim 64, one query row per kv head
     (both models' shapes), by name; a chain two schedules share appears once. Chains with a 0-bit link
     (a slot that stores only its α) are left out: the kernels decline them and the format's attention
-    takes them on XLA (tests/cache/test_formats.py)."""
+    takes them on XLA (tests/cache/test_formats.py).
+
+    Unless `every`, only the calls that cover them (`covering`): each (bits, group) link of keys and of
+    values as an anchor and as a residual, and each chain length, in at least one call (9 of 36 today)."""
     from rq_jax.calibrate.allocate import load_schedule
 
     out = {}
@@ -61,7 +69,26 @@ def allocated_configs() -> dict[str, configs.KernelConfig]:
             chains = load_schedule(str(path)).kernel_chains(4)
             out.update((c.name, c) for c in configs.schedule_configs(chains, 64, 1, "allocated")
                        if all(bits for bits, _ in c.links + (c.v_links or ())))
-    return out
+    return out if every else {name: out[name] for name in covering(out)}
+
+
+def covering(cfgs: dict[str, configs.KernelConfig]) -> list[str]:
+    """Names of `cfgs` (sorted, greedily: each the one adding the most features not yet covered) whose calls
+    together hold every feature of all of them: per role (keys, values), each link (bits, group) as the
+    anchor (the chain's last link) and as a residual, and each chain length."""
+    def features(cfg):
+        out = set()
+        for role, links in (("k", cfg.links), ("v", cfg.v_links or ())):
+            out |= {(role, i == len(links) - 1, link) for i, link in enumerate(links)} | {(role, len(links))}
+        return out
+
+    left, chosen = set().union(*map(features, cfgs.values())), []
+    names = sorted(cfgs)
+    while left:
+        name = max(names, key=lambda n: len(features(cfgs[n]) & left))
+        chosen.append(name)
+        left -= features(cfgs[name])
+    return sorted(chosen)
 
 
 def has_gpu() -> bool:

@@ -106,8 +106,9 @@ CASES = (
 )
 
 
-#: Every chain of every schedule the bit allocator emitted (docs/results/allocation), keys and values apart,
-#: with the launch the dispatch picks for it (issue 28: every emitted schedule runs through the kernel).
+#: The chains of the schedules the bit allocator emitted (docs/results/allocation), keys and values apart, with
+#: the launch the dispatch picks for them (issue 28: the emitted schedules run through the kernel): the calls
+#: that cover every link and chain length (`_base.covering`), all of them with RQ_KERNEL_COMPILE=all.
 ALLOCATED_CASES = tuple(Case(f"allocated-{name}", 64, 1, cfg.links, v_links=cfg.v_links, lengths=(70, 9),
                              num_splits=2) for name, cfg in sorted(allocated_configs().items()))
 

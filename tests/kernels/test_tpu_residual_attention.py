@@ -133,8 +133,8 @@ def _tiny(name, links, v_links=None):
 
 
 #: Every chain of the configuration matrix (`configs.CHAINS`: uniform/rotated/anchor, residual last- and
-#: previous-loop references, mixed groups) and of every schedule the bit allocator emitted (docs/results/
-#: allocation: per-link group sizes, keys and values apart), at tiny shapes.
+#: previous-loop references, mixed groups) and of the schedules the bit allocator emitted (docs/results/
+#: allocation: per-link group sizes, keys and values apart; a covering set, `_base.covering`), at tiny shapes.
 CHAIN_CASES = tuple(_tiny("catalog-" + configs.chain_name(links), links) for links in configs.CHAINS) + tuple(
     _tiny(name, cfg.links, cfg.v_links) for name, cfg in sorted(allocated_configs().items()))
 
