@@ -25,7 +25,7 @@ from rq_jax import cli
 from rq_jax.checkpoint import SHIPPED
 from rq_jax.config import PRESETS, preset
 from rq_jax.convert.hf import save_hf
-from rq_jax.io import atomic_folder
+from rq_jax.io import atomic_folder, check_folder
 from rq_jax.models import init_model
 from rq_jax.tokenizer import load_tokenizer
 
@@ -43,6 +43,10 @@ def main(argv=None):
     p.add_argument("--tokenizer-from", help="folder with tokenizer.json (default: the family's shipped small model)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty dest (atomically)")
     args = p.parse_args(argv)
+    try:
+        check_folder(args.dest, overwrite=args.overwrite)
+    except FileExistsError as err:
+        p.error(f"argument dest: {err}")
     base = PRESETS[args.preset]
     source = args.tokenizer_from or os.path.join(SHIPPED, f"{base.family}-small")
     try:
