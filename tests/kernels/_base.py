@@ -82,12 +82,12 @@ def covering(cfgs: dict[str, configs.KernelConfig]) -> list[str]:
             out |= {(role, i == len(links) - 1, link) for i, link in enumerate(links)} | {(role, len(links))}
         return out
 
-    left, chosen = set().union(*map(features, cfgs.values())), []
-    names = sorted(cfgs)
+    held = {name: features(cfgs[name]) for name in sorted(cfgs)}
+    left, chosen = set().union(*held.values()), []
     while left:
-        name = max(names, key=lambda n: len(features(cfgs[n]) & left))
+        name = max(held, key=lambda n: len(held[n] & left))
         chosen.append(name)
-        left -= features(cfgs[name])
+        left -= held[name]
     return sorted(chosen)
 
 
