@@ -52,7 +52,7 @@ from rq_jax.serve import sizing
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.serve.model_runner import ModelRunner, RowSpec
 from rq_jax.serve.output import Completion, Delta, OutputProcessor, Request, TokenLogprob, completion
-from rq_jax.serve.params import ParamError, SamplingParams
+from rq_jax.serve.params import ParamError, SamplingParams, check_request
 from rq_jax.serve.scheduler import Scheduler
 from rq_jax.serve.text import TextStream
 
@@ -136,21 +136,8 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Raise ParamError when a request cannot be served: an empty prompt, token ids outside the
-        vocabulary, or a prompt plus max_tokens longer than `max_len`."""
-        vocab = self.config.vocab_size
-        if len(prompt) == 0:
-            raise ParamError("prompt", "the prompt is empty: it needs at least one token")
-        bad = sorted({int(t) for t in prompt if not 0 <= int(t) < vocab})
-        if bad:
-            raise ParamError("prompt", f"prompt token ids must lie in [0, {vocab}), got {bad[:5]}")
-        bad = sorted({int(t) for t in params.stop_token_ids if not 0 <= int(t) < vocab})
-        if bad:
-            raise ParamError("stop_token_ids", f"stop token ids must lie in [0, {vocab}), got {bad[:5]}")
-        need = len(prompt) + params.max_tokens - 1  # the last token is never fed back
-        if need > self.max_len:
-            raise ParamError("max_tokens", f"a prompt of {len(prompt)} tokens plus max_tokens {params.max_tokens} "
-                             f"needs {need} cache positions, but a request holds {self.max_len}")
+        """Raise ParamError when this engine cannot serve a request (`params.check_request`)."""
+        check_request(prompt, params, self.config.vocab_size, self.max_len)
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                     sink: Callable[[Delta], None] | None = None, arrival: float | None = None) -> str:
@@ -290,20 +277,8 @@ class Engine:
                 self.metrics.decode_rows.inc(rows)
 
     def _update_gauges(self) -> None:
-        if self.metrics is None:
-            return
-        m, s = self.metrics, self.scheduler
-        m.running.set(len(s.running))
-        m.waiting.set(len(s.waiting))
-        m.slots_used.set(len(s.running))
-        m.slots_total.set(self.max_rows)
-        m.pages_used.set(s.pool.held)
-        m.pages_total.set(self.num_pages)
-        m.capacity_tokens.set(self.num_pages * self.page_size)
-        m.cache_bytes.set(s.pool.held * self.page_bytes)
-        m.dense_bytes.set(s.tokens_held() * self.dense_token_bytes)
-        m.prefix_queries.set(s.prefix_queries)
-        m.prefix_hits.set(s.prefix_hits)
-
+        if self.metrics is not None:
+            self.metrics.pool(self.scheduler, max_rows=self.max_rows, pages=self.num_pages, page_size=self.page_size,
+                              page_bytes=self.page_bytes, dense_token_bytes=self.dense_token_bytes)
 
 __all__ = ["Completion", "Delta", "Engine", "ParamError", "SamplingParams", "TokenLogprob"]

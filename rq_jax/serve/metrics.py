@@ -90,6 +90,23 @@ class ServeMetrics:
         self._engine_seconds.labels(**self._labels, phase=phase).inc(seconds)
         self._engine_calls.labels(**self._labels, phase=phase).inc()
 
+    def pool(self, scheduler, *, max_rows: int, pages: int, page_size: int, page_bytes: int,
+             dense_token_bytes: int) -> None:
+        """Set the gauges of an engine's `scheduler` (`rq_jax.serve.scheduler.Scheduler`) over a pool of `pages`
+        pages of `page_size` tokens and `page_bytes` bytes, at most `max_rows` decoding; `dense_token_bytes`:
+        one token's K/V in dense bf16."""
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.slots_used.set(len(scheduler.running))
+        self.slots_total.set(max_rows)
+        self.pages_used.set(scheduler.pool.held)
+        self.pages_total.set(pages)
+        self.capacity_tokens.set(pages * page_size)
+        self.cache_bytes.set(scheduler.pool.held * page_bytes)
+        self.dense_bytes.set(scheduler.tokens_held() * dense_token_bytes)
+        self.prefix_queries.set(scheduler.prefix_queries)
+        self.prefix_hits.set(scheduler.prefix_hits)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)

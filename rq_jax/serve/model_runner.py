@@ -6,7 +6,7 @@ A plan's rows run in a few calls: the decode rows (one token each) in one call o
 `decode_rows` (1, 2, 4, ... `max_rows`: a call's cost grows with its rows) that hold them, the prompt chunks in
 calls over `token_buckets` (16, 32, ... `chunk` tokens) × `prefill_rows` (1, 2, 4, ... as the token budget
 allows; each chunk padded to its call's width, chunks of far apart widths in calls of their own:
-`prefill_groups`), and a prompt whose log-probabilities are asked for (`echo`) alone in a call of its own.
+`sizing.prefill_groups`), and a prompt whose log-probabilities are asked for (`echo`) alone in a call of its own.
 Padding rows feed nothing and store nothing.
 
 A step is launched, then collected: `launch` dispatches its calls and starts the host copy of each call's
@@ -34,68 +34,8 @@ from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.calib import CacheCalib
 from rq_jax.cache.kv import init_paged_cache
 from rq_jax.serve import programs
+from rq_jax.serve.sizing import geometric, holding, prefill_groups
 from rq_jax.serve.scheduler import Chunk, StepPlan
-
-
-#: A call's fixed cost (dispatch, and its operations' overheads) in padded token slots: Ouro-small's prompt
-#: call on this project's 2-core CPU host costs ~0.65 ms plus ~0.03 ms a slot (1 x 16 and 8 x 16 slots timed).
-CALL_TOKENS = 32
-
-
-def geometric(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
-    """lo, ratio·lo, ... below hi, then hi: the compiled sizes of a dimension (a call padded to the next
-    size wastes less than `ratio`x on it)."""
-    out = []
-    b = lo
-    while b < hi:
-        out.append(b)
-        b *= ratio
-    return tuple(out) + (hi,)
-
-
-def holding(sizes: Sequence[int], n: int) -> int | None:
-    """The first of the ascending compiled `sizes` (`geometric`'s) that holds `n`; None when none does."""
-    return next((s for s in sizes if s >= n), None)
-
-
-@functools.lru_cache(maxsize=None)
-def call_sizes(count: int, width: int, rows: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-    """The cheapest way to run `count` prompt chunks in calls of `width` tokens over the compiled row counts
-    `rows`: (its cost, the chunks of each call). A call costs `CALL_TOKENS` plus its padded token slots: one
-    call padded to the fewest rows that hold the chunks, or a full call of fewer rows and the rest (9 chunks
-    of 16 tokens: 8 + 1 rather than 16 rows)."""
-    best = [(0, ())]  # best[n]: the cheapest calls of n chunks, built up from n = 1 (no recursion to run out of)
-    for n in range(1, count + 1):
-        fit = holding(rows, n)
-        options = [] if fit is None else [(CALL_TOKENS + fit * width, (n,))]
-        for r in sorted(rows, reverse=True):  # of equal costs, the one with the larger first call
-            if r < n:
-                options.append((CALL_TOKENS + r * width + best[n - r][0], (r, *best[n - r][1])))
-        best.append(min(options, key=lambda o: o[0]))
-    return best[count]
-
-
-def prefill_groups(lengths: Sequence[int], buckets: Sequence[int], rows: dict[int, tuple[int, ...]]
-                   ) -> list[list[int]]:
-    """Prompt chunks of `lengths` tokens grouped into calls: the indices of each call's chunks. A chunk's width
-    is the narrowest of `buckets` that holds it; the chunks of a run of consecutive widths share calls of the
-    widest (`rows[width]`: its compiled row counts; `call_sizes` splits them), the runs chosen to cost the
-    fewest padded slots (12-token prompts beside a 200-token one run in a 16-token call of their own, not
-    padded to 256)."""
-    by_width: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        by_width.setdefault(holding(buckets, n), []).append(i)
-    widths = sorted(by_width)
-    best: list[tuple[int, list[list[int]]]] = [(0, [])]  # best[j]: the cheapest calls of widths[:j]
-    for j in range(1, len(widths) + 1):
-        options = []
-        for i in range(j):
-            members = [c for w in widths[i:j] for c in by_width[w]]
-            cost, sizes = call_sizes(len(members), widths[j - 1], rows[widths[j - 1]])
-            starts = np.cumsum((0, *sizes))
-            options.append((best[i][0] + cost, best[i][1] + [members[a:b] for a, b in zip(starts, starts[1:])]))
-        best.append(min(options, key=lambda o: o[0]))
-    return best[-1][1]
 
 
 class RowSpec(NamedTuple):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -56,6 +57,24 @@ class SamplingParams:
              f"an integer in [0, {TOP_LOGPROBS}]")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
         need(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", "integers")
+
+
+def check_request(prompt: Sequence[int], params: SamplingParams, vocab: int, max_len: int) -> None:
+    """Raise ParamError when a request cannot be served by an engine of `vocab` token ids and rows of `max_len`
+    positions: an empty prompt, token ids outside the vocabulary, or a prompt plus max_tokens longer than
+    `max_len`."""
+    if len(prompt) == 0:
+        raise ParamError("prompt", "the prompt is empty: it needs at least one token")
+    bad = sorted({int(t) for t in prompt if not 0 <= int(t) < vocab})
+    if bad:
+        raise ParamError("prompt", f"prompt token ids must lie in [0, {vocab}), got {bad[:5]}")
+    bad = sorted({int(t) for t in params.stop_token_ids if not 0 <= int(t) < vocab})
+    if bad:
+        raise ParamError("stop_token_ids", f"stop token ids must lie in [0, {vocab}), got {bad[:5]}")
+    need = len(prompt) + params.max_tokens - 1  # the last token is never fed back
+    if need > max_len:
+        raise ParamError("max_tokens", f"a prompt of {len(prompt)} tokens plus max_tokens {params.max_tokens} "
+                         f"needs {need} cache positions, but a request holds {max_len}")
 
 
 def _is_int(x) -> bool:

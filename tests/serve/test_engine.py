@@ -15,7 +15,7 @@ from rq_jax.cache import cache_bytes, cache_nbytes, get_format, init_cache
 from rq_jax.data import Addition
 from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
 from rq_jax.serve import Engine, ParamError, SamplingParams
-from rq_jax.serve import model_runner, programs
+from rq_jax.serve import model_runner, programs, sizing
 from rq_jax.serve.sizing import DEFAULT_MAX_ROWS
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.tokenizer import load_tokenizer
@@ -210,31 +210,31 @@ def test_prompt_chunks_run_in_calls_of_their_widths_and_few_padding_rows():
     length), and its calls cost what the cheapest split of the widths into runs costs (every split tried,
     `call_sizes` within a run): twelve-token prompts beside a 200-token one run in a 16-token call of their
     own, a 20- and a 12-token one share a call, nine sums run as 8 + 1 rows, fifteen in one call of 16."""
-    buckets = model_runner.geometric(16, 256, 2)
-    rows = {t: model_runner.geometric(1, max(1, 2048 // t), 2) for t in buckets}
+    buckets = sizing.geometric(16, 256, 2)
+    rows = {t: sizing.geometric(1, max(1, 2048 // t), 2) for t in buckets}
 
     def width(n):
         return next(t for t in buckets if t >= n)
 
-    calls = model_runner.prefill_groups([200] + [12] * 10, buckets, rows)
+    calls = sizing.prefill_groups([200] + [12] * 10, buckets, rows)
     assert sorted(map(len, calls[:-1])) == [2, 8] and calls[-1] == [0], calls
-    assert model_runner.prefill_groups([20, 12], buckets, rows) == [[1, 0]]
-    assert [len(g) for g in model_runner.prefill_groups([12] * 9, buckets, rows)] == [8, 1]
-    assert [len(g) for g in model_runner.prefill_groups([12] * 15, buckets, rows)] == [15]
-    assert model_runner.prefill_groups([], buckets, rows) == []
+    assert sizing.prefill_groups([20, 12], buckets, rows) == [[1, 0]]
+    assert [len(g) for g in sizing.prefill_groups([12] * 9, buckets, rows)] == [8, 1]
+    assert [len(g) for g in sizing.prefill_groups([12] * 15, buckets, rows)] == [15]
+    assert sizing.prefill_groups([], buckets, rows) == []
     # 3,000 chunks on a runner of at most 2 rows: 1,500 calls (built up, not recursed 1,500 deep)
-    assert model_runner.call_sizes(3000, 16, (1, 2))[1] == (2,) * 1500
+    assert sizing.call_sizes(3000, 16, (1, 2))[1] == (2,) * 1500
     rng = np.random.default_rng(0)
     for _ in range(200):
         lengths = rng.integers(1, 257, rng.integers(1, 40)).tolist()
-        calls = model_runner.prefill_groups(lengths, buckets, rows)
+        calls = sizing.prefill_groups(lengths, buckets, rows)
         assert sorted(i for g in calls for i in g) == list(range(len(lengths)))
         cost = 0
         for g in calls:
             w = max(width(lengths[i]) for i in g)
-            cost += model_runner.CALL_TOKENS + next(r for r in rows[w] if r >= len(g)) * w
+            cost += sizing.CALL_TOKENS + next(r for r in rows[w] if r >= len(g)) * w
         widths = sorted({width(n) for n in lengths})
-        best = min(sum(model_runner.call_sizes(sum(width(n) in run for n in lengths), max(run), rows[max(run)])[0]
+        best = min(sum(sizing.call_sizes(sum(width(n) in run for n in lengths), max(run), rows[max(run)])[0]
                        for run in runs)
                    for cuts in range(2 ** (len(widths) - 1))
                    for runs in [np.split(widths, [k + 1 for k in range(len(widths) - 1) if cuts >> k & 1])])
