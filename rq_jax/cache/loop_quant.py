@@ -491,7 +491,22 @@ class LoopQuant(base.CacheFormat):
     def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib: RotationCalib,
                visible: Visible | None = None, table: base.Table | None = None) -> base.Partial:
         """Rotate the queries, run `attend_impl` on the slot's operands (through `table` when paged; XLA
-        fallback; XLA too under a `visible` mask), un-rotate."""
+        fallback; XLA too under a `visible` mask), un-rotate. A prompt call (T > 1) whose rows hold no past
+        yet (a fresh prompt's first chunk) skips all of it under a `lax.cond`: the rotations cost as much as
+        a layer's projections there. The state enters the cond on its bits (`base.tree_bits`: a converted
+        copy of a whole leaf is never made)."""
+        if q.shape[1] == 1:
+            return self._attend(state, index, loop, q, lengths, calib, visible, table)
+        bits, dtypes = base.tree_bits(state)
+
+        def read(bits, q):
+            part = self._attend(base.tree_values(bits, dtypes), index, loop, q, lengths, calib, visible, table)
+            return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), part)
+
+        return jax.lax.cond(jnp.max(lengths) > 0, read, lambda bits, q: base.empty_partial(*q.shape), bits, q)
+
+    def _attend(self, state, index, loop, q: Queries, lengths: Lengths, calib: RotationCalib,
+                visible: Visible | None, table: base.Table | None) -> base.Partial:
         b, t, h, d = q.shape
         key_rot, value_rot = calib.key_rot[index], calib.value_rot[index]  # [K, D, D]
         q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, key_rot.shape[0]).astype(jnp.float32),

@@ -84,8 +84,23 @@ def test_fused_attend_equals_dequantize_then_dense(key, num_loops=6):
                 np.testing.assert_allclose(fused, ref, atol=2e-5)
 
 
+def test_a_prompt_over_rows_with_no_past_gets_the_partial_over_no_key():
+    """A prompt call (T > 1) whose rows hold no past gets the reference's partial over no key (m = −∞, l = 0,
+    acc 0) from `LoopQuant.attend`'s skipped read (that it is skipped: the next test's log)."""
+    rng = np.random.default_rng(0)
+    fmt = loop_format("residual")
+    seg = segments(4, fmt.group_len)[0]
+    state, calib = fmt.init(seg, 2, 2, 12, 2, 16), fmt.default_calib(seg, 2, 2, 16)
+    q = jnp.asarray(rng.normal(size=(2, 3, 4, 16)), jnp.float32)
+    empty = jnp.zeros(2, jnp.int32)
+    got = jax.jit(lambda state: fmt.attend(state, (0, 1), 0, q, empty, calib))(state)
+    for x, y in zip(got, base.reference_attend(fmt, state, (0, 1), 0, q, empty, calib)):
+        np.testing.assert_array_equal(x, y)
+
+
 class Spy(LoopQuant):
-    """Logs, while the compiled program runs, the stored lengths every attend and write sees."""
+    """Logs, while the compiled program runs, the stored lengths every read of the past (`_attend`, which
+    `attend` skips in a prompt call over rows that hold none) and every write sees."""
 
     def __init__(self, log, **policy):
         super().__init__(**policy)
@@ -94,9 +109,9 @@ class Spy(LoopQuant):
     def __hash__(self):
         return id(self)
 
-    def attend(self, state, index, loop, q, lengths, calib, visible=None, table=None):
+    def _attend(self, state, index, loop, q, lengths, calib, visible, table):
         jax.debug.callback(lambda n: self.log.append(("attend", np.asarray(n).tolist())), lengths)
-        return super().attend(state, index, loop, q, lengths, calib, visible, table)
+        return super()._attend(state, index, loop, q, lengths, calib, visible, table)
 
     def write(self, state, k, v, lengths, num_new, calib, table=None):
         jax.debug.callback(lambda n: self.log.append(("write", np.asarray(n).tolist())), lengths)
@@ -110,15 +125,17 @@ def test_current_tokens_are_never_read_back_during_their_loops(ouro):
     ids = jnp.asarray(ref["input_ids"])
     cache = model.init_cache(2, 12, fmt)
     calib = default_calib(cache)
-    prefill = model(ids, cache, calib=calib)
+    first = model(ids[:, :6], cache, calib=calib)
     # An empty cache: every loop attended to the prompt's own full-precision K/V only.
-    np.testing.assert_allclose(prefill.logits, model(ids).logits, atol=1e-5)
-    jax.block_until_ready(model(ids[:, :1], prefill.cache, calib=calib))
+    np.testing.assert_allclose(first.logits, model(ids).logits[:, :6], atol=1e-5)
+    second = model(ids[:, 6:], first.cache, calib=calib)  # a second prompt turn
+    jax.block_until_ready(model(ids[:, :1], second.cache, calib=calib))
     jax.effects_barrier()
     attends = [lens for op, lens in log if op == "attend"]
     writes = [lens for op, lens in log if op == "write"]
-    assert writes == [[0, 0], [10, 10]]  # one write per call, after all loops
-    assert attends == [[0, 0]] * 8 + [[10, 10]] * 8  # 4 loops × 2 layers, only already-stored tokens
+    assert writes == [[0, 0], [6, 6], [10, 10]]  # one write per call, after all loops
+    # 4 loops × 2 layers, only already-stored tokens; the first prompt, with none stored, reads nothing.
+    assert attends == [[6, 6]] * 8 + [[10, 10]] * 8
 
 
 @pytest.mark.parametrize("family,name,policy", [("ouro", "uniform", dict(group_size=8)),
