@@ -1,5 +1,7 @@
 """The serving benchmark behind scripts/bench_serve.py: scripts/serve.py started per cache format on
-127.0.0.1 (cold, then from the compile cache the cold start filled), driven by an async load generator
+127.0.0.1 (cold, then from the compile cache the cold start filled), all of them up at once and taking turns
+at each load point (a drift of this shared machine's speed then falls on every format alike, not on the
+one that ran last; an idle server waits on its inbox), driven by an async load generator
 (aiohttp, as vLLM's own serving benchmark: on 2 cores the client shares the CPU with the server, and
 httpx's streaming cost ~0.75 of a core at 700 tok/s, halving what the server was measured to do) with
 streamed completions; its tables (`markdown`), JSON and figure (`plot`).
@@ -26,6 +28,7 @@ requests, max_seconds, out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -274,10 +277,9 @@ def point_summary(results: list[dict], wall: float, concurrency: int | None, rat
                 e2e_ms_p99=ms([r["e2e"] for r in ok], 99), engine=engine)
 
 
-def bench_format(label: str, options: list[str], args, prompts: list[tuple[str | list[int], int]],
-                 cache_dir: str) -> dict:
-    """Start-ups (cold, then from the compile cache the cold start filled) and every load point of one server
-    (`label`, serve.py `options`)."""
+def start(label: str, options: list[str], args, cache_dir: str) -> tuple[dict, ServerProcess]:
+    """One server (`label`, serve.py `options`) started cold, stopped, and started again from the compile
+    cache the cold start filled: its run record (start-ups, room) and the running server."""
     out = dict(format=label, points=[])
     cold = ServerProcess(args, options, cache_dir)
     out["startup_cold_s"] = cold.startup
@@ -287,21 +289,24 @@ def bench_format(label: str, options: list[str], args, prompts: list[tuple[str |
     out["slots"] = int(server.metric("cache_capacity_tokens")) // args.max_len
     print(f"{label}: room for {out['slots']} requests of {args.max_len} tokens, started in "
           f"{out['startup_cold_s']:.1f} s cold, {server.startup:.1f} s from the compile cache", flush=True)
-    try:
-        for c in dict.fromkeys(out["slots"] if c == "max" else c for c in args.levels):  # 'max' may repeat one
-            point = asyncio.run(run_point(server, prompts[: max(args.requests, c)], args, concurrency=c))
-            out["points"].append(point)
-            print(f"  concurrency {c}: {rate(point['output_tok_s'])} tok/s, TTFT p50 {point['ttft_ms_p50']:.1f} ms, "
-                  f"peak {point['peak_sequences']} sequences", flush=True)
-        for arrivals in args.arrivals:
-            point = asyncio.run(run_point(server, prompts[: args.requests], args, rate=arrivals))
-            out["points"].append(point)
-            print(f"  {arrivals:g} req/s: {rate(point['output_tok_s'])} tok/s, e2e p99 {point['e2e_ms_p99']:.0f} ms",
-                  flush=True)
-        out["rss_gb"] = server.rss_gb()
-    finally:
-        server.stop()
-    return out
+    return out, server
+
+
+def loads(run: dict, args) -> list[dict]:
+    """A server's load points, as `run_point` keywords: each concurrency ('max': as many requests of max_len
+    as its cache holds; a repeat runs once), then each Poisson rate."""
+    levels = dict.fromkeys(run["slots"] if c == "max" else c for c in args.levels)
+    return [dict(concurrency=c) for c in levels] + [dict(rate=r) for r in args.arrivals]
+
+
+def run_load(run: dict, server: ServerProcess, prompts: list[tuple[str | list[int], int]], args, load: dict) -> None:
+    """One load point on `server`, added to its `run`."""
+    c = load.get("concurrency")
+    point = asyncio.run(run_point(server, prompts[: max(args.requests, c or 0)], args, **load))
+    run["points"].append(point)
+    what = f"concurrency {c}" if c else f"{load['rate']:g} req/s"
+    print(f"  {run['format']}, {what}: {rate(point['output_tok_s'])} tok/s, TTFT p50 {point['ttft_ms_p50']:.1f} ms, "
+          f"peak {point['peak_sequences']} sequences", flush=True)
 
 
 def rate(x: float, decimals: int = 0) -> str:
@@ -465,10 +470,21 @@ def write(runs: list[dict], args) -> str:
 
 
 def run(args) -> list[dict]:
-    """Every server of `variants` under every load point (each stopped on the way out, whatever happens),
-    over at least 4096 requests of the workload (ValueError when they do not fit `args.max_len`)."""
+    """Every server of `variants` under every load point, the servers taking turns at each (all stopped on the
+    way out, whatever happens), over at least 4096 requests of the workload (ValueError when they do not fit
+    `args.max_len`)."""
     tokenizer = load_tokenizer(args.checkpoint)
     prompts = requests(args, tokenizer, max(args.requests, 4096))
-    with tempfile.TemporaryDirectory() as cache_dir:
-        return [bench_format(label, options, args, prompts, os.path.join(cache_dir, str(i)))
-                for i, (label, options) in enumerate(variants(args).items())]
+    with tempfile.TemporaryDirectory() as cache_dir, contextlib.ExitStack() as stack:
+        runs = []
+        for i, (label, options) in enumerate(variants(args).items()):
+            run, server = start(label, options, args, os.path.join(cache_dir, str(i)))
+            stack.callback(server.stop)
+            runs.append((run, server, loads(run, args)))
+        for i in range(max(len(todo) for *_, todo in runs)):  # the servers take turns at each load point
+            for run, server, todo in runs:
+                if i < len(todo):
+                    run_load(run, server, prompts, args, todo[i])
+        for run, server, _ in runs:
+            run["rss_gb"] = server.rss_gb()
+        return [run for run, *_ in runs]
