@@ -326,7 +326,7 @@ def test_eight_devices_serve_the_same_tokens(server, start_server):
     """The same server on 8 simulated devices (--mesh data=4,model=2: slots over data, kv heads over
     model) answers with the one-device server's tokens and log-probabilities. (Shorter slots and one
     prefill bucket, so that it compiles less: the sums fit one 16-token chunk.)"""
-    flags = "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"  # the suite's, 8 devices
     args = [*ARGS, "--mesh", "data=4,model=2", "--max-len", "32", "--chunk", "16"]
     mesh = start_server(args, env=dict(XLA_FLAGS=flags, JAX_PLATFORMS="cpu"))
     assert "mesh data=4 model=2 over 8 devices" in mesh.output()
