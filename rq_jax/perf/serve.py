@@ -277,14 +277,17 @@ def point_summary(results: list[dict], wall: float, concurrency: int | None, rat
                 e2e_ms_p99=ms([r["e2e"] for r in ok], 99), engine=engine)
 
 
-def start(label: str, options: list[str], args, cache_dir: str) -> tuple[dict, ServerProcess]:
+def start(label: str, options: list[str], args, cache_dir: str, stack: contextlib.ExitStack
+          ) -> tuple[dict, ServerProcess]:
     """One server (`label`, serve.py `options`) started cold, stopped, and started again from the compile
-    cache the cold start filled: its run record (start-ups, room) and the running server."""
+    cache the cold start filled, stopped when `stack` closes: its run record (start-ups, room) and the
+    running server."""
     out = dict(format=label, points=[])
     cold = ServerProcess(args, options, cache_dir)
     out["startup_cold_s"] = cold.startup
     cold.stop()
     server = ServerProcess(args, options, cache_dir)
+    stack.callback(server.stop)
     out["startup_s"] = server.startup
     out["slots"] = int(server.metric("cache_capacity_tokens")) // args.max_len
     print(f"{label}: room for {out['slots']} requests of {args.max_len} tokens, started in "
@@ -478,8 +481,7 @@ def run(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as cache_dir, contextlib.ExitStack() as stack:
         runs = []
         for i, (label, options) in enumerate(variants(args).items()):
-            run, server = start(label, options, args, os.path.join(cache_dir, str(i)))
-            stack.callback(server.stop)
+            run, server = start(label, options, args, os.path.join(cache_dir, str(i)), stack)
             runs.append((run, server, loads(run, args)))
         for i in range(max(len(todo) for *_, todo in runs)):  # the servers take turns at each load point
             for run, server, todo in runs:

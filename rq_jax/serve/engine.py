@@ -281,4 +281,5 @@ class Engine:
             self.metrics.pool(self.scheduler, max_rows=self.max_rows, pages=self.num_pages, page_size=self.page_size,
                               page_bytes=self.page_bytes, dense_token_bytes=self.dense_token_bytes)
 
+
 __all__ = ["Completion", "Delta", "Engine", "ParamError", "SamplingParams", "TokenLogprob"]

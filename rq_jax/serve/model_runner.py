@@ -34,8 +34,8 @@ from rq_jax.cache.base import CacheFormat
 from rq_jax.cache.calib import CacheCalib
 from rq_jax.cache.kv import init_paged_cache
 from rq_jax.serve import programs
-from rq_jax.serve.sizing import geometric, holding, prefill_groups
 from rq_jax.serve.scheduler import Chunk, StepPlan
+from rq_jax.serve.sizing import geometric, holding, prefill_groups
 
 
 class RowSpec(NamedTuple):
