@@ -75,6 +75,15 @@ class PagePool:
             else:
                 self.free.append(page)
 
+    def check(self, held: collections.Counter) -> None:
+        """Raise AssertionError unless every page's count is `held[page]` (the holders the caller knows of)
+        and every page is exactly one of free, cached or held."""
+        for page in range(self.num_pages):
+            assert self.refs[page] == held[page], (page, self.refs[page], held[page])
+            states = (page in self.free) + (page in self.cached) + (self.refs[page] > 0)
+            assert states == 1, (page, states)
+
+
 
 def prefix_hashes(tokens: list[int], page_size: int, cache_key: str) -> list[bytes]:
     """The prefix hash of every full page of `tokens`: page i's covers tokens [0, (i+1)·page_size) and

@@ -66,11 +66,6 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
-    @property
-    def replaying(self) -> bool:
-        """Whether the next token to compute was already picked (output computed again after a preemption)."""
-        return self.computed + 1 < len(self.prompt) + len(self.output)
-
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
@@ -295,11 +290,7 @@ class Scheduler:
     def check(self) -> None:
         """Raise AssertionError unless every page's count equals the requests holding it and every page is
         exactly one of free, cached or held (the invariants the tests lean on)."""
-        held = collections.Counter(p for s in self.seqs.values() for p in s.pages)
-        for page in range(self.pool.num_pages):
-            assert self.pool.refs[page] == held[page], (page, self.pool.refs[page], held[page])
-            states = (page in self.pool.free) + (page in self.pool.cached) + (self.pool.refs[page] > 0)
-            assert states == 1, (page, states)
+        self.pool.check(collections.Counter(p for s in self.seqs.values() for p in s.pages))
         for seq in self.seqs.values():
             assert len(seq.pages) >= -(-seq.computed // self.page_size), seq
             assert seq.status is Status.RUNNING or not seq.pages, seq
