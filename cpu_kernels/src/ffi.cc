@@ -95,8 +95,6 @@ bool is_bf16(const ffi::AnyBuffer& x) {
   return x.element_type() == ffi::DataType::BF16 || x.element_type() == ffi::DataType::U16;
 }
 
-size_t meta_width(int meta) { return meta == kFP8 ? 1 : meta == kF32 ? 4 : 2; }
-
 // Runs every item of problem `p` and merges the splits into acc [B, K, R, D], m, l [B, K, R].
 ffi::Error run_attention(ffi::ThreadPool& pool, Problem p, ItemFn item, float* acc, float* m, float* l) {
   const int64_t B = p.B, K = p.K, R = p.R, D = p.D;
@@ -237,7 +235,7 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
         first = false;
       }
       const int meta = int(metas[i]);
-      if (meta < kF32 || meta > kFP8 || ffi::ByteWidth(scale->element_type()) != meta_width(meta) ||
+      if (meta < kF32 || meta > kFP8 || ffi::ByteWidth(scale->element_type()) != size_t(meta_width(meta)) ||
           offset->element_type() != scale->element_type())
         return ffi::Error::InvalidArgument("metadata dtype not covered");
       c.link[i] = Link{static_cast<const uint8_t*>(codes->untyped_data()), scale->untyped_data(),

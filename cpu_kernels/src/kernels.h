@@ -26,6 +26,7 @@ constexpr int kMaxDim = 512;
 constexpr int kMaxRows = 64;  // query rows per kv head in one item (more rows: the handler splits them)
 
 enum Meta : int { kF32 = 0, kBF16 = 1, kF16 = 2, kFP8 = 3 };
+inline int meta_width(int meta) { return meta == kFP8 ? 1 : meta == kF32 ? 4 : 2; }  // bytes
 
 struct Link {
   const uint8_t* codes;
