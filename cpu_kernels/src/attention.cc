@@ -534,14 +534,15 @@ inline void prefetch_rows(const void* base, int64_t row_bytes, const Segment* se
 // The item's tokens [s0, s1) in chunks of at most kChunk, each in the segments of the pages it spans:
 // fn(segments, count, n). A chunk is one online-softmax step whatever the page size (chunks of a 16-token
 // page each: a dense decode call of 16 rows at 3k tokens took 372 rather than 350 ms; residual's the same).
-// Before a chunk runs, prefetch(segments, count) is called with the next chunk's: a paged row's pages lie
-// anywhere in the pool, where the hardware's prefetchers cannot follow (residual's chains at 64 rows × 1k
-// tokens in 16-token pages took twice as long as contiguous without it).
+// Before a chunk runs, prefetch(segments, count) is called with the next chunk's (and first with the first
+// chunk's): a paged row's pages lie anywhere in the pool, where the hardware's prefetchers cannot follow
+// (residual's chains at 64 rows × 1k tokens in 16-token pages took twice as long as contiguous without it).
 template <class Prefetch, class Fn>
 void for_chunks(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, Prefetch prefetch, Fn fn) {
   Segment seg[2][kChunk];
   int n = int(std::min(int64_t(kChunk), s1 - s0)), cur = 0;
   int count = n > 0 ? chunk_segments(p, b, k, s0, n, seg[0]) : 0;
+  prefetch(seg[0], count);  // the first chunk's lines requested together, not one miss after another
   for (int64_t t0 = s0; t0 < s1; cur ^= 1) {
     const int next = int(std::min(int64_t(kChunk), s1 - t0 - n));
     const int next_count = next > 0 ? chunk_segments(p, b, k, t0 + n, next, seg[cur ^ 1]) : 0;
