@@ -723,7 +723,11 @@ void dense_any(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, f
   std::vector<float> q(rows * d), row(d), scores(rows * kChunk);
   for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, d, &q[r * d]);
   const float inv = 1.0f / std::sqrt(float(d));
-  const auto prefetch = [](const Segment*, int) {};
+  const int64_t row_bytes = d * (p.kv_bf16 ? 2 : 4);
+  const auto prefetch = [&](const Segment* seg, int count) {
+    prefetch_rows(p.k, row_bytes, seg, count);
+    prefetch_rows(p.v, row_bytes, seg, count);
+  };
   for_chunks(p, b, k, s0, s1, prefetch, [&](const Segment* seg, int count, int n) {
     for (int j = 0; j < n; ++j) {
       load_row(p.k, p.kv_bf16, flat(seg, count, j), d, row.data());
