@@ -501,7 +501,7 @@ struct Segment {
   int j0, n;
 };
 
-// The segments of the chunk of tokens [t0, t0 + n) of (b, k); returns their count.
+// The segments of the chunk of tokens [t0, t0 + n) of (b, k); returns their count (0 when n <= 0).
 inline int chunk_segments(const Problem& p, int64_t b, int64_t k, int64_t t0, int n, Segment* seg) {
   int count = 0;
   for (int j = 0; j < n;) {
@@ -541,11 +541,11 @@ template <class Prefetch, class Fn>
 void for_chunks(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, Prefetch prefetch, Fn fn) {
   Segment seg[2][kChunk];
   int n = int(std::min(int64_t(kChunk), s1 - s0)), cur = 0;
-  int count = n > 0 ? chunk_segments(p, b, k, s0, n, seg[0]) : 0;
+  int count = chunk_segments(p, b, k, s0, n, seg[0]);
   prefetch(seg[0], count);  // the first chunk's lines requested together, not one miss after another
   for (int64_t t0 = s0; t0 < s1; cur ^= 1) {
     const int next = int(std::min(int64_t(kChunk), s1 - t0 - n));
-    const int next_count = next > 0 ? chunk_segments(p, b, k, t0 + n, next, seg[cur ^ 1]) : 0;
+    const int next_count = chunk_segments(p, b, k, t0 + n, next, seg[cur ^ 1]);
     prefetch(seg[cur ^ 1], next_count);
     fn(seg[cur], count, n);
     t0 += n;

@@ -84,7 +84,6 @@ class PagePool:
             assert states == 1, (page, states)
 
 
-
 def prefix_hashes(tokens: list[int], page_size: int, cache_key: str) -> list[bytes]:
     """The prefix hash of every full page of `tokens`: page i's covers tokens [0, (i+1)·page_size) and
     `cache_key` (the cache format and calibration they were stored under)."""
