@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -54,6 +55,21 @@ inline float hsum(V<8>::f v) {
 inline float hsum(V<16>::f v) {
   return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+// Neighbouring lanes of a and b added: lane i < W/2 is a[2i] + a[2i+1], lane W/2 + i is b[2i] + b[2i+1].
+template <class F, size_t... I>
+inline F pair_sums(F a, F b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, (2 * I)...) + __builtin_shufflevector(a, b, (2 * I + 1)...);
+}
+
+// Lane j: the sum of t[j]'s lanes (t is overwritten), in W − 1 pairings where W hsums take W·log2(W)
+// shuffles; a vector's lanes are summed in the same order wherever it stands in t.
+template <int W>
+inline typename V<W>::f hsums(typename V<W>::f (&t)[W]) {
+  for (int n = W; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i) t[i] = pair_sums(t[2 * i], t[2 * i + 1], std::make_index_sequence<W>{});
+  return t[0];
 }
 
 // W unsigned bytes (or 16-bit words) widened to int32 lanes: one instruction where the target has it (GCC's
@@ -236,6 +252,17 @@ struct Blocks {
     }
     return __builtin_convertvector(x, typename V<W>::f);
   }
+
+  // Token j's channels, scaled: blocks [N] of codes × their group's scale (token j's bytes [J] of `stored`,
+  // its scales [NG] of `scale`).
+  static void scaled(const uint8_t* stored, const float* scale, int j, typename V<W>::f* out) {
+    const uint8_t* c = stored + j * J;
+    const float* s = scale + j * NG;
+    for (int h = 0; h < H; ++h) {
+      const auto x0 = widen<W>(c + W * h);
+      for (int p = 0; p < P; ++p) out[h * P + p] = codes(x0, p) * s[group(h * P + p)];
+    }
+  }
 };
 
 // A token's offsets times the query's group sums, Σ_g offset_g · qsum_g, as lanes to add before a horizontal
@@ -283,32 +310,55 @@ void key_blocked(const Link&, const uint8_t* codes, int n, int rows, const float
     }
     return;
   }
-  for (int j = 0; j < n; ++j) {
-    const uint8_t* c = codes + j * B::J;
-    const float* s = scale + j * B::NG;
-    F blk[B::N];
-    for (int h = 0; h < B::H; ++h) {
-      const auto x0 = widen<W>(c + W * h);
-      for (int p = 0; p < B::P; ++p) blk[h * B::P + p] = B::codes(x0, p) * s[B::group(h * B::P + p)];
+  for (int j0 = 0; j0 < n; j0 += W) {  // W tokens decoded once, then each row's query over them
+    const int m = std::min(W, n - j0);
+    F blk[W][B::N], off[B::NG];  // codes × scale per token; the tokens' offsets per group, a lane each
+    for (int g = 0; g < B::NG; ++g) off[g] = F{};
+    for (int jj = 0; jj < m; ++jj) {
+      B::scaled(codes, scale, j0 + jj, blk[jj]);
+      for (int g = 0; g < B::NG; ++g) off[g][jj] = offset[(j0 + jj) * B::NG + g];
     }
     for (int r = 0; r < rows; ++r) {
-      F a = offset_lanes<W, B::NG>(offset + j * B::NG, qsum + r * qsum_stride(B::NG));
-      for (int i = 0; i < B::N; ++i) a += blk[i] * load<F>(q + r * D + B::channel(i));
-      scores[r * kChunk + j] += coef[j] * hsum(a);
+      F qr[B::N], lanes[W];
+      for (int i = 0; i < B::N; ++i) qr[i] = load<F>(q + r * D + B::channel(i));
+      for (int jj = 0; jj < W; ++jj) {
+        F a = F{};
+        if (jj < m)
+          for (int i = 0; i < B::N; ++i) a += blk[jj][i] * qr[i];
+        lanes[jj] = a;
+      }
+      F sums = hsums<W>(lanes);
+      const float* qs = qsum + r * qsum_stride(B::NG);
+      for (int g = 0; g < B::NG; ++g) sums += off[g] * qs[g];
+      float* out = scores + r * kChunk + j0;
+      if (m == W) {
+        store(out, load<F>(out) + load<F>(coef + j0) * sums);
+      } else {
+        for (int jj = 0; jj < m; ++jj) out[jj] += coef[j0 + jj] * sums[jj];
+      }
     }
   }
 }
 
-// offacc[0 .. ng) += Σ_j w[j] · offset[j][:] over a chunk, as one vector when ng <= kLanes.
-inline void add_offsets(int ng, int n, const float* w, int w_stride, const float* offset, float* offacc) {
+// offacc[0 .. ng) += Σ_j w[j] · offset[j][:] over a chunk, as vectors when ng <= kLanes (four sums of every
+// fourth token: one would wait on the last add at every token).
+inline void add_offsets(int ng, int n, const float* w, const float* offset, float* offacc) {
   if (ng <= kLanes) {
-    vf a = vf{};
-    for (int j = 0; j < n; ++j) a += w[j * w_stride] * load<vf>(offset + j * ng);
-    for (int g = 0; g < ng; ++g) offacc[g] += a[g];
+    vf a0 = vf{}, a1 = vf{}, a2 = vf{}, a3 = vf{};
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+      a0 += w[j] * load<vf>(offset + j * ng);
+      a1 += w[j + 1] * load<vf>(offset + (j + 1) * ng);
+      a2 += w[j + 2] * load<vf>(offset + (j + 2) * ng);
+      a3 += w[j + 3] * load<vf>(offset + (j + 3) * ng);
+    }
+    for (; j < n; ++j) a0 += w[j] * load<vf>(offset + j * ng);
+    const vf t = (a0 + a1) + (a2 + a3);
+    for (int g = 0; g < ng; ++g) offacc[g] += t[g];
     return;
   }
   for (int j = 0; j < n; ++j)
-    for (int g = 0; g < ng; ++g) offacc[g] += w[j * w_stride] * offset[j * ng + g];
+    for (int g = 0; g < ng; ++g) offacc[g] += w[j] * offset[j * ng + g];
 }
 
 template <int D, int BITS, int W, int G>
@@ -316,7 +366,7 @@ void value_blocked(const Link&, const uint8_t* codes, int n, int rows, const flo
                    const float* offset, float* acc, float* offacc, int offacc_stride) {
   using B = Blocks<D, BITS, W, G>;
   using F = typename V<W>::f;
-  for (int r = 0; r < rows; ++r) add_offsets(B::NG, n, w + r * kChunk, 1, offset, offacc + r * offacc_stride);
+  for (int r = 0; r < rows; ++r) add_offsets(B::NG, n, w + r * kChunk, offset, offacc + r * offacc_stride);
   if (rows == 1) {  // the accumulator in registers across the chunk
     F a[B::N];
     for (int i = 0; i < B::N; ++i) a[i] = load<F>(acc + B::channel(i));
@@ -335,19 +385,19 @@ void value_blocked(const Link&, const uint8_t* codes, int n, int rows, const flo
     for (int i = 0; i < B::N; ++i) store(acc + B::channel(i), a[i]);
     return;
   }
-  for (int j = 0; j < n; ++j) {
-    const uint8_t* c = codes + j * B::J;
-    const float* s = scale + j * B::NG;
-    F blk[B::N];
-    for (int h = 0; h < B::H; ++h) {
-      const auto x0 = widen<W>(c + W * h);
-      for (int p = 0; p < B::P; ++p) blk[h * B::P + p] = B::codes(x0, p);
-    }
+  for (int j0 = 0; j0 < n; j0 += W) {  // W tokens decoded once, each row's accumulator in registers over them
+    const int m = std::min(W, n - j0);
+    F blk[W][B::N];
+    for (int jj = 0; jj < m; ++jj) B::scaled(codes, scale, j0 + jj, blk[jj]);
     for (int r = 0; r < rows; ++r) {
-      const float wr = w[r * kChunk + j];
       float* ar = acc + r * D;
-      for (int i = 0; i < B::N; ++i)
-        store(ar + B::channel(i), load<F>(ar + B::channel(i)) + blk[i] * (wr * s[B::group(i)]));
+      F a[B::N];
+      for (int i = 0; i < B::N; ++i) a[i] = load<F>(ar + B::channel(i));
+      for (int jj = 0; jj < m; ++jj) {
+        const float wr = w[r * kChunk + j0 + jj];
+        for (int i = 0; i < B::N; ++i) a[i] += blk[jj][i] * wr;
+      }
+      for (int i = 0; i < B::N; ++i) store(ar + B::channel(i), a[i]);
     }
   }
 }
@@ -379,7 +429,7 @@ void key_any(const Link& ln, const uint8_t* codes, int n, int rows, const float*
 void value_any(const Link& ln, const uint8_t* codes, int n, int rows, const float* w, const float* scale,
                const float* offset, float* acc, float* offacc, int offacc_stride) {
   const int d = ln.dim, g = ln.group, ng = d / g, bytes = d * ln.bits / 8;
-  for (int r = 0; r < rows; ++r) add_offsets(ng, n, w + r * kChunk, 1, offset, offacc + r * offacc_stride);
+  for (int r = 0; r < rows; ++r) add_offsets(ng, n, w + r * kChunk, offset, offacc + r * offacc_stride);
   float cf[kMaxDim];
   for (int j = 0; j < n; ++j) {
     unpack(codes + j * bytes, ln.bits, d, cf);
@@ -681,37 +731,57 @@ void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
   Arena arena(Arena::rounded(rows * D) + Arena::rounded(rows * kChunk));
   float *q = arena.take(rows * D), *scores = arena.take(rows * kChunk);
   for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, D, &q[r * D]);
-  const int64_t esize = p.kv_bf16 ? 2 : 4;
+  const int64_t row_bytes = D * p.kv_bytes();
   const char* kbase = static_cast<const char*>(p.k);
   const char* vbase = static_cast<const char*>(p.v);
   const float inv = 1.0f / std::sqrt(float(D));
   const auto prefetch = [&](const Segment* seg, int count) {
-    prefetch_rows(kbase, D * esize, seg, count);
-    prefetch_rows(vbase, D * esize, seg, count);
+    prefetch_rows(kbase, row_bytes, seg, count);
+    prefetch_rows(vbase, row_bytes, seg, count);
+  };
+  vf blk[kLanes][NB];  // kLanes tokens' K or V rows, read once for every query row
+  const auto read = [&](const char* base, const Segment* seg, int count, int j0, int n) {
+    for (int j = 0; j < n; ++j) {
+      const void* row = base + flat(seg, count, j0 + j) * row_bytes;
+      for (int c = 0; c < NB; ++c) blk[j][c] = dense_block(row, p.kv_bf16, c);
+    }
   };
   for_chunks(p, b, k, s0, s1, prefetch, [&](const Segment* seg, int count, int n) {
-    for (int j = 0; j < n; ++j) {
-      const void* row = kbase + flat(seg, count, j) * D * esize;
-      vf blk[NB];
-      for (int c = 0; c < NB; ++c) blk[c] = dense_block(row, p.kv_bf16, c);
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+      const int nb = std::min(kLanes, n - j0);
+      read(kbase, seg, count, j0, nb);
       for (int r = 0; r < rows; ++r) {
-        vf a0 = vf{}, a1 = vf{};
-        for (int c = 0; c < NB; ++c) {
-          const vf t = load<vf>(&q[r * D + kLanes * c]) * blk[c];
-          if (c & 1) a1 += t; else a0 += t;
+        vf lanes[kLanes];
+        for (int j = 0; j < kLanes; ++j) {
+          vf a0 = vf{}, a1 = vf{};
+          for (int c = 0; c < NB && j < nb; ++c) {
+            const vf t = load<vf>(&q[r * D + kLanes * c]) * blk[j][c];
+            if (c & 1) a1 += t; else a0 += t;
+          }
+          lanes[j] = a0 + a1;
         }
-        scores[r * kChunk + j] = hsum(a0 + a1) * inv;
+        const vf sums = hsums<kLanes>(lanes) * inv;
+        float* out = scores + r * kChunk + j0;
+        if (nb == kLanes) {
+          store(out, sums);
+        } else {
+          for (int j = 0; j < nb; ++j) out[j] = sums[j];
+        }
       }
     }
     softmax_step(rows, n, scores, m, l, acc, D, nullptr, 0);
-    for (int j = 0; j < n; ++j) {
-      const void* row = vbase + flat(seg, count, j) * D * esize;
-      vf blk[NB];
-      for (int c = 0; c < NB; ++c) blk[c] = dense_block(row, p.kv_bf16, c);
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+      const int nb = std::min(kLanes, n - j0);
+      read(vbase, seg, count, j0, nb);
       for (int r = 0; r < rows; ++r) {
-        const float wr = scores[r * kChunk + j];
         float* a = acc + r * D;
-        for (int c = 0; c < NB; ++c) store(a + kLanes * c, load<vf>(a + kLanes * c) + blk[c] * wr);
+        vf ar[NB];
+        for (int c = 0; c < NB; ++c) ar[c] = load<vf>(a + kLanes * c);
+        for (int j = 0; j < nb; ++j) {
+          const float wr = scores[r * kChunk + j0 + j];
+          for (int c = 0; c < NB; ++c) ar[c] += blk[j][c] * wr;
+        }
+        for (int c = 0; c < NB; ++c) store(a + kLanes * c, ar[c]);
       }
     }
   });
@@ -723,7 +793,7 @@ void dense_any(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, f
   std::vector<float> q(rows * d), row(d), scores(rows * kChunk);
   for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, d, &q[r * d]);
   const float inv = 1.0f / std::sqrt(float(d));
-  const int64_t row_bytes = d * (p.kv_bf16 ? 2 : 4);
+  const int64_t row_bytes = d * p.kv_bytes();
   const auto prefetch = [&](const Segment* seg, int count) {
     prefetch_rows(p.k, row_bytes, seg, count);
     prefetch_rows(p.v, row_bytes, seg, count);

@@ -58,6 +58,7 @@ struct Problem {
   const void* k = nullptr;
   const void* v = nullptr;
   bool kv_bf16 = false;
+  int64_t kv_bytes() const { return kv_bf16 ? 2 : 4; }  // of one dense K or V value
   // quantized chains
   Chain keys, values;
   const float* mean_scores = nullptr;  // [B, K, R, keys.n]
