@@ -57,19 +57,79 @@ inline float hsum(V<16>::f v) {
               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-// Neighbouring lanes of a and b added: lane i < W/2 is a[2i] + a[2i+1], lane W/2 + i is b[2i] + b[2i+1].
+// The even and the odd lanes of a then b: lane i < W/2 is a[2i] (a[2i+1]), lane W/2 + i is b[2i] (b[2i+1]).
 template <class F, size_t... I>
-inline F pair_sums(F a, F b, std::index_sequence<I...>) {
-  return __builtin_shufflevector(a, b, (2 * I)...) + __builtin_shufflevector(a, b, (2 * I + 1)...);
+inline F evens(F a, F b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, (2 * I)...);
+}
+template <class F, size_t... I>
+inline F odds(F a, F b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, (2 * I + 1)...);
 }
 
 // Lane j: the sum of t[j]'s lanes (t is overwritten), in W − 1 pairings where W hsums take W·log2(W)
 // shuffles; a vector's lanes are summed in the same order wherever it stands in t.
 template <int W>
 inline typename V<W>::f hsums(typename V<W>::f (&t)[W]) {
+  constexpr auto lanes = std::make_index_sequence<W>{};
   for (int n = W; n > 1; n /= 2)
-    for (int i = 0; i < n / 2; ++i) t[i] = pair_sums(t[2 * i], t[2 * i + 1], std::make_index_sequence<W>{});
+    for (int i = 0; i < n / 2; ++i) t[i] = evens(t[2 * i], t[2 * i + 1], lanes) + odds(t[2 * i], t[2 * i + 1], lanes);
   return t[0];
+}
+
+// t as a W × W matrix, transposed in place: log2(W) rounds of splitting every pair of rows into evens and odds.
+template <int W>
+inline void transpose(typename V<W>::f (&t)[W]) {
+  constexpr auto lanes = std::make_index_sequence<W>{};
+  for (int n = 1; n < W; n *= 2) {
+    typename V<W>::f u[W];
+    for (int i = 0; i < W / 2; ++i) {
+      u[i] = evens(t[2 * i], t[2 * i + 1], lanes);
+      u[W / 2 + i] = odds(t[2 * i], t[2 * i + 1], lanes);
+    }
+    for (int i = 0; i < W; ++i) t[i] = u[i];
+  }
+}
+
+// The dot products of `rows` query rows (q [rows, d]) with W tokens given token-major, blk[j·N + i] channels
+// ch[i] .. ch[i] + W − 1 of token j: emit(r, sums) with lane j of sums query row r's product with token j.
+// Four rows or more take the blocks transposed (lanes become tokens) and four rows at a time multiply each
+// channel's W tokens by their query values, with no horizontal sum; fewer sum each row's W products at once.
+template <int W, int N, class Emit>
+inline void row_scores(const typename V<W>::f* blk, const int* ch, const float* q, int d, int rows, Emit emit) {
+  using F = typename V<W>::f;
+  if (rows < 4) {
+    for (int r = 0; r < rows; ++r) {
+      F lanes[W];
+      for (int j = 0; j < W; ++j) {
+        F a = F{};
+        for (int i = 0; i < N; ++i) a += blk[j * N + i] * load<F>(q + r * d + ch[i]);
+        lanes[j] = a;
+      }
+      emit(r, hsums<W>(lanes));
+    }
+    return;
+  }
+  F kt[N][W];  // kt[i][c]: channel ch[i] + c of the W tokens
+  for (int i = 0; i < N; ++i) {
+    for (int j = 0; j < W; ++j) kt[i][j] = blk[j * N + i];
+    transpose<W>(kt[i]);
+  }
+  for (int r = 0; r < rows; r += 4) {
+    const int r0 = std::min(r, rows - 4);  // the last four rows again when rows is not a multiple of four
+    F a0 = F{}, a1 = F{}, a2 = F{}, a3 = F{}, b0 = F{}, b1 = F{}, b2 = F{}, b3 = F{};  // two sums a row
+    for (int i = 0; i < N; ++i)
+      for (int c = 0; c < W; c += 2) {
+        const float* x = q + r0 * d + ch[i] + c;
+        const F k = kt[i][c], l = kt[i][c + 1];
+        a0 += x[0] * k, b0 += x[1] * l;
+        a1 += x[d] * k, b1 += x[d + 1] * l;
+        a2 += x[2 * d] * k, b2 += x[2 * d + 1] * l;
+        a3 += x[3 * d] * k, b3 += x[3 * d + 1] * l;
+      }
+    const F sums[4] = {a0 + b0, a1 + b1, a2 + b2, a3 + b3};
+    for (int rr = r - r0; rr < 4; ++rr) emit(r0 + rr, sums[rr]);
+  }
 }
 
 // W unsigned bytes (or 16-bit words) widened to int32 lanes: one instruction where the target has it (GCC's
@@ -310,24 +370,21 @@ void key_blocked(const Link&, const uint8_t* codes, int n, int rows, const float
     }
     return;
   }
-  for (int j0 = 0; j0 < n; j0 += W) {  // W tokens decoded once, then each row's query over them
+  int ch[B::N];
+  for (int i = 0; i < B::N; ++i) ch[i] = B::channel(i);
+  for (int j0 = 0; j0 < n; j0 += W) {  // W tokens decoded once, then every row's query over them
     const int m = std::min(W, n - j0);
     F blk[W][B::N], off[B::NG];  // codes × scale per token; the tokens' offsets per group, a lane each
     for (int g = 0; g < B::NG; ++g) off[g] = F{};
-    for (int jj = 0; jj < m; ++jj) {
+    for (int jj = 0; jj < W; ++jj) {
+      if (jj >= m) {
+        for (int i = 0; i < B::N; ++i) blk[jj][i] = F{};
+        continue;
+      }
       B::scaled(codes, scale, j0 + jj, blk[jj]);
       for (int g = 0; g < B::NG; ++g) off[g][jj] = offset[(j0 + jj) * B::NG + g];
     }
-    for (int r = 0; r < rows; ++r) {
-      F qr[B::N], lanes[W];
-      for (int i = 0; i < B::N; ++i) qr[i] = load<F>(q + r * D + B::channel(i));
-      for (int jj = 0; jj < W; ++jj) {
-        F a = F{};
-        if (jj < m)
-          for (int i = 0; i < B::N; ++i) a += blk[jj][i] * qr[i];
-        lanes[jj] = a;
-      }
-      F sums = hsums<W>(lanes);
+    row_scores<W, B::N>(&blk[0][0], ch, q, D, rows, [&](int r, F sums) {
       const float* qs = qsum + r * qsum_stride(B::NG);
       for (int g = 0; g < B::NG; ++g) sums += off[g] * qs[g];
       float* out = scores + r * kChunk + j0;
@@ -336,7 +393,7 @@ void key_blocked(const Link&, const uint8_t* codes, int n, int rows, const float
       } else {
         for (int jj = 0; jj < m; ++jj) out[jj] += coef[j0 + jj] * sums[jj];
       }
-    }
+    });
   }
 }
 
@@ -739,35 +796,27 @@ void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
     prefetch_rows(kbase, row_bytes, seg, count);
     prefetch_rows(vbase, row_bytes, seg, count);
   };
-  vf blk[kLanes][NB];  // kLanes tokens' K or V rows, read once for every query row
+  vf blk[kLanes][NB];  // kLanes tokens' K or V rows (zero past n), read once for every query row
   const auto read = [&](const char* base, const Segment* seg, int count, int j0, int n) {
-    for (int j = 0; j < n; ++j) {
-      const void* row = base + flat(seg, count, j0 + j) * row_bytes;
-      for (int c = 0; c < NB; ++c) blk[j][c] = dense_block(row, p.kv_bf16, c);
+    for (int j = 0; j < kLanes; ++j) {
+      const void* row = base + flat(seg, count, j0 + std::min(j, n - 1)) * row_bytes;
+      for (int c = 0; c < NB; ++c) blk[j][c] = j < n ? dense_block(row, p.kv_bf16, c) : vf{};
     }
   };
+  int ch[NB];
+  for (int c = 0; c < NB; ++c) ch[c] = kLanes * c;
   for_chunks(p, b, k, s0, s1, prefetch, [&](const Segment* seg, int count, int n) {
     for (int j0 = 0; j0 < n; j0 += kLanes) {
       const int nb = std::min(kLanes, n - j0);
       read(kbase, seg, count, j0, nb);
-      for (int r = 0; r < rows; ++r) {
-        vf lanes[kLanes];
-        for (int j = 0; j < kLanes; ++j) {
-          vf a0 = vf{}, a1 = vf{};
-          for (int c = 0; c < NB && j < nb; ++c) {
-            const vf t = load<vf>(&q[r * D + kLanes * c]) * blk[j][c];
-            if (c & 1) a1 += t; else a0 += t;
-          }
-          lanes[j] = a0 + a1;
-        }
-        const vf sums = hsums<kLanes>(lanes) * inv;
+      row_scores<kLanes, NB>(&blk[0][0], ch, q, D, rows, [&](int r, vf sums) {
         float* out = scores + r * kChunk + j0;
         if (nb == kLanes) {
-          store(out, sums);
+          store(out, sums * inv);
         } else {
-          for (int j = 0; j < nb; ++j) out[j] = sums[j];
+          for (int j = 0; j < nb; ++j) out[j] = sums[j] * inv;
         }
-      }
+      });
     }
     softmax_step(rows, n, scores, m, l, acc, D, nullptr, 0);
     for (int j0 = 0; j0 < n; j0 += kLanes) {
