@@ -19,6 +19,12 @@
 // W bytes once and take every plane out of them with a shift and a mask: each plane is W channels of one
 // group, converted to float and multiplied into the query (keys) or the weight (values). Other shapes run
 // channel by channel over the token's unpacked codes.
+//
+// An item has one query row per query head of its kv head in a decode step, and that times the chunk's
+// tokens for a prompt chunk (R = T·H/K). Many rows take a chunk W tokens at a time: the W tokens are
+// decoded (or, dense, read) once, each row's values accumulate in registers over them, and the keys'
+// products come from `row_scores` (transposed blocks, four rows at a time) rather than one horizontal sum
+// per row and token.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

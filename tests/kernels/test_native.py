@@ -58,6 +58,7 @@ DENSE_CASES = dense_cases.CASES + (
     dense_cases.Case("d16-f32kv", 16, 2, lengths=(0, 1, 9), s=9, kv_dtype="float32"),
     dense_cases.Case("d128-bf16-splits", 128, 1, lengths=(513, 64, 1100), s=1100, heads=1, q_dtype="bfloat16"),
     dense_cases.Case("d24-gqa", 24, 4, lengths=(30, 65), s=65),
+    dense_cases.Case("d64-rows6", 64, 6, lengths=(17, 40), s=40),  # four rows at a time, then the last four again
 )
 
 
