@@ -403,20 +403,11 @@ void key_blocked(const Link&, const uint8_t* codes, int n, int rows, const float
   }
 }
 
-// offacc[0 .. ng) += Σ_j w[j] · offset[j][:] over a chunk, as vectors when ng <= kLanes (four sums of every
-// fourth token: one would wait on the last add at every token).
+// offacc[0 .. ng) += Σ_j w[j] · offset[j][:] over a chunk, as one vector when ng <= kLanes.
 inline void add_offsets(int ng, int n, const float* w, const float* offset, float* offacc) {
   if (ng <= kLanes) {
-    vf a0 = vf{}, a1 = vf{}, a2 = vf{}, a3 = vf{};
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {
-      a0 += w[j] * load<vf>(offset + j * ng);
-      a1 += w[j + 1] * load<vf>(offset + (j + 1) * ng);
-      a2 += w[j + 2] * load<vf>(offset + (j + 2) * ng);
-      a3 += w[j + 3] * load<vf>(offset + (j + 3) * ng);
-    }
-    for (; j < n; ++j) a0 += w[j] * load<vf>(offset + j * ng);
-    const vf t = (a0 + a1) + (a2 + a3);
+    vf t = vf{};
+    for (int j = 0; j < n; ++j) t += w[j] * load<vf>(offset + j * ng);
     for (int g = 0; g < ng; ++g) offacc[g] += t[g];
     return;
   }
