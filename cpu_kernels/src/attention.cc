@@ -97,19 +97,21 @@ inline void transpose(typename V<W>::f (&t)[W]) {
   }
 }
 
-// The dot products of `rows` query rows (q [rows, d]) with W tokens given token-major, blk[j·N + i] channels
-// ch[i] .. ch[i] + W − 1 of token j: emit(r, sums) with lane j of sums query row r's product with token j.
+// The dot products of `rows` query rows (q [rows, d]) with m <= W tokens given token-major, blk[j·N + i]
+// channels ch[i] .. ch[i] + W − 1 of token j (blocks past m are not read): emit(r, sums) with lane j of sums
+// query row r's product with token j (0 past m).
 // Four rows or more take the blocks transposed (lanes become tokens) and four rows at a time multiply each
 // channel's W tokens by their query values, with no horizontal sum; fewer sum each row's W products at once.
 template <int W, int N, class Emit>
-inline void row_scores(const typename V<W>::f* blk, const int* ch, const float* q, int d, int rows, Emit emit) {
+inline void row_scores(const typename V<W>::f* blk, int m, const int* ch, const float* q, int d, int rows,
+                       Emit emit) {
   using F = typename V<W>::f;
   if (rows < 4) {
     for (int r = 0; r < rows; ++r) {
       F lanes[W];
       for (int j = 0; j < W; ++j) {
         F a = F{};
-        for (int i = 0; i < N; ++i) a += blk[j * N + i] * load<F>(q + r * d + ch[i]);
+        for (int i = 0; i < N && j < m; ++i) a += blk[j * N + i] * load<F>(q + r * d + ch[i]);
         lanes[j] = a;
       }
       emit(r, hsums<W>(lanes));
@@ -118,7 +120,7 @@ inline void row_scores(const typename V<W>::f* blk, const int* ch, const float* 
   }
   F kt[N][W];  // kt[i][c]: channel ch[i] + c of the W tokens
   for (int i = 0; i < N; ++i) {
-    for (int j = 0; j < W; ++j) kt[i][j] = blk[j * N + i];
+    for (int j = 0; j < W; ++j) kt[i][j] = j < m ? blk[j * N + i] : F{};
     transpose<W>(kt[i]);
   }
   for (int r = 0; r < rows; r += 4) {
@@ -382,15 +384,11 @@ void key_blocked(const Link&, const uint8_t* codes, int n, int rows, const float
     const int m = std::min(W, n - j0);
     F blk[W][B::N], off[B::NG];  // codes × scale per token; the tokens' offsets per group, a lane each
     for (int g = 0; g < B::NG; ++g) off[g] = F{};
-    for (int jj = 0; jj < W; ++jj) {
-      if (jj >= m) {
-        for (int i = 0; i < B::N; ++i) blk[jj][i] = F{};
-        continue;
-      }
+    for (int jj = 0; jj < m; ++jj) {
       B::scaled(codes, scale, j0 + jj, blk[jj]);
       for (int g = 0; g < B::NG; ++g) off[g][jj] = offset[(j0 + jj) * B::NG + g];
     }
-    row_scores<W, B::N>(&blk[0][0], ch, q, D, rows, [&](int r, F sums) {
+    row_scores<W, B::N>(&blk[0][0], m, ch, q, D, rows, [&](int r, F sums) {
       const float* qs = qsum + r * qsum_stride(B::NG);
       for (int g = 0; g < B::NG; ++g) sums += off[g] * qs[g];
       float* out = scores + r * kChunk + j0;
@@ -793,11 +791,11 @@ void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
     prefetch_rows(kbase, row_bytes, seg, count);
     prefetch_rows(vbase, row_bytes, seg, count);
   };
-  vf blk[kLanes][NB];  // kLanes tokens' K or V rows (zero past n), read once for every query row
+  vf blk[kLanes][NB];  // up to kLanes tokens' K or V rows, read once for every query row
   const auto read = [&](const char* base, const Segment* seg, int count, int j0, int n) {
-    for (int j = 0; j < kLanes; ++j) {
-      const void* row = base + flat(seg, count, j0 + std::min(j, n - 1)) * row_bytes;
-      for (int c = 0; c < NB; ++c) blk[j][c] = j < n ? dense_block(row, p.kv_bf16, c) : vf{};
+    for (int j = 0; j < n; ++j) {
+      const void* row = base + flat(seg, count, j0 + j) * row_bytes;
+      for (int c = 0; c < NB; ++c) blk[j][c] = dense_block(row, p.kv_bf16, c);
     }
   };
   int ch[NB];
@@ -806,7 +804,7 @@ void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
     for (int j0 = 0; j0 < n; j0 += kLanes) {
       const int nb = std::min(kLanes, n - j0);
       read(kbase, seg, count, j0, nb);
-      row_scores<kLanes, NB>(&blk[0][0], ch, q, D, rows, [&](int r, vf sums) {
+      row_scores<kLanes, NB>(&blk[0][0], nb, ch, q, D, rows, [&](int r, vf sums) {
         float* out = scores + r * kChunk + j0;
         if (nb == kLanes) {
           store(out, sums * inv);
