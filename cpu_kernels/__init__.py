@@ -12,6 +12,10 @@ The CPU counterpart of `pallas_kernels`: the same array layouts and the same sig
                                                                     the write's encoder: a loop group of
                                                                     rotated K or V as ResidualQuant codes it
 
+    store_tokens(pool, new, lengths, num_new, block_table)         the write's store: a call's new tokens
+                                                                    into a paged pool, every leaf at once,
+                                                                    in place
+
 Stored leaves may stack their slots over several leading axes ([G, N, B, K, S, ...], as rq_jax's state
 holds them): the axes before B are the slots, row-major, and `slot` indexes their flattening (so a caller
 passes the state's own buffers, with no reshape between them and the kernel).
@@ -65,7 +69,7 @@ _META_CODE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(j
               jnp.dtype(jnp.float8_e4m3fn): 3}
 MAX_HEAD_DIM = 512
 MAX_LINKS = 8
-_TARGETS = {"dense": "RqDenseAttention", "quant": "RqQuantAttention", "encode": "RqEncode"}
+_TARGETS = {"dense": "RqDenseAttention", "quant": "RqQuantAttention", "encode": "RqEncode", "store": "RqStore"}
 
 
 @functools.cache
@@ -446,5 +450,39 @@ def residual_encode(
     return tuple(loops), alpha, lost
 
 
+def store_tokens(pool: Sequence[jax.Array], new: Sequence[jax.Array], lengths: jax.Array, num_new: jax.Array,
+                 block_table: jax.Array) -> list[jax.Array]:
+    """Every leaf of `new` [G, N, B, K, T, ...] stored in its leaf of the paged `pool` [G, N, NP, K, P, ...]
+    (rq_jax's layout; the same other axes, any dtype, copied as its bytes) in one FFI call that updates the
+    pool's buffers in place (aliased, so a donated pool is not copied): token t < num_new[b] of row b lands
+    at position lengths[b] + t, in page block_table[b, pos // P] at offset pos % P; positions before 0 or past
+    the table's N pages are dropped. Returns the new pool leaves. A page the tokens land in must lie in the
+    pool (else the call fails naming it). lengths, num_new [B] and block_table [B, N] are integers. On several
+    devices it raises NotImplementedError (the pool's sharding is the caller's: use XLA's write)."""
+    if len(pool) != len(new):
+        raise ValueError(f"{len(pool)} pool leaves for {len(new)} new ones")
+    b = lengths.shape[0]
+    if num_new.shape != (b,) or block_table.ndim != 2 or block_table.shape[0] != b:
+        raise ValueError(f"want lengths, num_new [B] and block_table [B, N]; got {lengths.shape}, {num_new.shape}, "
+                         f"{block_table.shape}")
+    for x, y in zip(pool, new):
+        if x.ndim < 5 or y.ndim != x.ndim or y.shape[2] != b or y.shape[:2] + y.shape[3:4] + y.shape[5:] != \
+                x.shape[:2] + x.shape[3:4] + x.shape[5:]:
+            raise ValueError(f"new leaf {y.shape} does not fit pool leaf {x.shape} ([G, N, B, K, T, ...] into "
+                             f"[G, N, NP, K, P, ...], B = {b})")
+    if jax.device_count() > 1:
+        raise NotImplementedError("a pool on several devices")
+    _require()
+    if not pool:
+        return []
+    bits = [_bits(x) for x in pool]
+    n = len(bits)
+    call = jax.ffi.ffi_call("rq_cpu_store", [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in bits],
+                            input_output_aliases={3 + n + i: i for i in range(n)}, vmap_method="sequential")
+    out = call(lengths.astype(jnp.int32), num_new.astype(jnp.int32), block_table.astype(jnp.int32),
+               *(_bits(y.astype(x.dtype)) for x, y in zip(pool, new)), *bits)
+    return [o if o.dtype == x.dtype else jax.lax.bitcast_convert_type(o, x.dtype) for o, x in zip(out, pool)]
+
+
 __all__ = ["available", "dense_decode_attention", "isa", "residual_decode_attention", "residual_encode",
-           "unavailable_reason"]
+           "store_tokens", "unavailable_reason"]

@@ -6,6 +6,8 @@
 //   RqEncode             z [O, K, L, B, T, D], num_new [B], [mean]   -> per stored loop: codes, scale, offset;
 //                        [α]; lost
 //                        (kernels.h, EncodeProblem; encode.cc)
+//   RqStore              lengths [B], num_new [B], block table [B, N], new leaves..., pool leaves...
+//                        -> the pool leaves (aliased to their inputs: written in place)
 //
 // The block table [B, N] names each row's pages (a contiguous cache passes the identity [B, 1]); a page a
 // row's length reaches must lie in the pool, else the call fails naming it.
@@ -336,6 +338,63 @@ ffi::Error encode(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingR
   return ffi::Error::Success();
 }
 
+// Stores a call's new tokens in a paged pool, every leaf in one call. Leaf i's new values are [M, B, K, T, E]
+// and its pool [M, NP, K, P, E] (M and E products of the leading and trailing axes, E in bytes: any dtype is
+// copied as its bytes). Token t < num_new[b] of row b lands at position lengths[b] + t, in page
+// table[b, pos / P] at offset pos % P; positions before 0 or past the table's N pages are dropped. A row's
+// tokens in one page are one copy per (m, k).
+ffi::Error store(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  const size_t n = rets.size();
+  if (args.size() != 3 + 2 * n) return ffi::Error::InvalidArgument("want lengths, num_new, table, new and pool leaves");
+  auto lengths = args.get<ffi::AnyBuffer>(0), num_new = args.get<ffi::AnyBuffer>(1), table = args.get<ffi::AnyBuffer>(2);
+  if (lengths.has_error() || num_new.has_error() || table.has_error() || lengths->element_type() != ffi::DataType::S32 ||
+      num_new->element_type() != ffi::DataType::S32 || table->element_type() != ffi::DataType::S32 ||
+      table->dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("lengths, num_new must be int32 [B] and the table int32 [B, N]");
+  const int64_t B = table->dimensions()[0], cols = table->dimensions()[1];
+  const auto* len = static_cast<const int32_t*>(lengths->untyped_data());
+  const auto* fresh = static_cast<const int32_t*>(num_new->untyped_data());
+  const auto* pages = static_cast<const int32_t*>(table->untyped_data());
+  for (size_t i = 0; i < n; ++i) {
+    auto src = args.get<ffi::AnyBuffer>(3 + i);
+    auto dst = rets.get<ffi::AnyBuffer>(i);
+    if (src.has_error() || dst.has_error()) return ffi::Error::InvalidArgument("bad leaf");
+    const auto sd = src->dimensions(), dd = (*dst)->dimensions();
+    if (sd.size() < 5 || sd.size() != dd.size() || src->element_type() != (*dst)->element_type() || sd[2] != B)
+      return ffi::Error::InvalidArgument("leaf " + std::to_string(i) + ": new [M.., B, K, T, ..] and pool [M.., NP, K, P, ..] disagree");
+    int64_t M = 1, E = ffi::ByteWidth(src->element_type());
+    for (size_t a = 0; a < sd.size(); ++a) {
+      if (a != 2 && a != 4 && sd[a] != dd[a])
+        return ffi::Error::InvalidArgument("leaf " + std::to_string(i) + ": new and pool differ past rows and tokens");
+      if (a < 2) M *= sd[a];
+      if (a > 4) E *= sd[a];
+    }
+    const int64_t NP = dd[2], K = dd[3], P = dd[4], T = sd[4];
+    const auto* from = static_cast<const uint8_t*>(src->untyped_data());
+    auto* to = static_cast<uint8_t*>((*dst)->untyped_data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < std::min<int64_t>(fresh[b], T);) {
+        const int64_t pos = int64_t(len[b]) + t, j = pos / P, at = pos % P;
+        if (pos < 0) {  // before the row's first position: dropped
+          t = -int64_t(len[b]);
+          continue;
+        }
+        if (j >= cols) break;
+        const int64_t page = pages[b * cols + j], run = std::min(P - at, std::min<int64_t>(fresh[b], T) - t);
+        if (page < 0 || page >= NP)
+          return ffi::Error::InvalidArgument("block table names page " + std::to_string(page) + " of a pool of " +
+                                             std::to_string(NP) + " (row " + std::to_string(b) + ", page " +
+                                             std::to_string(j) + ")");
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = 0; k < K; ++k)
+            std::memcpy(to + (((m * NP + page) * K + k) * P + at) * E, from + (((m * B + b) * K + k) * T + t) * E,
+                        run * E);
+        t += run;
+      }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace rq
 
@@ -380,5 +439,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RqQuantAttention, rq::quant_attention,
                                   .Attr<ffi::Span<const int64_t>>("k_meta")
                                   .Attr<ffi::Span<const int64_t>>("v_meta")
                                   .Attr<int64_t>("has_means"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RqStore, rq::store, ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 
 extern "C" const char* RqCpuIsa() { return rq::kernels().isa; }

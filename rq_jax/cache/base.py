@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+import cpu_kernels
 from pallas_kernels import tpu_write
 
 from rq_jax.shapes import (Attended, GroupedQueries, HeadStats, Lengths, LoopKV, NumNew, PastMask, Queries,
@@ -498,15 +499,21 @@ def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew, tabl
 
     Leaves are laid out [G, N, B, K, S, ...] (`new` has T in place of S). Token t of row b goes to
     position lengths[b] + t when t < num_new[b]; the rest, and anything past S, are dropped — never
-    wrapped around. In a program lowered for a CPU each row is one read-merge-write of a T-token block
-    (`_write_rows`): XLA:CPU widens a bfloat16 or fp8 scatter to float32, copying the whole leaf twice; a
-    dynamic-update-slice is done in place. On a TPU a decode token (T = 1) into a token-minor leaf is the
-    Mosaic store `pallas_kernels.tpu_write` (XLA:TPU's scatter copies most such leaves whole around the
-    write); anything else, and other platforms, is one scatter (`_scatter`): on a TPU per-row blocks would be
-    gathered by a transpose of the whole leaf. The choice follows the platform
-    lowered for (`jax.lax.platform_dependent`), not the host's backend. With `table` the store is a paged
-    pool [G, N, NP, K, P, ...] and each position is looked up in its row's pages: a TPU's decode token by
-    the Mosaic store, else `_write_pages` (one read-merge-write per page a row's tokens touch).
+    wrapped around. With `table` the store is a paged pool [G, N, NP, K, P, ...] and each position is
+    looked up in its row's pages.
+
+    In a program lowered for a CPU a pool's leaves are written in one native call (`cpu_kernels.store_tokens`:
+    a residual decode step's pool has 30 leaves, and a write loop per leaf cost XLA:CPU a thunk per row and
+    leaf, ~0.45 ms of a 64-row step), else leaf by leaf (where the native kernels do not run: not built here,
+    several devices), one read-merge-write per page a row's tokens touch (`_write_pages`). A contiguous store
+    on a CPU is one read-merge-write of a T-token block per row (`_write_rows`; XLA:CPU widens a bfloat16 or
+    fp8 scatter to float32, copying the whole leaf twice, while a dynamic-update-slice is done in place; the
+    native store reads bits, and the Sampler's cache holds values, whose bitcast XLA:CPU copies). On a TPU a
+    decode token (T = 1) into a token-minor leaf is the Mosaic store `pallas_kernels.tpu_write` (XLA:TPU's
+    scatter copies most such leaves whole around the write); anything else, and other platforms, is one
+    scatter (`_scatter`; `_write_pages` for a pool): on a TPU per-row blocks would be gathered by a transpose
+    of the whole leaf. The choice follows the platform lowered for (`jax.lax.platform_dependent`), not the
+    host's backend.
     """
     def write(old, val):
         if table is not None:
@@ -514,7 +521,19 @@ def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew, tabl
         return jax.lax.platform_dependent(old, val, lengths, num_new, cpu=_write_rows, tpu=_write_tpu,
                                           default=_scatter)
 
-    return jax.tree_util.tree_map(write, store, new)
+    def each(store, new):
+        return jax.tree_util.tree_map(write, store, new)
+
+    def native(store, new):
+        leaves, tree = jax.tree_util.tree_flatten(store)
+        try:
+            return tree.unflatten(cpu_kernels.store_tokens(leaves, tree.flatten_up_to(new), lengths, num_new, table))
+        except NotImplementedError:
+            return each(store, new)
+
+    if table is None:
+        return each(store, new)
+    return jax.lax.platform_dependent(store, new, cpu=native, default=each)
 
 
 def _write_pages(old: Array, val: Array, lengths: Lengths, num_new: NumNew, table: Table, bits: bool = True) -> Array:

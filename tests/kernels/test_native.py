@@ -332,3 +332,49 @@ def test_native_encoder_bad_input_is_named():
         cpu_kernels.residual_encode(z[0, :, 0], **kw)
     with pytest.raises(ValueError, match=r"num_new must be \[B\] = \[1\]"):
         cpu_kernels.residual_encode(z, num_new=jnp.ones(3, jnp.int32), **kw)
+
+
+# ---- the write's store -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 9], ids=["decode", "chunk"])
+def test_store_equals_xla_page_by_page_write(tokens):
+    """The native store (every leaf in one call) leaves a pool of random bytes as XLA's page-by-page write
+    (`base._write_pages`) does, bit for bit: leaves of every stored dtype and trailing shape, rows whose
+    tokens cross a page, end at the table's last page (the rest dropped), or add none; and it aliases the
+    pool (updated in place)."""
+    rng = seeded(f"store{tokens}")
+    pages, page, cols, rows = 12, 4, 3, 4
+    lengths = jnp.array([0, 6, 10, 2], jnp.int32)  # row 2 reaches past its 3 pages
+    num_new = jnp.array([tokens, tokens, tokens, 0], jnp.int32)
+    table = jnp.asarray(rng.permutation(pages)[: rows * cols].reshape(rows, cols), jnp.int32)
+    shapes = [((2, 3), (5,), jnp.uint8), ((2, 3), (2,), jnp.float8_e4m3fn), ((2, 3), (), jnp.bfloat16),
+              ((1, 4), (16,), jnp.float32), ((2, 3), (), jnp.int32)]
+
+    def random(shape, dtype):
+        width = jnp.dtype(dtype).itemsize
+        raw = rng.integers(0, 256, (*shape[:-1], shape[-1] * width) if shape else (width,), dtype=np.uint8)
+        return base.values_of(jnp.asarray(raw.view(f"uint{8 * width}").reshape(shape)), dtype)
+
+    pool = [random((*lead, pages, 2, page, *tail), dt) for lead, tail, dt in shapes]
+    new = [random((*lead, rows, 2, tokens, *tail), dt) for lead, tail, dt in shapes]
+    want = [base._write_pages(x, y, lengths, num_new, table) for x, y in zip(pool, new)]
+    store = jax.jit(cpu_kernels.store_tokens, donate_argnums=0)
+    text = store.lower(pool, new, lengths, num_new, table).as_text()
+    assert "output_operand_alias" in text or "tf.aliasing_output" in text
+    got = store(pool, new, lengths, num_new, table)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(base.bits_of(g), base.bits_of(w))
+
+
+def test_store_bad_input_is_named():
+    pool = [jnp.zeros((1, 1, 4, 1, 4, 8), jnp.uint8)]
+    new = [jnp.ones((1, 1, 2, 1, 1, 8), jnp.uint8)]
+    lengths, num_new, table = jnp.array([0, 3]), jnp.array([1, 1]), jnp.array([[0], [9]])
+    with pytest.raises(Exception, match="block table names page 9 of a pool of 4 .row 1, page 0."):
+        jax.block_until_ready(cpu_kernels.store_tokens(pool, new, lengths, num_new, table))
+    with pytest.raises(ValueError, match=r"does not fit pool leaf"):
+        cpu_kernels.store_tokens(pool, [new[0][..., :4]], lengths, num_new, table)
+    with pytest.raises(ValueError, match=r"want lengths, num_new \[B\]"):
+        cpu_kernels.store_tokens(pool, new, lengths, num_new[:1], table)
