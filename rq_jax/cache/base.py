@@ -508,7 +508,7 @@ def scatter_tokens(store: Any, new: Any, lengths: Lengths, num_new: NumNew, tabl
     several devices), one read-merge-write per page a row's tokens touch (`_write_pages`). A contiguous store
     on a CPU is one read-merge-write of a T-token block per row (`_write_rows`; XLA:CPU widens a bfloat16 or
     fp8 scatter to float32, copying the whole leaf twice, while a dynamic-update-slice is done in place; the
-    native store reads bits, and the Sampler's cache holds values, whose bitcast XLA:CPU copies). On a TPU a
+    native store takes bits, and a contiguous cache may hold values, whose bitcast XLA:CPU copies). On a TPU a
     decode token (T = 1) into a token-minor leaf is the Mosaic store `pallas_kernels.tpu_write` (XLA:TPU's
     scatter copies most such leaves whole around the write); anything else, and other platforms, is one
     scatter (`_scatter`; `_write_pages` for a pool): on a TPU per-row blocks would be gathered by a transpose
