@@ -97,6 +97,13 @@ bool is_bf16(const ffi::AnyBuffer& x) {
   return x.element_type() == ffi::DataType::BF16 || x.element_type() == ffi::DataType::U16;
 }
 
+// The error of a block table naming `page` outside a pool of `pages` (row b's logical page n).
+ffi::Error page_outside(int64_t page, int64_t pages, int64_t b, int64_t n) {
+  return ffi::Error::InvalidArgument("block table names page " + std::to_string(page) + " of a pool of " +
+                                     std::to_string(pages) + " (row " + std::to_string(b) + ", page " +
+                                     std::to_string(n) + ")");
+}
+
 // Runs every item of problem `p` and merges the splits into acc [B, K, R, D], m, l [B, K, R].
 ffi::Error run_attention(ffi::ThreadPool& pool, Problem p, ItemFn item, float* acc, float* m, float* l) {
   const int64_t B = p.B, K = p.K, R = p.R, D = p.D;
@@ -112,9 +119,7 @@ ffi::Error run_attention(ffi::ThreadPool& pool, Problem p, ItemFn item, float* a
     const int64_t len = std::clamp<int64_t>(p.lengths[b], 0, p.S);
     for (int64_t n = 0; n * p.P < len; ++n)
       if (p.table[b * cols + n] < 0 || p.table[b * cols + n] >= p.NP)
-        return ffi::Error::InvalidArgument("block table names page " + std::to_string(p.table[b * cols + n]) +
-                                           " of a pool of " + std::to_string(p.NP) + " (row " + std::to_string(b) +
-                                           ", page " + std::to_string(n) + ")");
+        return page_outside(p.table[b * cols + n], p.NP, b, n);
     for (int64_t k = 0; k < K; ++k)
       for (int64_t rb = 0; rb < rblocks; ++rb) {
         for (int64_t s = 0; s < nsplit && s * kSplit < len; ++s) items.push_back({b, k, rb, s});
@@ -346,10 +351,11 @@ ffi::Error encode(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingR
 ffi::Error store(ffi::RemainingArgs args, ffi::RemainingRets rets) {
   const size_t n = rets.size();
   if (args.size() != 3 + 2 * n) return ffi::Error::InvalidArgument("want lengths, num_new, table, new and pool leaves");
-  auto lengths = args.get<ffi::AnyBuffer>(0), num_new = args.get<ffi::AnyBuffer>(1), table = args.get<ffi::AnyBuffer>(2);
-  if (lengths.has_error() || num_new.has_error() || table.has_error() || lengths->element_type() != ffi::DataType::S32 ||
-      num_new->element_type() != ffi::DataType::S32 || table->element_type() != ffi::DataType::S32 ||
-      table->dimensions().size() != 2)
+  auto lengths = args.get<ffi::AnyBuffer>(0), num_new = args.get<ffi::AnyBuffer>(1);
+  auto table = args.get<ffi::AnyBuffer>(2);
+  if (lengths.has_error() || num_new.has_error() || table.has_error() ||
+      lengths->element_type() != ffi::DataType::S32 || num_new->element_type() != ffi::DataType::S32 ||
+      table->element_type() != ffi::DataType::S32 || table->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("lengths, num_new must be int32 [B] and the table int32 [B, N]");
   const int64_t B = table->dimensions()[0], cols = table->dimensions()[1];
   const auto* len = static_cast<const int32_t*>(lengths->untyped_data());
@@ -360,37 +366,33 @@ ffi::Error store(ffi::RemainingArgs args, ffi::RemainingRets rets) {
     auto dst = rets.get<ffi::AnyBuffer>(i);
     if (src.has_error() || dst.has_error()) return ffi::Error::InvalidArgument("bad leaf");
     const auto sd = src->dimensions(), dd = (*dst)->dimensions();
+    const std::string leaf = "leaf " + std::to_string(i);
     if (sd.size() < 5 || sd.size() != dd.size() || src->element_type() != (*dst)->element_type() || sd[2] != B)
-      return ffi::Error::InvalidArgument("leaf " + std::to_string(i) + ": new [M.., B, K, T, ..] and pool [M.., NP, K, P, ..] disagree");
+      return ffi::Error::InvalidArgument(leaf + ": new [M.., B, K, T, ..] and pool [M.., NP, K, P, ..] disagree");
     int64_t M = 1, E = ffi::ByteWidth(src->element_type());
     for (size_t a = 0; a < sd.size(); ++a) {
       if (a != 2 && a != 4 && sd[a] != dd[a])
-        return ffi::Error::InvalidArgument("leaf " + std::to_string(i) + ": new and pool differ past rows and tokens");
+        return ffi::Error::InvalidArgument(leaf + ": new and pool differ past rows and tokens");
       if (a < 2) M *= sd[a];
       if (a > 4) E *= sd[a];
     }
     const int64_t NP = dd[2], K = dd[3], P = dd[4], T = sd[4];
     const auto* from = static_cast<const uint8_t*>(src->untyped_data());
     auto* to = static_cast<uint8_t*>((*dst)->untyped_data());
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < std::min<int64_t>(fresh[b], T);) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t end = std::min<int64_t>(fresh[b], T);
+      for (int64_t t = std::max<int64_t>(0, -int64_t(len[b])); t < end;) {  // positions before 0 dropped
         const int64_t pos = int64_t(len[b]) + t, j = pos / P, at = pos % P;
-        if (pos < 0) {  // before the row's first position: dropped
-          t = -int64_t(len[b]);
-          continue;
-        }
         if (j >= cols) break;
-        const int64_t page = pages[b * cols + j], run = std::min(P - at, std::min<int64_t>(fresh[b], T) - t);
-        if (page < 0 || page >= NP)
-          return ffi::Error::InvalidArgument("block table names page " + std::to_string(page) + " of a pool of " +
-                                             std::to_string(NP) + " (row " + std::to_string(b) + ", page " +
-                                             std::to_string(j) + ")");
+        const int64_t page = pages[b * cols + j], run = std::min(P - at, end - t);
+        if (page < 0 || page >= NP) return page_outside(page, NP, b, j);
         for (int64_t m = 0; m < M; ++m)
           for (int64_t k = 0; k < K; ++k)
             std::memcpy(to + (((m * NP + page) * K + k) * P + at) * E, from + (((m * B + b) * K + k) * T + t) * E,
                         run * E);
         t += run;
       }
+    }
   }
   return ffi::Error::Success();
 }

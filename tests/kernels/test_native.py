@@ -361,7 +361,7 @@ def test_store_equals_xla_page_by_page_write(tokens):
     want = [base._write_pages(x, y, lengths, num_new, table) for x, y in zip(pool, new)]
     store = jax.jit(cpu_kernels.store_tokens, donate_argnums=0)
     text = store.lower(pool, new, lengths, num_new, table).as_text()
-    assert "output_operand_alias" in text or "tf.aliasing_output" in text
+    assert "output_operand_alias" in text  # the FFI call's own aliasing, not only the jit's donation
     got = store(pool, new, lengths, num_new, table)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
