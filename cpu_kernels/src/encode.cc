@@ -16,14 +16,24 @@
 //
 // with the dot products summed pairwise in one fixed order, metadata saturating at the dtype's max, and
 // the values it could not store counted (saturated or flushed metadata, non-finite targets).
+//
+// kLanes vectors are coded at once, one to a lane: their values are transposed so that a register holds one
+// channel of every lane's vector, and each step above is applied lane by lane — the same operations in the
+// same order as for one vector, with no sum or min across lanes. (A group's min and max run over its channels
+// in order, so a -0 and +0 tie returns the first; the result's value does not depend on the order.)
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels.h"
 #include "numerics.h"
 #include "vectors.h"
+
+#if defined(__x86_64__) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #ifndef RQ_ISA
 #error "compile with -DRQ_ISA=generic|avx2|avx512"
@@ -36,96 +46,146 @@ namespace {
 
 constexpr float kBf16Max = 3.38953139e38f;
 
-// Σ x over n values in one fixed order: zero-padded to a power of two, then halves added elementwise
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+
+inline vf sel(vi m, vf a, vf b) { return m ? a : b; }
+inline vi finite(vf x) { return (bits_as<vi>(x) & 0x7f800000) != 0x7f800000; }
+// std::min and std::max lane by lane: the first argument on a tie or a NaN second.
+inline vf vmin(vf a, vf b) { return b < a ? b : a; }
+inline vf vmax(vf a, vf b) { return a < b ? b : a; }
+inline vf clamp_finite(vf x) { return vmin(vmax(x, vf{} - FLT_MAX), vf{} + FLT_MAX); }
+
+inline vf vfloor(vf u) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_roundscale_ps((__m512)u, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#elif defined(__AVX2__)
+  return (vf)_mm256_floor_ps((__m256)u);
+#else
+  // Truncated (exact below 2^23; at or above it u is whole), u's sign on a zero, then one down where that is
+  // above u.
+  const vf t = __builtin_convertvector(__builtin_convertvector(u, vi), vf);
+  const vf z = bits_as<vf>(bits_as<vi>(t) | (bits_as<vi>(u) & int32_t(0x80000000)));
+  const vf f = z > u ? z - 1.0f : z;
+  return (u < 0x1p23f) & (u > -0x1p23f) ? f : u;
+#endif
+}
+
+// numerics.h's to_fp8 and from_fp8, to_bf16 and from_bf16, lane by lane (codes in the low bits of a lane).
+inline vu to_fp8(vf x) {
+  const vu bits = bits_as<vu>(x), a = bits & 0x7fffffffu, sign = (bits >> 24) & 0x80u;
+  // below 2^-6 a subnormal m · 2^-9: a · 512 < 8, rounded to the nearest integer (ties to even) by 2^23
+  const vf m = (bits_as<vf>(a) * 512.0f + 0x1p23f) - 0x1p23f;
+  const vu sub = bits_as<vu>(__builtin_convertvector(m, vi));
+  const vu normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  return sign | (a > 0x7f800000u ? vu{} + 0x7fu : (a < 0x3c800000u ? sub : normal));
+}
+inline vf from_fp8(vu x) {
+  const vu mag = x & 0x7fu, sign = (x & 0x80u) << 24;
+  const vu sub = bits_as<vu>(__builtin_convertvector(mag, vf) * 0x1p-9f), normal = (mag << 20) + (120u << 23);
+  return bits_as<vf>(mag == 0x7fu ? vu{} + 0x7fc00000u : (mag < 8u ? sub : normal) | sign);
+}
+inline vu to_bf16(vf x) {
+  const vu a = bits_as<vu>(x);
+  return (a + 0x7fffu + ((a >> 16) & 1u)) >> 16;
+}
+
+// The stored metadata of each lane's v (its bits) and it back as float32 (`back`); `lost` counts a saturated
+// or flushed one.
+inline vu store_meta(vf v, int meta, vf& back, vi& lost) {
+  const float m = meta == kFP8 ? 448.0f : kBf16Max;
+  const vf clipped = vmin(vmax(v, vf{} - m), vf{} + m);
+  vu bits;
+  if (meta == kFP8) {
+    bits = to_fp8(clipped);
+    back = from_fp8(bits);
+  } else {
+    bits = to_bf16(clipped);
+    back = bits_as<vf>(bits << 16);
+  }
+  lost -= bits_as<vf>(bits_as<vi>(v) & 0x7fffffff) > m;  // a true compare is -1
+  lost -= (v != 0.0f) & (back == 0.0f);
+  return bits;
+}
+
+// Σ x over n channels in one fixed order: zero-padded to a power of two, then halves added elementwise
 // (`rq_jax.quant.residual.pairwise_sum`). Destroys `x` (capacity a power of two >= n).
-float pairwise_sum(float* x, int n) {
+vf pairwise_sum(vf* x, int n) {
   int width = 1;
   while (width < n) width *= 2;
-  std::fill(x + n, x + width, 0.0f);
+  std::fill(x + n, x + width, vf{});
   for (int h = width / 2; h >= 1; h /= 2)
     for (int i = 0; i < h; ++i) x[i] = x[i] + x[i + h];
   return x[0];
 }
 
-inline float clamp_finite(float x) { return std::min(std::max(x, -FLT_MAX), FLT_MAX); }
-
-// bfloat16(<x, ref> / |ref|²), 0 where |ref|² underflows (`ls_alpha`).
-uint16_t ls_alpha(const float* x, const float* ref, int d, float* scratch) {
+// bfloat16(<x, ref> / |ref|²) (its bits), 0 where |ref|² underflows (`ls_alpha`).
+vu ls_alpha(const vf* x, const vf* ref, int d, vf* scratch) {
   for (int c = 0; c < d; ++c) scratch[c] = x[c] * ref[c];
-  const float num = pairwise_sum(scratch, d);
+  const vf num = pairwise_sum(scratch, d);
   for (int c = 0; c < d; ++c) scratch[c] = ref[c] * ref[c];
-  const float den = pairwise_sum(scratch, d);
-  float a = den > FLT_MIN ? num / den : 0.0f;
-  if (std::isnan(a)) a = 0.0f;
-  return to_bf16(std::min(std::max(clamp_finite(a), -kBf16Max), kBf16Max));
+  const vf den = pairwise_sum(scratch, d);
+  vf a = sel(den > FLT_MIN, num / den, vf{});
+  a = sel(a != a, vf{}, a);
+  return to_bf16(vmin(vmax(clamp_finite(a), vf{} - kBf16Max), vf{} + kBf16Max));
 }
 
-// The stored metadata value of v and it back as float32; `lost` counts a saturated or flushed one.
-inline float store_meta(float v, int meta, void* out, int64_t i, int& lost) {
-  const float m = meta == kFP8 ? 448.0f : kBf16Max;
-  const float clipped = std::min(std::max(v, -m), m);
-  float back;
-  if (meta == kFP8) {
-    const uint8_t bits = to_fp8(clipped);
-    static_cast<uint8_t*>(out)[i] = bits;
-    back = from_fp8(bits);
-  } else {
-    const uint16_t bits = to_bf16(clipped);
-    static_cast<uint16_t*>(out)[i] = bits;
-    back = from_bf16(bits);
-  }
-  lost += (std::fabs(v) > m) + (v != 0.0f && back == 0.0f);
-  return back;
-}
+// Where a batch's lanes write: lane j is vector v0 + j when active[j], and its loop r's values (z or mean)
+// start at row[j] + r·rows of them.
+struct Batch {
+  int64_t v0 = 0;
+  int n = 0;  // lanes in use
+  bool active[kLanes] = {};
+  int64_t row[kLanes] = {};
+};
 
-// The least and greatest finite values of x[0, n) (+inf and -inf when there are none), a vector of lanes at a
-// time: min and max are exact, so their order changes no value (only which of a -0 and a +0 tie returns).
-void finite_range(const float* x, int n, float* lo, float* hi) {
-  vf vlo = vf{} + INFINITY, vhi = vf{} - INFINITY;
-  int c = 0;
-  for (; c + kLanes <= n; c += kLanes) {
-    const vf v = load<vf>(x + c);
-    const vi finite = (v - v) == (v - v);  // x − x is NaN for an infinity or a NaN
-    vlo = (finite & (v < vlo)) ? v : vlo;
-    vhi = (finite & (v > vhi)) ? v : vhi;
-  }
-  float l = INFINITY, h = -INFINITY;
-  for (int i = 0; i < kLanes; ++i) l = std::min(l, vlo[i]), h = std::max(h, vhi[i]);
-  for (; c < n; ++c)
-    if (std::isfinite(x[c])) l = std::min(l, x[c]), h = std::max(h, x[c]);
-  *lo = l;
-  *hi = h;
-}
-
-// The codes of one group's n values as floats: clamp(round_half_down((x − o) / div), 0, top), NaN quotients
-// coded as 0 and infinite ones as the finite extremes.
-void code_values(const float* __restrict x, int n, float o, float div, float top, float* __restrict out) {
-  for (int c = 0; c < n; ++c) {
-    float u = (x[c] - o) / div;
-    u = u != u ? 0.0f : u;
-    u = u > FLT_MAX ? FLT_MAX : (u < -FLT_MAX ? -FLT_MAX : u);
-    const float f = std::floor(u);
-    const float r = u - f > 0.5f ? f + 1.0f : f;
-    out[c] = std::min(std::max(r, 0.0f), top);
+// The batch's loop-r values of `base` [.., D] transposed: out[c] lane j = channel c of lane j's vector (0 for
+// a lane not active).
+void transpose_in(const float* base, int64_t rows, int r, int d, const Batch& bt, vf* out) {
+  float* o = reinterpret_cast<float*>(out);
+  for (int j = 0; j < kLanes; ++j) {
+    if (!bt.active[j]) {
+      for (int c = 0; c < d; ++c) o[c * kLanes + j] = 0.0f;
+      continue;
+    }
+    const float* x = base + (bt.row[j] + r * rows) * d;
+    for (int c = 0; c < d; ++c) o[c * kLanes + j] = x[c];
   }
 }
 
-// One loop of one vector: target [D] quantized group by group into `codes` [D] (unpacked) and the
-// metadata rows of `ln` at vector v, its dequantized values into `deq` [D]; returns the values lost.
-int quantize(const EncodeLoop& ln, int meta, int d, int64_t v, const float* target, uint8_t* codes, float* deq) {
-  int lost = 0;
-  for (int c = 0; c < d; ++c) lost += !std::isfinite(target[c]);
+// Each active lane's element i of metadata leaf `out` (uint8 or uint16 bits): stride elements a lane.
+void scatter_meta(void* out, int meta, int64_t stride, int64_t i, const Batch& bt, vu bits) {
+  for (int j = 0; j < bt.n; ++j)
+    if (bt.active[j]) {
+      const int64_t at = (bt.v0 + j) * stride + i;
+      if (meta == kFP8) static_cast<uint8_t*>(out)[at] = uint8_t(bits[j]);
+      else static_cast<uint16_t*>(out)[at] = uint16_t(bits[j]);
+    }
+}
+
+// One loop of the batch: target [D] quantized group by group, its codes packed into `ln.codes` and its
+// metadata into `ln.scale`/`ln.offset` (active lanes), its dequantized values into `deq` [D] (`codes` [D]
+// scratch); returns the values lost per lane.
+vi quantize(const EncodeLoop& ln, int meta, int d, const Batch& bt, const vf* target, vu* codes, vf* deq) {
+  vi lost = vi{};
+  for (int c = 0; c < d; ++c) lost -= ~finite(target[c]);
   if (ln.bits == 0) {  // nothing stored: the loop reads its reference alone
-    std::fill(deq, deq + d, 0.0f);
+    std::fill(deq, deq + d, vf{});
     return lost;
   }
-  const int g = ln.group, ng = d / g, top = (1 << ln.bits) - 1;
+  const int g = ln.group, ng = d / g;
+  const float top = float((1 << ln.bits) - 1);
   for (int gi = 0; gi < ng; ++gi) {
-    const float* x = target + gi * g;
-    float lo, hi;
-    finite_range(x, g, &lo, &hi);
-    if (!(lo <= hi)) lo = hi = 0.0f;  // no finite value
-    float rad, low;
+    const vf* x = target + gi * g;
+    vf lo = vf{} + INFINITY, hi = vf{} - INFINITY;
+    for (int c = 0; c < g; ++c) {
+      const vi f = finite(x[c]);
+      lo = sel(f & (x[c] < lo), x[c], lo);
+      hi = sel(f & (x[c] > hi), x[c], hi);
+    }
+    const vi none = ~(lo <= hi);  // no finite value
+    lo = sel(none, vf{}, lo);
+    hi = sel(none, vf{}, hi);
+    vf rad, low;
     if (ln.clip == 1.0f) {
       rad = hi / 2 - lo / 2;
       low = lo;
@@ -133,25 +193,29 @@ int quantize(const EncodeLoop& ln, int meta, int d, int64_t v, const float* targ
       rad = clamp_finite((hi / 2 - lo / 2) * ln.clip);
       low = (hi / 2 + lo / 2) - rad;
     }
-    const float s = store_meta(2 * rad / float(top), meta, ln.scale, v * ng + gi, lost);
-    const float o = store_meta(low, meta, ln.offset, v * ng + gi, lost);
-    const float div = s > 0.0f ? s : 1.0f;
-    float* cf = deq + gi * g;  // the codes as floats first (branch-free loops the compiler vectorizes)
-    code_values(x, g, o, div, float(top), cf);
-    for (int c = 0; c < g; ++c) codes[gi * g + c] = uint8_t(int32_t(cf[c]));
-    for (int c = 0; c < g; ++c) cf[c] = o + s * cf[c];
+    vf s, o;
+    scatter_meta(ln.scale, meta, ng, gi, bt, store_meta(2 * rad / top, meta, s, lost));
+    scatter_meta(ln.offset, meta, ng, gi, bt, store_meta(low, meta, o, lost));
+    const vf div = sel(s > 0.0f, s, vf{} + 1.0f);
+    for (int c = gi * g; c < (gi + 1) * g; ++c) {  // clamp(round_half_down((x − o) / div), 0, top)
+      vf u = (target[c] - o) / div;
+      u = sel(u != u, vf{}, u);
+      u = sel(u > FLT_MAX, vf{} + FLT_MAX, sel(u < -FLT_MAX, vf{} - FLT_MAX, u));
+      const vf f = vfloor(u);
+      const vf code = vmin(vmax(sel(u - f > 0.5f, f + 1.0f, f), vf{}), vf{} + top);
+      codes[c] = bits_as<vu>(__builtin_convertvector(code, vi));
+      deq[c] = o + s * code;
+    }
+  }
+  // Planar packing (`packing.pack`): byte j holds channel j + kJ in bits [k·bits, (k+1)·bits).
+  const int planes = 8 / ln.bits, bytes = d / planes;
+  for (int j = 0; j < bytes; ++j) {
+    vu byte = vu{};
+    for (int k = 0; k < planes; ++k) byte |= codes[j + k * bytes] << (k * ln.bits);
+    for (int l = 0; l < bt.n; ++l)
+      if (bt.active[l]) ln.codes[(bt.v0 + l) * bytes + j] = uint8_t(byte[l]);
   }
   return lost;
-}
-
-// Planar packing (`packing.pack`): byte j holds channel j + kJ in bits [k·bits, (k+1)·bits).
-void pack(const uint8_t* codes, int bits, int d, uint8_t* out) {
-  const int planes = 8 / bits, j_max = d / planes;
-  for (int j = 0; j < j_max; ++j) {
-    uint8_t byte = 0;
-    for (int k = 0; k < planes; ++k) byte |= uint8_t(codes[j + k * j_max] << (k * bits));
-    out[j] = byte;
-  }
 }
 
 // Vector v's results zeroed: every stored loop's codes and metadata, its α rows and its lost count.
@@ -170,49 +234,69 @@ void clear_vector(const EncodeProblem& p, int64_t v) {
   p.lost[v] = 0;
 }
 
+// Scratch vectors of a thread, kept for its next calls: recon [L, D], then z, mean, pred, target, deq, codes
+// [D] each and the pairwise sums' [2D].
+vf* scratch(int links, int d) {
+  thread_local std::vector<vf> buf;
+  const size_t want = size_t(links + 8) * d;
+  if (buf.size() < want) buf.resize(want);
+  return buf.data();
+}
+
 void encode_vectors(const EncodeProblem& p, int64_t v0, int64_t v1) {
   const int d = p.D;
-  float recon[kMaxLinks][kMaxDim], target[kMaxDim], deq[kMaxDim], pred[kMaxDim], scratch[2 * kMaxDim];
-  uint8_t codes[kMaxDim];
+  vf* recon = scratch(p.L, d);
+  vf *z = recon + p.L * d, *mu = z + d, *pred = mu + d, *target = pred + d, *deq = target + d;
+  vu* codes = reinterpret_cast<vu*>(deq + d);
+  vf* sums = deq + 2 * d;
   const int64_t rows = p.B * p.T;  // the vectors of one loop of one head, [B, T]
-  for (int64_t v = v0; v < v1; ++v) {
-    // v = ((o·B + b)·K + k)·T + t in the results; in z, loop r of it lies at ((o·K + k)·L + r)·B·T + b·T + t.
-    const int64_t t = v % p.T, k = v / p.T % p.K, b = v / (p.T * p.K) % p.B, o = v / (p.T * p.K * p.B);
-    if (t >= p.num_new[b]) {  // padding: nothing coded, every result zero
-      clear_vector(p, v);
-      continue;
+  for (int64_t first = v0; first < v1; first += kLanes) {
+    Batch bt;
+    bt.v0 = first;
+    bt.n = int(std::min<int64_t>(kLanes, v1 - first));
+    bool any = false;
+    for (int j = 0; j < bt.n; ++j) {
+      // v = ((o·B + b)·K + k)·T + t in the results; in z, loop r of it lies at ((o·K + k)·L + r)·B·T + b·T + t.
+      const int64_t v = first + j, t = v % p.T, k = v / p.T % p.K, b = v / (p.T * p.K) % p.B,
+                    o = v / (p.T * p.K * p.B);
+      bt.active[j] = t < p.num_new[b];  // padding: nothing coded, every result zero
+      if (!bt.active[j]) clear_vector(p, v);
+      bt.row[j] = (o * p.K + k) * p.L * rows + b * p.T + t;
+      any |= bt.active[j];
     }
-    const int64_t first = (o * p.K + k) * p.L * rows + b * p.T + t;
-    int lost = 0;
+    if (!any) continue;
+    vi lost = vi{};
     for (int i = 0; i < p.L; ++i) {
       const int r = p.order[i];
       const EncodeLoop& ln = p.loop[r];
-      const float* z = p.z + (first + r * rows) * d;
-      const float* mu = p.mean ? p.mean + (first + r * rows) * d : nullptr;
+      transpose_in(p.z, rows, r, d, bt, z);
+      if (p.mean) transpose_in(p.mean, rows, r, d, bt, mu);
       const bool has_pred = ln.parent >= 0;
       if (has_pred) {
-        const float* ref = recon[ln.parent];
+        const vf* ref = recon + ln.parent * d;
         if (p.least_squares) {
-          const uint16_t a = ls_alpha(z, ref, d, scratch);
-          p.alpha[int64_t(ln.alpha_row) * p.V + v] = a;
-          const float af = from_bf16(a);
+          const vu a = ls_alpha(z, ref, d, sums);
+          for (int j = 0; j < bt.n; ++j)
+            if (bt.active[j]) p.alpha[int64_t(ln.alpha_row) * p.V + first + j] = uint16_t(a[j]);
+          const vf af = bits_as<vf>(a << 16);
           for (int c = 0; c < d; ++c) pred[c] = af * ref[c];
         } else {
           std::copy(ref, ref + d, pred);
         }
       }
       for (int c = 0; c < d; ++c) {
-        float t = has_pred ? z[c] - pred[c] : z[c];
-        target[c] = mu ? t - mu[c] : t;
+        const vf t = has_pred ? z[c] - pred[c] : z[c];
+        target[c] = p.mean ? t - mu[c] : t;
       }
-      lost += quantize(ln, p.meta, d, v, target, codes, deq);
-      if (ln.bits) pack(codes, ln.bits, d, ln.codes + v * (d * ln.bits / 8));
+      lost += quantize(ln, p.meta, d, bt, target, codes, deq);
+      vf* out = recon + r * d;
       for (int c = 0; c < d; ++c) {
-        float x = has_pred ? deq[c] + pred[c] : deq[c];
-        recon[r][c] = mu ? x + mu[c] : x;
+        const vf x = has_pred ? deq[c] + pred[c] : deq[c];
+        out[c] = p.mean ? x + mu[c] : x;
       }
     }
-    p.lost[v] = lost;
+    for (int j = 0; j < bt.n; ++j)
+      if (bt.active[j]) p.lost[first + j] = lost[j];
   }
 }
 

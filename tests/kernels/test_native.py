@@ -109,10 +109,12 @@ def test_a_page_outside_the_pool_is_named():
 
 
 def test_same_bits_at_any_thread_count(monkeypatch):
-    """Work items merge in a fixed order: one thread and two give the same bits."""
+    """Work items merge in a fixed order: one thread and two (a helper woken whatever the work) give the same
+    bits."""
     case = NATIVE_CASES[2]
     args, kw = quant_cases.make_inputs(case, seeded(case.name))
     run = jax.jit(lambda *a: cpu_kernels.residual_decode_attention(*a, **kw))
+    monkeypatch.setenv("RQ_CPU_HELPER_NS", "0")
     two = [np.asarray(x) for x in run(*args)]
     monkeypatch.setenv("RQ_CPU_THREADS", "1")
     one = [np.asarray(x) for x in run(*args)]
@@ -121,7 +123,8 @@ def test_same_bits_at_any_thread_count(monkeypatch):
 
 
 def test_portable_build_matches_the_reference():
-    """The baseline x86-64 kernels (RQ_CPU_ISA=generic, chosen at load time) give the reference's partials."""
+    """The baseline x86-64 kernels (RQ_CPU_ISA=generic, chosen at load time) give the reference's partials,
+    and their encoder (its own floor, four lanes) XLA's bits."""
     code = ("import jax, numpy as np, cpu_kernels;"
             "from tests.kernels import test_native as t, test_residual_attention as qc;"
             "from tests.kernels._base import seeded, assert_partial_close;"
@@ -129,7 +132,9 @@ def test_portable_build_matches_the_reference():
             "assert cpu_kernels.isa() == 'generic', cpu_kernels.isa();"
             "[assert_partial_close(cpu_kernels.residual_decode_attention(*a, **k),"
             " ra.residual_decode_attention_reference(*a, **k), c.lengths, t.TOL)"
-            " for c in t.NATIVE_CASES[:3] for a, k in [qc.make_inputs(c, seeded(c.name))]]; print('ok')")
+            " for c in t.NATIVE_CASES[:3] for a, k in [qc.make_inputs(c, seeded(c.name))]];"
+            "[t.test_native_write_equals_the_xla_write_bit_for_bit(label) for label in list(t.WRITE_FORMATS)[:4]];"
+            "print('ok')")
     env = dict(os.environ, RQ_CPU_ISA="generic")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
