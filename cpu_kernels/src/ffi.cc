@@ -13,8 +13,9 @@
 // row's length reaches must lie in the pool, else the call fails naming it.
 //
 // Attention work is split into items of (row, kv head, query-row block, context split of kSplit tokens);
-// only items holding stored tokens run. Items go to XLA's CPU thread pool and the calling thread alike,
-// and their partials are merged in a fixed order, so the result does not depend on the thread count.
+// only items holding stored tokens run. Items go to the calling thread and as many of XLA's CPU pool threads
+// as the call's estimated work pays for, and their partials are merged in a fixed order, so the result does
+// not depend on the thread count.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -59,9 +60,25 @@ const Kernels& kernels() {
   return chosen;
 }
 
-// Runs fn(0) .. fn(n - 1) on the pool's threads and this one; returns when every call has finished.
-// Work is claimed from a shared counter, so a pool task that starts late finds nothing left and exits.
-void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& fn) {
+// The estimated cost of a call's work, from this machine's kernels (Xeon, AVX-512, float32): a stored token
+// of one query row ~40 ns of attention (dense or a residual chain alike), a vector of one loop ~150 ns of
+// encoding (`perf` of Ouro-small's decode step: 147 µs for the 1,024 loop vectors of 32 rows).
+constexpr double kTokenRowNs = 40, kLoopVectorNs = 150;
+
+// A helper thread is worth waking for each this many ns of estimated work ($RQ_CPU_HELPER_NS overrides; 0:
+// one per item, as many as the pool has). Waking one and waiting for the item it claimed costs more than a
+// short call's work: Ouro-small's decode step at one row of 20 tokens took 0.38-0.42 ms on the calling thread
+// alone against 0.47-0.52 with every call split (two runs, modes alternating in one process), at 8 rows 1.03-
+// 1.12 against 1.08-1.30; at 32 rows of 20 tokens and at 8 and 32 rows of 200 they were within 2%.
+double helper_ns() {
+  const char* v = std::getenv("RQ_CPU_HELPER_NS");
+  return v && *v ? std::atof(v) : 100e3;
+}
+
+// Runs fn(0) .. fn(n - 1) on this thread and as many of the pool's threads as `work_ns` (the estimated cost
+// of all n) pays for; returns when every call has finished. Work is claimed from a shared counter, so a pool
+// task that starts late finds nothing left and exits.
+void parallel_for(ffi::ThreadPool& pool, int64_t n, double work_ns, const std::function<void(int64_t)>& fn) {
   struct State {
     std::atomic<int64_t> next{0}, done{0};
     int64_t n = 0;
@@ -69,6 +86,13 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<void(int
     std::mutex mu;
     std::condition_variable cv;
   };
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  if (const char* cap = std::getenv("RQ_CPU_THREADS"); cap && *cap) helpers = std::min<int64_t>(helpers, std::atoll(cap) - 1);
+  if (const double per = helper_ns(); per > 0) helpers = std::min<int64_t>(helpers, int64_t(work_ns / per));
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
   auto st = std::make_shared<State>();
   st->n = n;
   st->fn = &fn;
@@ -81,9 +105,6 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<void(int
       }
     }
   };
-  int64_t threads = pool.num_threads();
-  if (const char* cap = std::getenv("RQ_CPU_THREADS")) threads = std::min<int64_t>(threads, std::atoll(cap) - 1);
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(threads, n - 1));
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([st, work] { work(st); });
   work(st);
   std::unique_lock<std::mutex> lock(st->mu);
@@ -113,6 +134,7 @@ ffi::Error run_attention(ffi::ThreadPool& pool, Problem p, ItemFn item, float* a
     int64_t b, k, rb, split;
   };
   std::vector<Item> items;
+  double work_ns = 0;
   std::vector<int64_t> first(B * K * rblocks + 1, 0);  // items of (b, k, rb) start at first[...]
   const int64_t cols = p.S / p.P;
   for (int64_t b = 0; b < B; ++b) {
@@ -122,13 +144,17 @@ ffi::Error run_attention(ffi::ThreadPool& pool, Problem p, ItemFn item, float* a
         return page_outside(p.table[b * cols + n], p.NP, b, n);
     for (int64_t k = 0; k < K; ++k)
       for (int64_t rb = 0; rb < rblocks; ++rb) {
-        for (int64_t s = 0; s < nsplit && s * kSplit < len; ++s) items.push_back({b, k, rb, s});
+        const int64_t rows = std::min<int64_t>(kMaxRows, R - rb * kMaxRows);
+        for (int64_t s = 0; s < nsplit && s * kSplit < len; ++s) {
+          items.push_back({b, k, rb, s});
+          work_ns += kTokenRowNs * double(rows * (std::min(len, (s + 1) * kSplit) - s * kSplit));
+        }
         first[(b * K + k) * rblocks + rb + 1] = int64_t(items.size());
       }
   }
   const int64_t stride = std::min<int64_t>(kMaxRows, R) * (D + 2);  // an item's partial: acc, m, l
   std::unique_ptr<float[]> scratch(new float[items.size() * stride]);  // every item writes all of its own
-  parallel_for(pool, int64_t(items.size()), [&](int64_t i) {
+  parallel_for(pool, int64_t(items.size()), work_ns, [&](int64_t i) {
     const Item& it = items[i];
     Problem q = p;
     q.row0 = it.rb * kMaxRows;
@@ -337,7 +363,7 @@ ffi::Error encode(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingR
   p.lost = static_cast<int32_t*>(ret());
   if (!p.lost || (p.least_squares && !p.alpha)) return ffi::Error::InvalidArgument("missing α or the lost counts");
   const EncodeFn fn = kernels().encode;
-  parallel_for(pool, (p.V + kEncodeItem - 1) / kEncodeItem, [&](int64_t i) {
+  parallel_for(pool, (p.V + kEncodeItem - 1) / kEncodeItem, kLoopVectorNs * double(p.V * p.L), [&](int64_t i) {
     fn(p, i * kEncodeItem, std::min(p.V, (i + 1) * kEncodeItem));
   });
   return ffi::Error::Success();
