@@ -49,7 +49,7 @@ def model():
 def test_sampler_updates_its_cache_in_place(model, name, policy):
     fmt = get_format(name, **policy)
     sampler = Sampler(model, SamplingConfig(max_new_tokens=4), fmt)
-    cache = jax.eval_shape(lambda: sampler._empty_cache(2, MAX_LEN))
+    cache = jax.eval_shape(lambda: sampler._empty_cache(2, MAX_LEN).held())  # as __call__ passes it
     nbytes = base.tree_nbytes((cache.looped, cache.plain))
     tokens, lengths = jax.ShapeDtypeStruct((2, 8), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)
     args = (sampler.params, sampler.calib, tokens, lengths, cache, jax.random.key(0))
