@@ -182,16 +182,6 @@ inline vf vexp(vf x) {
 
 // ---- metadata and α -------------------------------------------------------------------------------------
 
-// kLanes float8_e4m3fn values (from_fp8, branch-free).
-inline vf fp8_block(const uint8_t* p) {
-  const vi x = widen<kLanes>(p);
-  const vi mag = x & 0x7f, sign = (x & 0x80) << 24;
-  const vi sub = bits_as<vi>(__builtin_convertvector(mag, vf) * 0x1p-9f);
-  const vi normal = (mag << 20) + (120 << 23);
-  const vi nan = vi{} + 0x7fc00000;
-  return bits_as<vf>((mag < 8 ? sub : (mag == 0x7f ? nan : normal)) | sign);
-}
-
 // `count` consecutive values of a metadata leaf from flat element `first`, as float32.
 void decode_meta(const void* base, int meta, int64_t first, int count, float* out) {
   int i = 0;
@@ -201,7 +191,7 @@ void decode_meta(const void* base, int meta, int64_t first, int count, float* ou
       return;
     case kFP8: {
       const uint8_t* p = static_cast<const uint8_t*>(base) + first;
-      for (; i + kLanes <= count; i += kLanes) store(out + i, fp8_block(p + i));
+      for (; i + kLanes <= count; i += kLanes) store(out + i, fp8_lanes(widen<kLanes>(p + i)));
       for (; i < count; ++i) out[i] = from_fp8(p[i]);
       return;
     }

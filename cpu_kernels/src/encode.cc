@@ -70,7 +70,9 @@ inline vf vfloor(vf u) {
 #endif
 }
 
-// numerics.h's to_fp8 and from_fp8, to_bf16 and from_bf16, lane by lane (codes in the low bits of a lane).
+// Lane by lane, the stored bits in each lane's low bits: float32 to float8_e4m3fn (magnitudes up to 448,
+// e4m3fn's largest; NaN to NaN; back with vectors.h's fp8_lanes) and a finite float32 to bfloat16. Rounding
+// is to nearest, ties to even, as XLA converts.
 inline vu to_fp8(vf x) {
   const vu bits = bits_as<vu>(x), a = bits & 0x7fffffffu, sign = (bits >> 24) & 0x80u;
   // below 2^-6 a subnormal m · 2^-9: a · 512 < 8, rounded to the nearest integer (ties to even) by 2^23
@@ -78,11 +80,6 @@ inline vu to_fp8(vf x) {
   const vu sub = bits_as<vu>(__builtin_convertvector(m, vi));
   const vu normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
   return sign | (a > 0x7f800000u ? vu{} + 0x7fu : (a < 0x3c800000u ? sub : normal));
-}
-inline vf from_fp8(vu x) {
-  const vu mag = x & 0x7fu, sign = (x & 0x80u) << 24;
-  const vu sub = bits_as<vu>(__builtin_convertvector(mag, vf) * 0x1p-9f), normal = (mag << 20) + (120u << 23);
-  return bits_as<vf>(mag == 0x7fu ? vu{} + 0x7fc00000u : (mag < 8u ? sub : normal) | sign);
 }
 inline vu to_bf16(vf x) {
   const vu a = bits_as<vu>(x);
@@ -97,7 +94,7 @@ inline vu store_meta(vf v, int meta, vf& back, vi& lost) {
   vu bits;
   if (meta == kFP8) {
     bits = to_fp8(clipped);
-    back = from_fp8(bits);
+    back = fp8_lanes(bits_as<vi>(bits));
   } else {
     bits = to_bf16(clipped);
     back = bits_as<vf>(bits << 16);

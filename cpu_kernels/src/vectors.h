@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "numerics.h"
+
 namespace rq {
 namespace {
 
@@ -35,6 +37,16 @@ inline T load(const void* p) {
 template <class T>
 inline void store(void* p, T v) {
   std::memcpy(p, &v, sizeof v);
+}
+
+// float8_e4m3fn values (the bits in each lane's low byte) as float32, branch-free: numerics.h's from_fp8 lane by
+// lane, except that a NaN keeps its sign.
+inline vf fp8_lanes(vi x) {
+  const vi mag = x & 0x7f, sign = (x & 0x80) << 24;
+  const vi sub = bits_as<vi>(__builtin_convertvector(mag, vf) * 0x1p-9f);
+  const vi normal = (mag << 20) + (120 << 23);
+  const vi nan = vi{} + 0x7fc00000;
+  return bits_as<vf>((mag < 8 ? sub : (mag == 0x7f ? nan : normal)) | sign);
 }
 
 }  // namespace
