@@ -159,39 +159,45 @@ def _identity_table(lengths):
     return jnp.arange(lengths.shape[0], dtype=jnp.int32)[:, None]
 
 
-def _call(target: str, q, lengths, slot, block_table, leaves, means=None, **attrs):
-    """The FFI call `target`(q, lengths, slot, table, *leaves[, means]) -> (acc, m, l). Leaves are [..., B, K,
-    S, ...] (contiguous, `block_table` None: the identity table is made here) or a pool [..., NP, K, P, ...].
-    On several devices it is partitioned over rows and kv heads as q is (`_partitioned`)."""
+def _call(target: str, q, lengths, slot, block_table, leaves, means=None, rotations=(), **attrs):
+    """The FFI call `target`(q, lengths, slot, table, *leaves[, means], *rotations) -> (acc, m, l). Leaves are
+    [..., B, K, S, ...] (contiguous, `block_table` None: the identity table is made here) or a pool [..., NP, K,
+    P, ...]; rotations [K, D, D]. On several devices it is partitioned over rows and kv heads as q is
+    (`_partitioned`)."""
     lengths, slot = lengths.astype(jnp.int32), jnp.asarray(slot, jnp.int32).reshape(())
     table = None if block_table is None else block_table.astype(jnp.int32)
     ranks = tuple(x.ndim for x in leaves)
 
-    def run(q, lengths, slot, table, leaves, means):
+    def run(q, lengths, slot, table, leaves, means, rotations):
         table = _identity_table(lengths) if table is None else table
         call = jax.ffi.ffi_call(target, _partial_shapes(q), vmap_method="sequential")
-        return tuple(call(q, lengths, slot, table, *leaves, *([] if means is None else [means]), **attrs))
+        return tuple(call(q, lengths, slot, table, *leaves, *([] if means is None else [means]), *rotations,
+                          **attrs))
 
+    rotations = tuple(rotations)
     if jax.device_count() == 1:
-        return run(q, lengths, slot, table, leaves, means)
-    return _partitioned(run, ranks, table is not None, means is not None)(q, lengths, slot, table, leaves, means)
+        return run(q, lengths, slot, table, leaves, means, rotations)
+    return _partitioned(run, ranks, table is not None, means is not None, len(rotations))(
+        q, lengths, slot, table, leaves, means, rotations)
 
 
-def _partitioned(run, ranks: tuple[int, ...], paged: bool, has_means: bool):
+def _partitioned(run, ranks: tuple[int, ...], paged: bool, has_means: bool, num_rotations: int):
     """`run` as a custom-partitioned op: the factors b (rows) and k (kv heads) follow q's sharding, every
-    other axis is whole on each device (slot axes, tokens, channels; a pool's pages)."""
+    other axis is whole on each device (slot axes, tokens, channels; a pool's pages; a rotation's rows)."""
     lead = ranks[0] - 4  # slot axes: the first leaf (codes, or dense K) has a channel axis, α leaves none
     operands = ["b k r d", "b", "", *(["b n"] if paged else [])]
     for i, rank in enumerate(ranks):  # [slot axes..., B or NP, K, S or P, (channels)]
         axes = [f"m{j}" for j in range(lead)] + ["np" if paged else "b", "k", "s"]
         operands.append(" ".join(axes + [f"c{i}"] * (rank - len(axes))))
-    operands += ["b k r l"] if has_means else []
+    operands += (["b k r l"] if has_means else []) + ["k d e"] * num_rotations
     factors = [f for op in operands for f in op.split()]
     whole = tuple(f for f in dict.fromkeys(factors) if f not in ("b", "k"))  # in the rule's order, as Shardy wants
 
-    def unpack(rest):  # the op's operands after q, lengths and slot -> (table, leaves, means)
+    def unpack(rest):  # the op's operands after q, lengths and slot -> (table, leaves, means, rotations)
         table, rest = (rest[0], rest[1:]) if paged else (None, rest)
-        return table, tuple(rest[: len(ranks)]), rest[len(ranks)] if has_means else None
+        leaves, rest = tuple(rest[: len(ranks)]), rest[len(ranks):]
+        means, rest = (rest[0], rest[1:]) if has_means else (None, rest)
+        return table, leaves, means, tuple(rest)
 
     def partition(mesh, arg_shapes, result_shape):
         b, k = (tuple(arg_shapes[0].sharding.spec) + (None, None))[:2]
@@ -201,15 +207,15 @@ def _partitioned(run, ranks: tuple[int, ...], paged: bool, has_means: bool):
 
         leaves = [spec(*[None] * lead, None if paged else b, k, *[None] * (r - lead - 2)) for r in ranks]
         args = (spec(b, k, None, None), spec(b), spec(), *([spec(b, None)] if paged else []), *leaves,
-                *([spec(b, k, None, None)] if has_means else []))
+                *([spec(b, k, None, None)] if has_means else []), *[spec(k, None, None)] * num_rotations)
         outs = (spec(b, k, None, None), spec(b, k, None), spec(b, k, None))
         return mesh, lambda q, lengths, slot, *rest: run(q, lengths, slot, *unpack(rest)), outs, args
 
     op = custom_partitioning(lambda q, lengths, slot, *rest: run(q, lengths, slot, *unpack(rest)))
     op.def_partition(partition=partition, sharding_rule=", ".join(operands) + " -> b k r d, b k r, b k r",
                      need_replication_factors=whole)
-    return lambda q, lengths, slot, table, leaves, means: op(
-        q, lengths, slot, *([table] if paged else []), *leaves, *([means] if has_means else []))
+    return lambda q, lengths, slot, table, leaves, means, rotations: op(
+        q, lengths, slot, *([table] if paged else []), *leaves, *([means] if has_means else []), *rotations)
 
 
 def _partitioned_encode(run, rank: int, has_mean: bool, channels: Sequence[int | None]):
@@ -304,6 +310,8 @@ def residual_decode_attention(
     v_bits: tuple[int, ...] | None = None,
     k_group_sizes: tuple[int, ...] | None = None,
     v_group_sizes: tuple[int, ...] | None = None,
+    key_rot: jax.Array | None = None,         # [K, D, D] float32 (z = U x), with value_rot, or neither
+    value_rot: jax.Array | None = None,
     **launch,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Unnormalised attention partial of rotated queries over a slot's packed stored tokens, the
@@ -311,7 +319,9 @@ def residual_decode_attention(
     [M, B, K, S, D·bits/8] (planar packing, bits 1/2/4/8), scale/offset [M, B, K, S, D/g] (float8_e4m3fn,
     bfloat16, float16 or float32; any g dividing D, per link), α bf16 (with `block_table` [B, N]: a pool of
     pages, B → NP and S → P in every leaf). Returns acc [B, K, R, D] (rotated value basis), m, l [B, K, R],
-    float32. Launch keywords of the Pallas kernel are accepted and ignored."""
+    float32. Given `key_rot` and `value_rot`, the kernel rotates itself: q comes in the original basis (each
+    row rotated, q̃ = U_k q) and acc goes back to it (acc·U_v); `mean_scores` are still q̃·μ_i. Launch
+    keywords of the Pallas kernel are accepted and ignored."""
     del launch
     keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
     _check_query(q, lengths)
@@ -329,6 +339,12 @@ def residual_decode_attention(
         raise ValueError(f"every link must share [M, B, K, S] with K = {q.shape[1]}; got {lead}")
     if mean_scores is not None and len(mean_scores) != len(keys):
         raise ValueError(f"mean_scores: {len(mean_scores)} entries for a chain of {len(keys)} links")
+    if (key_rot is None) != (value_rot is None):
+        raise ValueError("key_rot and value_rot come together (or neither)")
+    rotations = () if key_rot is None else (key_rot, value_rot)
+    for u in rotations:
+        if u.dtype != jnp.float32 or u.shape != (q.shape[1], d, d):
+            raise ValueError(f"rotations must be float32 [{q.shape[1]}, {d}, {d}], got {u.dtype}{list(u.shape)}")
     _check_table(lengths, block_table, lead)
     _require()
     if lead[-1] == 0:
@@ -343,7 +359,7 @@ def residual_decode_attention(
         means = jnp.stack([jnp.zeros(q.shape[:3], jnp.float32) if mu is None else mu.astype(jnp.float32)
                            for mu in mean_scores], axis=-1)
     flags = lambda alphas: np.array([a is not None for a in alphas], np.int64)  # noqa: E731
-    return _call("rq_cpu_quant", q, lengths, slot, block_table, tuple(leaves), means,
+    return _call("rq_cpu_quant", q, lengths, slot, block_table, tuple(leaves), means, rotations,
                  k_bits=np.array([b for b, _ in k_links], np.int64),
                  k_groups=np.array([g for _, g in k_links], np.int64),
                  v_bits=np.array([b for b, _ in v_links], np.int64),
@@ -351,7 +367,7 @@ def residual_decode_attention(
                  k_alpha=flags(k_alpha), v_alpha=flags(v_alpha),
                  k_meta=np.array([_META_CODE[st.scale.dtype] for st in keys], np.int64),
                  v_meta=np.array([_META_CODE[st.scale.dtype] for st in values], np.int64),
-                 has_means=np.int64(means is not None))
+                 has_means=np.int64(means is not None), has_rotations=np.int64(bool(rotations)))
 
 
 ENCODE_BITS = (0, 1, 2, 4, 8)

@@ -12,7 +12,8 @@
 //   acc  += Σ_i (Π_{j<i} αv_j) · p · ( scale_ig · c_ig + offset_ig )        (rotated value basis)
 //
 // with an online softmax across chunks, and the offsets' part of acc summed per group and spread over the
-// group's channels once at the end.
+// group's channels once at the end. Given the rotations, an item rotates its query rows first (q̃ = U_k q) and
+// takes acc back to the original basis last (acc·U_v).
 //
 // Codes are read where they lie (planar packing: byte j of a token holds channel pJ + j of every plane p,
 // J = D·bits/8). Blocked links (J and the group size multiples of the block width W <= kLanes bytes) widen
@@ -655,6 +656,63 @@ inline int64_t flat(const Segment* seg, int count, int j) {
 
 // ---- quantized chains --------------------------------------------------------------------------------------
 
+// The rotations of an item's rows, x [rows, d] with u [d, d] (z = U x): `rotate_rows` takes the queries into the
+// rotated key basis, out[r, e] = Σ_c u[e, c] · x[r, c]; `unrotate_rows` takes the accumulator back from the
+// rotated value basis, out[r, c] = Σ_e x[r, e] · u[e, c]. A row of d = NV·kLanes channels (NV of 1, 2, 4 or 8)
+// stays in registers: rotating sums kLanes outputs' products at once (`hsums`), un-rotating adds each input's
+// row of u into two accumulators (even and odd inputs, two chains of FMAs). Other widths go channel by channel.
+template <int NV>
+void rotate_fixed(const float* u, int rows, const float* x, float* out) {
+  constexpr int d = NV * kLanes;
+  for (int r = 0; r < rows; ++r) {
+    vf xr[NV];
+    for (int v = 0; v < NV; ++v) xr[v] = load<vf>(x + r * d + v * kLanes);
+    for (int e = 0; e < d; e += kLanes) {
+      vf t[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        vf a = xr[0] * load<vf>(u + (e + j) * d);
+        for (int v = 1; v < NV; ++v) a += xr[v] * load<vf>(u + (e + j) * d + v * kLanes);
+        t[j] = a;
+      }
+      store(out + r * d + e, hsums<kLanes>(t));
+    }
+  }
+}
+
+template <int NV>
+void unrotate_fixed(const float* u, int rows, const float* x, float* out) {
+  constexpr int d = NV * kLanes;
+  for (int r = 0; r < rows; ++r) {
+    vf even[NV] = {}, odd[NV] = {};
+    for (int e = 0; e < d; e += 2) {
+      const float w0 = x[r * d + e], w1 = x[r * d + e + 1];
+      for (int v = 0; v < NV; ++v) {
+        even[v] += w0 * load<vf>(u + e * d + v * kLanes);
+        odd[v] += w1 * load<vf>(u + (e + 1) * d + v * kLanes);
+      }
+    }
+    for (int v = 0; v < NV; ++v) store(out + r * d + v * kLanes, even[v] + odd[v]);
+  }
+}
+
+template <bool Back>
+void rotation(const float* u, int d, int rows, const float* x, float* out) {
+  void (*fixed)(const float*, int, const float*, float*) = nullptr;
+  switch (d % kLanes ? 0 : d / kLanes) {
+    case 1: fixed = Back ? unrotate_fixed<1> : rotate_fixed<1>; break;
+    case 2: fixed = Back ? unrotate_fixed<2> : rotate_fixed<2>; break;
+    case 4: fixed = Back ? unrotate_fixed<4> : rotate_fixed<4>; break;
+    case 8: fixed = Back ? unrotate_fixed<8> : rotate_fixed<8>; break;
+  }
+  if (fixed) return fixed(u, rows, x, out);
+  for (int r = 0; r < rows; ++r)
+    for (int o = 0; o < d; ++o) {
+      float a = 0.0f;
+      for (int c = 0; c < d; ++c) a += x[r * d + c] * (Back ? u[c * d + o] : u[o * d + c]);
+      out[r * d + o] = a;
+    }
+}
+
 void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
   const int d = int(p.D), rows = int(p.rows);
   const Chain& kc = p.keys;
@@ -669,8 +727,9 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   int v_off[kMaxLinks + 1] = {0};  // value link i's groups start at v_off[i] of a row's offset accumulator
   for (int i = 0; i < vc.n; ++i) v_off[i + 1] = v_off[i] + d / vc.link[i].group;
   const int v_groups = v_off[vc.n];
-  size_t floats = Arena::rounded(rows * d) + 2 * Arena::rounded(rows * kChunk) + Arena::rounded(rows * v_groups) +
-                  Arena::rounded(kc.n * rows) + 2 * Arena::rounded(kMaxLinks * kChunk);
+  const int row_bufs = p.key_rot || p.value_rot ? 2 : 1;  // q, and the rotations' other buffer
+  size_t floats = row_bufs * Arena::rounded(rows * d) + 2 * Arena::rounded(rows * kChunk) +
+                  Arena::rounded(rows * v_groups) + Arena::rounded(kc.n * rows) + 2 * Arena::rounded(kMaxLinks * kChunk);
   for (int i = 0; i < kc.n; ++i)
     floats += Arena::rounded(rows * qsum_stride(d / kc.link[i].group)) + LinkMeta::floats(kc.link[i]);
   for (int i = 0; i < vc.n; ++i) floats += LinkMeta::floats(vc.link[i]);
@@ -678,12 +737,14 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   float *q = arena.take(rows * d), *scores = arena.take(rows * kChunk), *w = arena.take(rows * kChunk);
   float *offacc = arena.zeros(rows * v_groups), *means = arena.take(kc.n * rows);
   float *k_coef = arena.take(kMaxLinks * kChunk), *v_coef = arena.take(kMaxLinks * kChunk);
+  float* rotated = row_bufs == 2 ? arena.take(rows * d) : nullptr;
   for (int r = 0; r < rows; ++r) {
     const int64_t qrow = (b * p.K + k) * p.R + p.row0 + r;
-    load_row(p.q, p.q_bf16, qrow, d, &q[r * d]);
+    load_row(p.q, p.q_bf16, qrow, d, &(p.key_rot ? rotated : q)[r * d]);
     if (p.mean_scores)
       for (int i = 0; i < kc.n; ++i) means[i * rows + r] = p.mean_scores[qrow * kc.n + i];
   }
+  if (p.key_rot) rotation<false>(p.key_rot + k * d * d, d, rows, rotated, q);
   float* qsum[kMaxLinks];  // Σ_{c∈g} q_c per key link, row and group (qsum_stride per row)
   for (int i = 0; i < kc.n; ++i) {
     const int g = kc.link[i].group, stride = qsum_stride(d / g);
@@ -754,6 +815,10 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
         const float o = offacc[r * v_groups + v_off[i] + gi];
         for (int c = 0; c < g; ++c) acc[r * d + gi * g + c] += o;
       }
+  }
+  if (p.value_rot) {
+    rotation<true>(p.value_rot + k * d * d, d, rows, acc, rotated);
+    std::copy(rotated, rotated + rows * d, acc);
   }
 }
 

@@ -2,7 +2,8 @@
 //
 //   RqDenseAttention     q, lengths, slot, block table, k, v         -> acc, m, l
 //   RqQuantAttention     q, lengths, slot, block table, key links (codes, scale, offset)..., key α...,
-//                        value links..., value α..., [mean scores]   -> acc, m, l
+//                        value links..., value α..., [mean scores], [key and value rotations]
+//                                                                    -> acc, m, l
 //   RqEncode             z [O, K, L, B, T, D], num_new [B], [mean]   -> per stored loop: codes, scale, offset;
 //                        [α]; lost
 //                        (kernels.h, EncodeProblem; encode.cc)
@@ -241,7 +242,8 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
                            ffi::Span<const int64_t> k_bits, ffi::Span<const int64_t> k_groups,
                            ffi::Span<const int64_t> v_bits, ffi::Span<const int64_t> v_groups,
                            ffi::Span<const int64_t> k_alpha, ffi::Span<const int64_t> v_alpha,
-                           ffi::Span<const int64_t> k_meta, ffi::Span<const int64_t> v_meta, int64_t has_means) {
+                           ffi::Span<const int64_t> k_meta, ffi::Span<const int64_t> v_meta, int64_t has_means,
+                           int64_t has_rotations) {
   size_t next = 0;
   std::optional<ffi::AnyBuffer> missing;
   auto arg = [&]() -> std::optional<ffi::AnyBuffer> {
@@ -294,6 +296,17 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
     auto means = arg();
     if (!means) return ffi::Error::InvalidArgument("missing mean scores");
     p.mean_scores = static_cast<const float*>(means->untyped_data());
+  }
+  if (has_rotations) {
+    auto key_rot = arg(), value_rot = arg();
+    if (!key_rot || !value_rot) return ffi::Error::InvalidArgument("missing rotations");
+    for (const auto& u : {*key_rot, *value_rot}) {
+      auto d = u.dimensions();
+      if (u.element_type() != ffi::DataType::F32 || d.size() != 3 || d[0] != p.K || d[1] != p.D || d[2] != p.D)
+        return ffi::Error::InvalidArgument("rotations must be float32 [K, D, D]");
+    }
+    p.key_rot = static_cast<const float*>(key_rot->untyped_data());
+    p.value_rot = static_cast<const float*>(value_rot->untyped_data());
   }
   auto acc = rets.get<ffi::AnyBuffer>(0), m = rets.get<ffi::AnyBuffer>(1), l = rets.get<ffi::AnyBuffer>(2);
   if (acc.has_error() || m.has_error() || l.has_error()) return ffi::Error::InvalidArgument("need 3 outputs");
@@ -466,7 +479,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RqQuantAttention, rq::quant_attention,
                                   .Attr<ffi::Span<const int64_t>>("v_alpha")
                                   .Attr<ffi::Span<const int64_t>>("k_meta")
                                   .Attr<ffi::Span<const int64_t>>("v_meta")
-                                  .Attr<int64_t>("has_means"));
+                                  .Attr<int64_t>("has_means")
+                                  .Attr<int64_t>("has_rotations"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RqStore, rq::store, ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 

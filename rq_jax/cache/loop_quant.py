@@ -27,8 +27,10 @@ chain store — packed codes, metadata, α, key means — without unpacking anyt
 implementation of the decode-attention op (`attention.PACKED`: XLA, the Pallas (Triton) kernel, the Mosaic
 TPU kernel, the native CPU kernel; the policy's `attend_impl` picks) computes the partial from the
 rotated queries: s_r = α_r·s_p(r) + q̃·D(c_r) + q̃·μ_r (recursively down to the anchor), and values
-through the same recursion, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated basis. The
-caller rotates the queries and un-rotates the output once. The XLA implementation does this one
+through the same recursion, p·ẑ_r = (α_r p)·ẑ_p + p·D(c_r), accumulated in the rotated basis. The op
+takes the queries in the original basis and returns the output there: the XLA, Pallas and Mosaic
+implementations rotate by XLA dots around their attention (`attend_packed`, `_kernel_partial`), the
+native CPU kernel rotates each query row and accumulator itself. The XLA implementation does this one
 context tile at a time (`base.tiled_partial`); the Pallas kernel walks its own tiles. `reconstruct`
 (toolbox decode, un-rotate) is the reference.
 
@@ -78,12 +80,14 @@ class LoopSlot(NamedTuple):
 
 
 class LoopOperands(NamedTuple):
-    """What attention to one slot reads, nothing unpacked: the loop's reference chain, loop first.
+    """What attention to one slot reads, nothing unpacked: the loop's reference chain, loop first, and the
+    slot's rotations.
 
     `k`/`v`: packed codes of each chain link as stored (a super-scale not folded in), still stacked
     [G, N, B, K, S, ...] — `index` selects the slot (a kernel picks it in its index map).
     `k_alpha`/`v_alpha`: link i's α [G, N, B, K, S] scaling link i + 1 (None: α = 1); one fewer than links.
     `k_mean`: link i's key mean [K, D] (rotated basis) or None.
+    `key_rot`/`value_rot`: the slot's rotations [K, D, D] (z = U x).
     """
 
     index: base.Index
@@ -92,6 +96,28 @@ class LoopOperands(NamedTuple):
     k_alpha: tuple[Array | None, ...]
     v_alpha: tuple[Array | None, ...]
     k_mean: tuple[Array | None, ...]
+    key_rot: Float[Array, "k d d"]
+    value_rot: Float[Array, "k d d"]
+
+
+def attend_packed(q: GroupedQueries, ops: LoopOperands, lengths: Lengths, table: base.Table | None = None,
+                  visible: Visible | None = None) -> base.Partial:
+    """The decode-attention op's XLA implementation: `attend_rotated` between the rotations, the queries
+    q [B, T, K, H/K, D] float32 rotated by `ops.key_rot` before and acc [B, T, H, D] taken back by
+    `ops.value_rot` after (m, l [B, T, H])."""
+    return _unrotated(attend_rotated(_rotated(q, ops), ops, lengths, table, visible), ops, q.shape)
+
+
+def _rotated(q: GroupedQueries, ops: LoopOperands) -> GroupedQueries:
+    """Queries [B, T, K, H/K, D] in the rotated key basis."""
+    return jnp.einsum("btkqd,ked->btkqe", q, ops.key_rot, precision=_HI)
+
+
+def _unrotated(part: base.Partial, ops: LoopOperands, grouped: tuple[int, ...]) -> base.Partial:
+    """`part` with acc [B, T, H, D] taken from the rotated value basis back to the original one (`grouped`:
+    the queries' [B, T, K, H/K, D])."""
+    acc = jnp.einsum("btkqe,ked->btkqd", part.acc.reshape(grouped), ops.value_rot, precision=_HI)
+    return part._replace(acc=acc.reshape(part.acc.shape))
 
 
 def attend_rotated(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths, table: base.Table | None = None,
@@ -139,14 +165,22 @@ def _rotated_partial(q_rot: GroupedQueries, k: tuple[PackedCodes, ...], v: tuple
     return base.Partial(acc.reshape(b, t, heads * per_kv, d), m, l)
 
 
-def _kernel_partial(kernel, q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
-                    flat: bool = True, **kw) -> base.Partial:
-    """`attend_rotated` through a decode kernel of `pallas_kernels.residual_decode_attention`'s signature
+def _kernel_partial(kernel, q: GroupedQueries, ops: LoopOperands, lengths: Lengths,
+                    flat: bool = True, rotates: bool = False, **kw) -> base.Partial:
+    """`attend_packed` through a decode kernel of `pallas_kernels.residual_decode_attention`'s signature
     (the Pallas kernel, or the native CPU kernel): queries as [B, K, T·H/K, D] rows, the chain's streams
     over the [G·N] slots (flattened when `flat`, else left stacked [G, N, ...] for a kernel that takes
-    leading slot axes), key means as per-row mean scores."""
-    b, t, heads, per_kv, d = q_rot.shape
-    q = q_rot.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
+    leading slot axes), key means as per-row mean scores. The rotations are XLA dots around the kernel,
+    or the kernel's own when it `rotates` (the native kernel's `key_rot`/`value_rot` operands: then the
+    mean scores q̃·μ are taken as q·(U_kᵀμ))."""
+    b, t, heads, per_kv, d = q.shape
+    if rotates:
+        kw.update(key_rot=ops.key_rot, value_rot=ops.value_rot)
+        k_mean = tuple(None if mu is None else jnp.einsum("ke,ked->kd", mu, ops.key_rot, precision=_HI)
+                       for mu in ops.k_mean)
+    else:
+        q, k_mean = _rotated(q, ops), ops.k_mean
+    q_rows = q.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
     num_layers = ops.k[0].codes.shape[1]
     slot = ops.index[0] * num_layers + ops.index[1]
     def slots(x):  # [G, N, ...] → [G·N, ...]
@@ -154,49 +188,51 @@ def _kernel_partial(kernel, q_rot: GroupedQueries, ops: LoopOperands, lengths: L
     def streams(codes):
         codes = map(PackedCodes.effective, codes)
         return tuple(QuantStream(slots(c.codes), slots(c.scale), slots(c.offset)) for c in codes)
-    means = tuple(None if mu is None else jnp.einsum("bkrd,kd->bkr", q, mu) for mu in ops.k_mean)
+    means = tuple(None if mu is None else jnp.einsum("bkrd,kd->bkr", q_rows, mu) for mu in k_mean)
     acc, m, l = kernel(
-        q, streams(ops.k), streams(ops.v), tuple(map(slots, ops.k_alpha)), tuple(map(slots, ops.v_alpha)),
+        q_rows, streams(ops.k), streams(ops.v), tuple(map(slots, ops.k_alpha)), tuple(map(slots, ops.v_alpha)),
         means, lengths, jnp.asarray(slot, jnp.int32), k_bits=tuple(c.bits for c in ops.k),
         v_bits=tuple(c.bits for c in ops.v), k_group_sizes=tuple(c.group_size for c in ops.k),
         v_group_sizes=tuple(c.group_size for c in ops.v), **kw)
     def rows(x):
         rest = x.shape[3:]
         return jnp.moveaxis(x.reshape(b, heads, t, per_kv, *rest), 2, 1).reshape(b, t, heads * per_kv, *rest)
-    return base.Partial(rows(acc), rows(m), rows(l))
+    part = base.Partial(rows(acc), rows(m), rows(l))
+    return part if rotates else _unrotated(part, ops, q.shape)
 
 
 @attention.PACKED.register("pallas")
-def attend_pallas(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
+def attend_pallas(q: GroupedQueries, ops: LoopOperands, lengths: Lengths,
                   table: base.Table | None = None) -> base.Partial:
-    """`attend_rotated` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
+    """`attend_packed` through the fused Pallas kernel (`pallas_kernels.residual_decode_attention`):
     compiled for Triton on a GPU, run in interpret mode elsewhere; rows through `table` when paged. Raises
     NotImplementedError (at trace time) for configurations the kernel does not cover."""
-    return _kernel_partial(residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "cuda",
+    return _kernel_partial(residual_decode_attention, q, ops, lengths, interpret=attention.target() != "cuda",
                            block_table=table)
 
 
 @attention.PACKED.register("native")
-def attend_native(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
+def attend_native(q: GroupedQueries, ops: LoopOperands, lengths: Lengths,
                   table: base.Table | None = None) -> base.Partial:
-    """`attend_rotated` through the native CPU kernel (`cpu_kernels.residual_decode_attention`, XLA FFI),
-    reading the codes where they lie, rows through `table` when paged. Raises NotImplementedError (at
+    """`attend_packed` through the native CPU kernel (`cpu_kernels.residual_decode_attention`, XLA FFI),
+    reading the codes where they lie, rows through `table` when paged, rotating the queries and the
+    accumulator itself (one D×D product per row: no XLA dot around the call). Raises NotImplementedError (at
     trace time) for configurations it does not cover, or when the kernels cannot be built here."""
-    return _kernel_partial(cpu_kernels.residual_decode_attention, q_rot, ops, lengths, flat=False,
+    return _kernel_partial(cpu_kernels.residual_decode_attention, q, ops, lengths, flat=False, rotates=True,
                            **({} if table is None else {"block_table": table}))
 
 
 @attention.PACKED.register("pallas-tpu")
-def attend_pallas_tpu(q_rot: GroupedQueries, ops: LoopOperands, lengths: Lengths,
+def attend_pallas_tpu(q: GroupedQueries, ops: LoopOperands, lengths: Lengths,
                       table: base.Table | None = None) -> base.Partial:
-    """`attend_rotated` through the Mosaic kernel (`pallas_kernels.tpu_residual_attention`): compiled for
+    """`attend_packed` through the Mosaic kernel (`pallas_kernels.tpu_residual_attention`): compiled for
     the TPU a program is lowered for, run in TPU interpret mode elsewhere; rows through `table` when paged.
     Raises NotImplementedError (at trace time) for configurations the kernel does not cover."""
-    return _kernel_partial(tpu_residual_decode_attention, q_rot, ops, lengths, interpret=attention.target() != "tpu",
+    return _kernel_partial(tpu_residual_decode_attention, q, ops, lengths, interpret=attention.target() != "tpu",
                            block_table=table)
 
 
-attention.PACKED.register("xla")(attend_rotated)
+attention.PACKED.register("xla")(attend_packed)
 
 
 class Coded(NamedTuple):
@@ -486,12 +522,13 @@ class LoopQuant(base.CacheFormat):
             index,
             tuple(state[r].k for r in links), tuple(state[r].v for r in links),
             tuple(state[r].k_alpha for r in links[:-1]), tuple(state[r].v_alpha for r in links[:-1]),
-            tuple(None if means is None else means[r] for r in links))
+            tuple(None if means is None else means[r] for r in links), calib.key_rot[index], calib.value_rot[index])
 
     def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib: RotationCalib,
                visible: Visible | None = None, table: base.Table | None = None) -> base.Partial:
-        """Rotate the queries, run `attend_impl` on the slot's operands (through `table` when paged; XLA
-        fallback; XLA too under a `visible` mask), un-rotate. A prompt call (T > 1) whose rows hold no past
+        """Run `attend_impl` on the queries and the slot's operands (through `table` when paged; XLA
+        fallback; XLA too under a `visible` mask): it rotates the queries and un-rotates its result, by XLA
+        dots around a kernel or, natively, inside it. A prompt call (T > 1) whose rows hold no past
         yet (a fresh prompt's first chunk) skips all of it under a `lax.cond`: the rotations cost as much as
         a layer's projections there. The state enters the cond on its bits (`base.tree_bits`: a converted
         copy of a whole leaf is never made)."""
@@ -507,18 +544,11 @@ class LoopQuant(base.CacheFormat):
 
     def _attend(self, state, index, loop, q: Queries, lengths: Lengths, calib: RotationCalib,
                 visible: Visible | None, table: base.Table | None) -> base.Partial:
-        b, t, h, d = q.shape
-        key_rot, value_rot = calib.key_rot[index], calib.value_rot[index]  # [K, D, D]
-        q_rot = jnp.einsum("btkqd,ked->btkqe", base.group_queries(q, key_rot.shape[0]).astype(jnp.float32),
-                           key_rot, precision=_HI)
+        q = base.group_queries(q, calib.key_rot.shape[2]).astype(jnp.float32)
         ops = self.operands(state, index, loop, calib)
         if visible is not None:  # the kernels take no mask
-            part = attend_rotated(q_rot, ops, lengths, table, visible)
-        else:
-            part = attention.PACKED(self.attend_impl, q_rot, ops, lengths, table, who=self.name)
-        acc = part.acc.reshape(q_rot.shape)
-        acc = jnp.einsum("btkqe,ked->btkqd", acc, value_rot, precision=_HI)
-        return part._replace(acc=acc.reshape(b, t, h, d))
+            return attend_packed(q, ops, lengths, table, visible)
+        return attention.PACKED(self.attend_impl, q, ops, lengths, table, who=self.name)
 
     def reconstruct(self, state, index, loop, lengths: Lengths, calib: RotationCalib) -> tuple[SlotKV, SlotKV]:
         """Decode slot `index` at position `loop` with the toolbox, then un-rotate: [B, K, S, D] each."""

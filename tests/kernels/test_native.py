@@ -24,6 +24,7 @@ import cpu_kernels
 from pallas_kernels import dense_attention as da, residual_attention as ra
 from rq_jax.cache import base, get_format
 from rq_jax.cache.dense import Dense
+from rq_jax.quant import rotation
 
 from . import test_dense_attention as dense_cases, test_residual_attention as quant_cases
 from ._base import assert_partial_close, paged_case, seeded
@@ -52,6 +53,30 @@ def test_packed_chains_match_the_reference(cfg):
     args, kw = quant_cases.make_inputs(cfg, seeded(cfg.name))
     out = jax.jit(lambda *a: cpu_kernels.residual_decode_attention(*a, **kw))(*args)
     assert_partial_close(out, ra.residual_decode_attention_reference(*args, **kw), cfg.lengths, TOL)
+
+
+#: Head dims of 1, 2, 4 and 8 AVX-512 registers (16 is 4 of the portable build's), 24 and 256 channel by channel;
+#: key means; 70 rows in two blocks; a bfloat16 query.
+ROTATION_CASES = (NATIVE_CASES[5], NATIVE_CASES[4], Q("d32-gqa", 32, 4, ((2, 16), (4, 16)), lengths=(33, 5), s=40),
+                  NATIVE_CASES[1], NATIVE_CASES[3], NATIVE_CASES[6])
+
+
+@pytest.mark.parametrize("cfg", ROTATION_CASES, ids=lambda c: c.name)
+def test_packed_chains_rotate_themselves(cfg):
+    """Given the rotations, the kernel takes the queries in the original basis and returns acc there: the
+    reference on rotated queries, its acc un-rotated."""
+    (q, *rest), kw = quant_cases.make_inputs(cfg, seeded(cfg.name))
+    keys = jax.random.split(jax.random.key(len(cfg.name)), 2 * q.shape[1])
+    d = q.shape[3]
+    key_rot, value_rot = (jnp.stack([rotation.random_orthogonal(k, d) for k in half])
+                          for half in (keys[: q.shape[1]], keys[q.shape[1]:]))
+    out = jax.jit(lambda *a: cpu_kernels.residual_decode_attention(*a, **kw, key_rot=key_rot, value_rot=value_rot))(
+        q, *rest)
+    hi = jax.lax.Precision.HIGHEST
+    acc, m, l = ra.residual_decode_attention_reference(
+        jnp.einsum("bkrd,ked->bkre", q.astype(jnp.float32), key_rot, precision=hi), *rest, **kw)
+    want = (jnp.einsum("bkre,ked->bkrd", acc, value_rot, precision=hi), m, l)
+    assert_partial_close(out, want, cfg.lengths, TOL)
 
 
 DENSE_CASES = dense_cases.CASES + (
@@ -123,8 +148,8 @@ def test_same_bits_at_any_thread_count(monkeypatch):
 
 
 def test_portable_build_matches_the_reference():
-    """The baseline x86-64 kernels (RQ_CPU_ISA=generic, chosen at load time) give the reference's partials,
-    and their encoder (its own floor, four lanes) XLA's bits."""
+    """The baseline x86-64 kernels (RQ_CPU_ISA=generic, chosen at load time) give the reference's partials
+    (rotating themselves too), and their encoder (its own floor, four lanes) XLA's bits."""
     code = ("import jax, numpy as np, cpu_kernels;"
             "from tests.kernels import test_native as t, test_residual_attention as qc;"
             "from tests.kernels._base import seeded, assert_partial_close;"
@@ -133,6 +158,7 @@ def test_portable_build_matches_the_reference():
             "[assert_partial_close(cpu_kernels.residual_decode_attention(*a, **k),"
             " ra.residual_decode_attention_reference(*a, **k), c.lengths, t.TOL)"
             " for c in t.NATIVE_CASES[:3] for a, k in [qc.make_inputs(c, seeded(c.name))]];"
+            "[t.test_packed_chains_rotate_themselves(c) for c in t.ROTATION_CASES[:2]];"
             "[t.test_native_write_equals_the_xla_write_bit_for_bit(label) for label in list(t.WRITE_FORMATS)[:4]];"
             "print('ok')")
     env = dict(os.environ, RQ_CPU_ISA="generic")
@@ -218,6 +244,11 @@ def test_bad_input_is_named():
         cpu_kernels.residual_decode_attention(args[0].astype(jnp.float16), *args[1:], **kw)
     with pytest.raises(NotImplementedError, match="3-bit codes"):
         cpu_kernels.residual_decode_attention(*args, **{**kw, "k_bits": (3, 4)})
+    u = jnp.eye(args[0].shape[3])
+    with pytest.raises(ValueError, match="key_rot and value_rot come together"):
+        cpu_kernels.residual_decode_attention(*args, **kw, key_rot=jnp.stack([u, u]))
+    with pytest.raises(ValueError, match=r"rotations must be float32 \[2, 128, 128\], got float32\[1, 128, 128\]"):
+        cpu_kernels.residual_decode_attention(*args, **kw, key_rot=u[None], value_rot=u[None])
     q, k, v, lengths, slot = dense_cases.make_inputs(DENSE_CASES[0], seeded("bad"))[0]
     with pytest.raises(ValueError, match="want k = v"):
         cpu_kernels.dense_decode_attention(q, k, v[..., :8], lengths, slot)
