@@ -6,7 +6,9 @@ The CPU counterpart of `pallas_kernels`: the same array layouts and the same sig
     dense_decode_attention(q, k, v, lengths, slot)                  bf16 / f32 K/V
     residual_decode_attention(q, keys, values, k_alpha, v_alpha, mean_scores, lengths, slot, ...)
                                                                     packed chains: uniform, rotated,
-                                                                    ResidualQuant of any length
+                                                                    ResidualQuant of any length; given
+                                                                    key_rot and value_rot, it rotates the
+                                                                    queries and the result itself
 
     residual_encode(z, mean, bits=..., group_sizes=..., clips=..., parents=..., order=..., ...)
                                                                     the write's encoder: a loop group of
