@@ -656,9 +656,9 @@ inline int64_t flat(const Segment* seg, int count, int j) {
 
 // ---- quantized chains --------------------------------------------------------------------------------------
 
-// The rotations of an item's rows, x [rows, d] with u [d, d] (z = U x): `rotate_rows` takes the queries into the
-// rotated key basis, out[r, e] = Σ_c u[e, c] · x[r, c]; `unrotate_rows` takes the accumulator back from the
-// rotated value basis, out[r, c] = Σ_e x[r, e] · u[e, c]. A row of d = NV·kLanes channels (NV of 1, 2, 4 or 8)
+// The rotations of an item's rows, x [rows, d] with u [d, d] (z = U x): `rotation<false>` takes the queries into
+// the rotated key basis, out[r, e] = Σ_c u[e, c] · x[r, c]; `rotation<true>` takes the accumulator back from
+// the rotated value basis, out[r, c] = Σ_e x[r, e] · u[e, c]. A row of d = NV·kLanes channels (NV of 1, 2, 4 or 8)
 // stays in registers: rotating sums kLanes outputs' products at once (`hsums`), un-rotating adds each input's
 // row of u into two accumulators (even and odd inputs, two chains of FMAs). Other widths go channel by channel.
 template <int NV>
@@ -729,7 +729,8 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   const int v_groups = v_off[vc.n];
   const int row_bufs = p.key_rot || p.value_rot ? 2 : 1;  // q, and the rotations' other buffer
   size_t floats = row_bufs * Arena::rounded(rows * d) + 2 * Arena::rounded(rows * kChunk) +
-                  Arena::rounded(rows * v_groups) + Arena::rounded(kc.n * rows) + 2 * Arena::rounded(kMaxLinks * kChunk);
+                  Arena::rounded(rows * v_groups) + Arena::rounded(kc.n * rows) +
+                  2 * Arena::rounded(kMaxLinks * kChunk);
   for (int i = 0; i < kc.n; ++i)
     floats += Arena::rounded(rows * qsum_stride(d / kc.link[i].group)) + LinkMeta::floats(kc.link[i]);
   for (int i = 0; i < vc.n; ++i) floats += LinkMeta::floats(vc.link[i]);
