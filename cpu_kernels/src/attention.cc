@@ -658,53 +658,47 @@ inline int64_t flat(const Segment* seg, int count, int j) {
 
 // The rotations of an item's rows, x [rows, d] with u [d, d] (z = U x): `rotation<false>` takes the queries into
 // the rotated key basis, out[r, e] = Σ_c u[e, c] · x[r, c]; `rotation<true>` takes the accumulator back from
-// the rotated value basis, out[r, c] = Σ_e x[r, e] · u[e, c]. A row of d = NV·kLanes channels (NV of 1, 2, 4 or 8)
-// stays in registers: rotating sums kLanes outputs' products at once (`hsums`), un-rotating adds each input's
-// row of u into two accumulators (even and odd inputs, two chains of FMAs). Other widths go channel by channel.
-template <int NV>
-void rotate_fixed(const float* u, int rows, const float* x, float* out) {
-  constexpr int d = NV * kLanes;
-  for (int r = 0; r < rows; ++r) {
-    vf xr[NV];
-    for (int v = 0; v < NV; ++v) xr[v] = load<vf>(x + r * d + v * kLanes);
+// the rotated value basis, out[r, c] = Σ_e x[r, e] · u[e, c]. When d is a multiple of kLanes (64, 96 or 128
+// channels on every build), rotating sums kLanes outputs' products at once (`hsums`), and un-rotating adds
+// each input's row of u into up to 8 registers of outputs at a time (even and odd inputs apart: two chains of
+// FMAs). Other widths go channel by channel.
+void rotate_vectors(const float* u, int d, int rows, const float* x, float* out) {
+  for (int r = 0; r < rows; ++r)
     for (int e = 0; e < d; e += kLanes) {
       vf t[kLanes];
       for (int j = 0; j < kLanes; ++j) {
-        vf a = xr[0] * load<vf>(u + (e + j) * d);
-        for (int v = 1; v < NV; ++v) a += xr[v] * load<vf>(u + (e + j) * d + v * kLanes);
+        vf a = vf{};
+        for (int c = 0; c < d; c += kLanes) a += load<vf>(u + (e + j) * d + c) * load<vf>(x + r * d + c);
         t[j] = a;
       }
       store(out + r * d + e, hsums<kLanes>(t));
     }
-  }
 }
 
+// Outputs [c0, c0 + NV·kLanes) of one row of `rotation<true>`.
 template <int NV>
-void unrotate_fixed(const float* u, int rows, const float* x, float* out) {
-  constexpr int d = NV * kLanes;
-  for (int r = 0; r < rows; ++r) {
-    vf even[NV] = {}, odd[NV] = {};
-    for (int e = 0; e < d; e += 2) {
-      const float w0 = x[r * d + e], w1 = x[r * d + e + 1];
-      for (int v = 0; v < NV; ++v) {
-        even[v] += w0 * load<vf>(u + e * d + v * kLanes);
-        odd[v] += w1 * load<vf>(u + (e + 1) * d + v * kLanes);
-      }
+void unrotate_block(const float* u, int d, int c0, const float* xr, float* out) {
+  vf even[NV] = {}, odd[NV] = {};
+  for (int e = 0; e < d; e += 2)
+    for (int v = 0; v < NV; ++v) {
+      even[v] += xr[e] * load<vf>(u + e * d + c0 + v * kLanes);
+      odd[v] += xr[e + 1] * load<vf>(u + (e + 1) * d + c0 + v * kLanes);
     }
-    for (int v = 0; v < NV; ++v) store(out + r * d + v * kLanes, even[v] + odd[v]);
-  }
+  for (int v = 0; v < NV; ++v) store(out + c0 + v * kLanes, even[v] + odd[v]);
+}
+
+void unrotate_vectors(const float* u, int d, int rows, const float* x, float* out) {
+  using Block = void (*)(const float*, int, int, const float*, float*);
+  static constexpr Block blocks[8] = {unrotate_block<1>, unrotate_block<2>, unrotate_block<3>, unrotate_block<4>,
+                                      unrotate_block<5>, unrotate_block<6>, unrotate_block<7>, unrotate_block<8>};
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < d; c += 8 * kLanes)
+      blocks[std::min(8, (d - c) / kLanes) - 1](u, d, c, x + r * d, out + r * d);
 }
 
 template <bool Back>
 void rotation(const float* u, int d, int rows, const float* x, float* out) {
-  void (*fixed)(const float*, int, const float*, float*) = nullptr;
-  switch (d % kLanes ? 0 : d / kLanes) {
-    case 1: fixed = Back ? unrotate_fixed<1> : rotate_fixed<1>; break;
-    case 2: fixed = Back ? unrotate_fixed<2> : rotate_fixed<2>; break;
-    case 4: fixed = Back ? unrotate_fixed<4> : rotate_fixed<4>; break;
-    case 8: fixed = Back ? unrotate_fixed<8> : rotate_fixed<8>; break;
-  }
-  if (fixed) return fixed(u, rows, x, out);
+  if (d % kLanes == 0 && d % 2 == 0) return (Back ? unrotate_vectors : rotate_vectors)(u, d, rows, x, out);
   for (int r = 0; r < rows; ++r)
     for (int o = 0; o < d; ++o) {
       float a = 0.0f;
