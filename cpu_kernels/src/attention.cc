@@ -675,7 +675,7 @@ void rotate_vectors(const float* u, int d, int rows, const float* x, float* out)
     }
 }
 
-// Outputs [c0, c0 + NV·kLanes) of one row of `rotation<true>`.
+// Outputs [c0, c0 + NV·kLanes) of one row of `rotation<true>` (d, a multiple of kLanes, is even).
 template <int NV>
 void unrotate_block(const float* u, int d, int c0, const float* xr, float* out) {
   vf even[NV] = {}, odd[NV] = {};
@@ -698,7 +698,7 @@ void unrotate_vectors(const float* u, int d, int rows, const float* x, float* ou
 
 template <bool Back>
 void rotation(const float* u, int d, int rows, const float* x, float* out) {
-  if (d % kLanes == 0 && d % 2 == 0) return (Back ? unrotate_vectors : rotate_vectors)(u, d, rows, x, out);
+  if (d % kLanes == 0) return (Back ? unrotate_vectors : rotate_vectors)(u, d, rows, x, out);
   for (int r = 0; r < rows; ++r)
     for (int o = 0; o < d; ++o) {
       float a = 0.0f;
