@@ -659,20 +659,45 @@ inline int64_t flat(const Segment* seg, int count, int j) {
 // The rotations of an item's rows, x [rows, d] with u [d, d] (z = U x): `rotation<false>` takes the queries into
 // the rotated key basis, out[r, e] = Σ_c u[e, c] · x[r, c]; `rotation<true>` takes the accumulator back from
 // the rotated value basis, out[r, c] = Σ_e x[r, e] · u[e, c]. When d is a multiple of kLanes (64, 96 or 128
-// channels on every build), rotating sums kLanes outputs' products at once (`hsums`), and un-rotating adds
-// each input's row of u into up to 8 registers of outputs at a time (even and odd inputs apart: two chains of
-// FMAs). Other widths go channel by channel.
-void rotate_vectors(const float* u, int d, int rows, const float* x, float* out) {
-  for (int r = 0; r < rows; ++r)
-    for (int e = 0; e < d; e += kLanes) {
-      vf t[kLanes];
-      for (int j = 0; j < kLanes; ++j) {
-        vf a = vf{};
-        for (int c = 0; c < d; c += kLanes) a += load<vf>(u + (e + j) * d + c) * load<vf>(x + r * d + c);
-        t[j] = a;
-      }
-      store(out + r * d + e, hsums<kLanes>(t));
+// channels on every build), rotating keeps a row's NC = d / kLanes registers and sums kLanes outputs' products
+// at once (`hsums`; NC a template argument up to 8, so that the kLanes·NC products unroll into independent
+// chains), and un-rotating adds each input's row of u into up to 8 registers of outputs at a time (even and odd
+// inputs apart: two chains of FMAs). Other widths go channel by channel.
+template <int NC>
+void rotate_row(const float* u, int d, const float* x, float* out) {
+  vf xr[NC];
+  for (int c = 0; c < NC; ++c) xr[c] = load<vf>(x + c * kLanes);
+  for (int e = 0; e < d; e += kLanes) {
+    vf t[kLanes];
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) {
+      const float* ur = u + (e + j) * d;
+      vf a = load<vf>(ur) * xr[0];
+      for (int c = 1; c < NC; ++c) a += load<vf>(ur + c * kLanes) * xr[c];
+      t[j] = a;
     }
+    store(out + e, hsums<kLanes>(t));
+  }
+}
+
+void rotate_any_row(const float* u, int d, const float* x, float* out) {
+  for (int e = 0; e < d; e += kLanes) {
+    vf t[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      vf a = vf{};
+      for (int c = 0; c < d; c += kLanes) a += load<vf>(u + (e + j) * d + c) * load<vf>(x + c);
+      t[j] = a;
+    }
+    store(out + e, hsums<kLanes>(t));
+  }
+}
+
+void rotate_vectors(const float* u, int d, int rows, const float* x, float* out) {
+  using Row = void (*)(const float*, int, const float*, float*);
+  static constexpr Row by_width[8] = {rotate_row<1>, rotate_row<2>, rotate_row<3>, rotate_row<4>,
+                                      rotate_row<5>, rotate_row<6>, rotate_row<7>, rotate_row<8>};
+  const Row row = d / kLanes <= 8 ? by_width[d / kLanes - 1] : rotate_any_row;
+  for (int r = 0; r < rows; ++r) row(u, d, x + r * d, out + r * d);
 }
 
 // Outputs [c0, c0 + NV·kLanes) of one row of `rotation<true>` (d, a multiple of kLanes, is even).
