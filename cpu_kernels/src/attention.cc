@@ -663,29 +663,19 @@ inline int64_t flat(const Segment* seg, int count, int j) {
 // at once (`hsums`; NC a template argument up to 8, so that the kLanes·NC products unroll into independent
 // chains), and un-rotating adds each input's row of u into up to 8 registers of outputs at a time (even and odd
 // inputs apart: two chains of FMAs). Other widths go channel by channel.
-template <int NC>
+template <int NC>  // 0: d / kLanes registers, read from x as they are used (wider than 8 registers)
 void rotate_row(const float* u, int d, const float* x, float* out) {
-  vf xr[NC];
+  const int nc = NC ? NC : d / kLanes;
+  vf xr[NC ? NC : 1];
   for (int c = 0; c < NC; ++c) xr[c] = load<vf>(x + c * kLanes);
+  const auto xv = [&](int c) { return NC ? xr[c] : load<vf>(x + c * kLanes); };
   for (int e = 0; e < d; e += kLanes) {
     vf t[kLanes];
 #pragma GCC unroll 16
     for (int j = 0; j < kLanes; ++j) {
       const float* ur = u + (e + j) * d;
-      vf a = load<vf>(ur) * xr[0];
-      for (int c = 1; c < NC; ++c) a += load<vf>(ur + c * kLanes) * xr[c];
-      t[j] = a;
-    }
-    store(out + e, hsums<kLanes>(t));
-  }
-}
-
-void rotate_any_row(const float* u, int d, const float* x, float* out) {
-  for (int e = 0; e < d; e += kLanes) {
-    vf t[kLanes];
-    for (int j = 0; j < kLanes; ++j) {
-      vf a = vf{};
-      for (int c = 0; c < d; c += kLanes) a += load<vf>(u + (e + j) * d + c) * load<vf>(x + c);
+      vf a = load<vf>(ur) * xv(0);
+      for (int c = 1; c < nc; ++c) a += load<vf>(ur + c * kLanes) * xv(c);
       t[j] = a;
     }
     store(out + e, hsums<kLanes>(t));
@@ -694,9 +684,9 @@ void rotate_any_row(const float* u, int d, const float* x, float* out) {
 
 void rotate_vectors(const float* u, int d, int rows, const float* x, float* out) {
   using Row = void (*)(const float*, int, const float*, float*);
-  static constexpr Row by_width[8] = {rotate_row<1>, rotate_row<2>, rotate_row<3>, rotate_row<4>,
+  static constexpr Row by_width[9] = {rotate_row<0>, rotate_row<1>, rotate_row<2>, rotate_row<3>, rotate_row<4>,
                                       rotate_row<5>, rotate_row<6>, rotate_row<7>, rotate_row<8>};
-  const Row row = d / kLanes <= 8 ? by_width[d / kLanes - 1] : rotate_any_row;
+  const Row row = by_width[d / kLanes <= 8 ? d / kLanes : 0];
   for (int r = 0; r < rows; ++r) row(u, d, x + r * d, out + r * d);
 }
 
