@@ -164,8 +164,8 @@ def _identity_table(lengths):
 def _call(target: str, q, lengths, slot, block_table, leaves, means=None, rotations=(), **attrs):
     """The FFI call `target`(q, lengths, slot, table, *leaves[, means], *rotations) -> (acc, m, l). Leaves are
     [..., B, K, S, ...] (contiguous, `block_table` None: the identity table is made here) or a pool [..., NP, K,
-    P, ...]; rotations [K, D, D]. On several devices it is partitioned over rows and kv heads as q is
-    (`_partitioned`)."""
+    P, ...]; rotations [..., K, D, D] (the leaves' slot axes first). On several devices it is partitioned over
+    rows and kv heads as q is (`_partitioned`)."""
     lengths, slot = lengths.astype(jnp.int32), jnp.asarray(slot, jnp.int32).reshape(())
     table = None if block_table is None else block_table.astype(jnp.int32)
     ranks = tuple(x.ndim for x in leaves)
@@ -191,7 +191,8 @@ def _partitioned(run, ranks: tuple[int, ...], paged: bool, has_means: bool, num_
     for i, rank in enumerate(ranks):  # [slot axes..., B or NP, K, S or P, (channels)]
         axes = [f"m{j}" for j in range(lead)] + ["np" if paged else "b", "k", "s"]
         operands.append(" ".join(axes + [f"c{i}"] * (rank - len(axes))))
-    operands += (["b k r l"] if has_means else []) + ["k d e"] * num_rotations
+    slots = " ".join(f"m{j}" for j in range(lead))
+    operands += (["b k r l"] if has_means else []) + [f"{slots} k d e".strip()] * num_rotations
     factors = [f for op in operands for f in op.split()]
     whole = tuple(f for f in dict.fromkeys(factors) if f not in ("b", "k"))  # in the rule's order, as Shardy wants
 
@@ -209,7 +210,8 @@ def _partitioned(run, ranks: tuple[int, ...], paged: bool, has_means: bool, num_
 
         leaves = [spec(*[None] * lead, None if paged else b, k, *[None] * (r - lead - 2)) for r in ranks]
         args = (spec(b, k, None, None), spec(b), spec(), *([spec(b, None)] if paged else []), *leaves,
-                *([spec(b, k, None, None)] if has_means else []), *[spec(k, None, None)] * num_rotations)
+                *([spec(b, k, None, None)] if has_means else []),
+                *[spec(*[None] * lead, k, None, None)] * num_rotations)
         outs = (spec(b, k, None, None), spec(b, k, None), spec(b, k, None))
         return mesh, lambda q, lengths, slot, *rest: run(q, lengths, slot, *unpack(rest)), outs, args
 
@@ -312,7 +314,7 @@ def residual_decode_attention(
     v_bits: tuple[int, ...] | None = None,
     k_group_sizes: tuple[int, ...] | None = None,
     v_group_sizes: tuple[int, ...] | None = None,
-    key_rot: jax.Array | None = None,         # [K, D, D] float32 (z = U x), with value_rot, or neither
+    key_rot: jax.Array | None = None,         # [M, K, D, D] float32 (z = U x), with value_rot, or neither
     value_rot: jax.Array | None = None,
     **launch,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -321,8 +323,10 @@ def residual_decode_attention(
     [M, B, K, S, D·bits/8] (planar packing, bits 1/2/4/8), scale/offset [M, B, K, S, D/g] (float8_e4m3fn,
     bfloat16, float16 or float32; any g dividing D, per link), α bf16 (with `block_table` [B, N]: a pool of
     pages, B → NP and S → P in every leaf). Returns acc [B, K, R, D] (rotated value basis), m, l [B, K, R],
-    float32. Given `key_rot` and `value_rot`, the kernel rotates itself: q comes in the original basis (each
-    row rotated, q̃ = U_k q) and acc goes back to it (acc·U_v); `mean_scores` are still q̃·μ_i. Launch
+    float32. Given `key_rot` and `value_rot` [M, K, D, D] (stacked over the links' slot axes, `slot` picking
+    one, so that a stacked calibration is read where it lies), the kernel rotates itself: q comes in the
+    original basis (each row rotated, q̃ = U_k q) and acc goes back to it (acc·U_v); `mean_scores` are still
+    q̃·μ_i. Launch
     keywords of the Pallas kernel are accepted and ignored."""
     del launch
     keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
@@ -344,9 +348,11 @@ def residual_decode_attention(
     if (key_rot is None) != (value_rot is None):
         raise ValueError("key_rot and value_rot come together (or neither)")
     rotations = () if key_rot is None else (key_rot, value_rot)
+    want = (*lead[:-3], q.shape[1], d, d)  # the links' slot axes, then [K, D, D]
     for u in rotations:
-        if u.dtype != jnp.float32 or u.shape != (q.shape[1], d, d):
-            raise ValueError(f"rotations must be float32 [{q.shape[1]}, {d}, {d}], got {u.dtype}{list(u.shape)}")
+        if u.dtype != jnp.float32 or u.shape != want:
+            raise ValueError(f"rotations must be float32 {list(want)} (the links' slot axes, then [K, D, D]), "
+                             f"got {u.dtype}{list(u.shape)}")
     _check_table(lengths, block_table, lead)
     _require()
     if lead[-1] == 0:

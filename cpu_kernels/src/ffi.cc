@@ -302,8 +302,12 @@ ffi::Error quant_attention(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::R
     if (!key_rot || !value_rot) return ffi::Error::InvalidArgument("missing rotations");
     for (const auto& u : {*key_rot, *value_rot}) {
       auto d = u.dimensions();
-      if (u.element_type() != ffi::DataType::F32 || d.size() != 3 || d[0] != p.K || d[1] != p.D || d[2] != p.D)
-        return ffi::Error::InvalidArgument("rotations must be float32 [K, D, D]");
+      const size_t n = d.size();
+      int64_t slots = 1;
+      for (size_t i = 0; i + 3 < n; ++i) slots *= d[i];
+      if (u.element_type() != ffi::DataType::F32 || n < 3 || slots != p.M || d[n - 3] != p.K || d[n - 2] != p.D ||
+          d[n - 1] != p.D)
+        return ffi::Error::InvalidArgument("rotations must be float32 [M, K, D, D]");
     }
     p.key_rot = static_cast<const float*>(key_rot->untyped_data());
     p.value_rot = static_cast<const float*>(value_rot->untyped_data());

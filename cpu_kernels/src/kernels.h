@@ -9,8 +9,9 @@
 //   link metadata  [M, NP, K, P, D/g] float8_e4m3fn | bfloat16 | float16 | float32 (scale, offset)
 //   alpha          [M, NP, K, P]      bfloat16 bits (link i's α scales link i + 1), or absent (α = 1)
 //   mean scores    [B, K, R, links]   float32 (q·μ_i per key link), or absent
-//   rotations      [K, D, D]          float32 key and value rotations U (z = U x), or absent: then q comes in
-//                                     the original basis, is rotated per row, and acc is un-rotated per row
+//   rotations      [M, K, D, D]       float32 key and value rotations U (z = U x) of every slot, or absent:
+//                                     given them, q comes in the original basis, is rotated per row by its
+//                                     slot's U, and acc is un-rotated per row
 //   block table    [B, N]             int32: row b's tokens [nP, (n+1)P) lie in page table[b, n]; absent: the
 //                                     contiguous layout, NP = B and P = S (the identity table [B, 1])
 // A work item is one (row b, kv head k) over tokens [s0, s1) of row b's stored past (s1 <= lengths[b]):
@@ -64,8 +65,8 @@ struct Problem {
   // quantized chains
   Chain keys, values;
   const float* mean_scores = nullptr;  // [B, K, R, keys.n]
-  const float* key_rot = nullptr;      // [K, D, D] or nullptr: q already rotated
-  const float* value_rot = nullptr;    // [K, D, D] or nullptr: acc left in the rotated value basis
+  const float* key_rot = nullptr;      // [M, K, D, D] or nullptr: q already rotated
+  const float* value_rot = nullptr;    // [M, K, D, D] or nullptr: acc left in the rotated value basis
 
   // Flat index of token s of (b, k) in the slot: rows of every [M, NP, K, P, ...] leaf. Tokens of one page
   // are consecutive rows.

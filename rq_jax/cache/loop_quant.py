@@ -87,7 +87,8 @@ class LoopOperands(NamedTuple):
     [G, N, B, K, S, ...] — `index` selects the slot (a kernel picks it in its index map).
     `k_alpha`/`v_alpha`: link i's α [G, N, B, K, S] scaling link i + 1 (None: α = 1); one fewer than links.
     `k_mean`: link i's key mean [K, D] (rotated basis) or None.
-    `key_rot`/`value_rot`: the slot's rotations [K, D, D] (z = U x).
+    `key_rot`/`value_rot`: the rotations [G, N, K, D, D] (z = U x), stacked as the codes are (`index` selects
+    the slot's: the native kernel reads them where they lie, as it reads the codes).
     """
 
     index: base.Index
@@ -96,8 +97,8 @@ class LoopOperands(NamedTuple):
     k_alpha: tuple[Array | None, ...]
     v_alpha: tuple[Array | None, ...]
     k_mean: tuple[Array | None, ...]
-    key_rot: Float[Array, "k d d"]
-    value_rot: Float[Array, "k d d"]
+    key_rot: Float[Array, "g n k d d"]
+    value_rot: Float[Array, "g n k d d"]
 
 
 def attend_packed(q: GroupedQueries, ops: LoopOperands, lengths: Lengths, table: base.Table | None = None,
@@ -110,13 +111,13 @@ def attend_packed(q: GroupedQueries, ops: LoopOperands, lengths: Lengths, table:
 
 def _rotated(q: GroupedQueries, ops: LoopOperands) -> GroupedQueries:
     """Queries [B, T, K, H/K, D] in the rotated key basis."""
-    return jnp.einsum("btkqd,ked->btkqe", q, ops.key_rot, precision=_HI)
+    return jnp.einsum("btkqd,ked->btkqe", q, base.at(ops.key_rot, ops.index), precision=_HI)
 
 
 def _unrotated(part: base.Partial, ops: LoopOperands, grouped: tuple[int, ...]) -> base.Partial:
     """`part` with acc [B, T, H, D] taken from the rotated value basis back to the original one (`grouped`:
     the queries' [B, T, K, H/K, D])."""
-    acc = jnp.einsum("btkqe,ked->btkqd", part.acc.reshape(grouped), ops.value_rot, precision=_HI)
+    acc = jnp.einsum("btkqe,ked->btkqd", part.acc.reshape(grouped), base.at(ops.value_rot, ops.index), precision=_HI)
     return part._replace(acc=acc.reshape(part.acc.shape))
 
 
@@ -171,20 +172,22 @@ def _kernel_partial(kernel, q: GroupedQueries, ops: LoopOperands, lengths: Lengt
     (the Pallas kernel, or the native CPU kernel): queries as [B, K, T·H/K, D] rows, the chain's streams
     over the [G·N] slots (flattened when `flat`, else left stacked [G, N, ...] for a kernel that takes
     leading slot axes), key means as per-row mean scores. The rotations are XLA dots around the kernel,
-    or the kernel's own when it `rotates` (the native kernel's `key_rot`/`value_rot` operands: then the
-    mean scores q̃·μ are taken as q·(U_kᵀμ))."""
+    or the kernel's own when it `rotates` (the native kernel's `key_rot`/`value_rot` operands, stacked as the
+    streams are, so that no slot's copy is cut out of the calibration: then the mean scores q̃·μ are taken
+    as q·(U_kᵀμ))."""
     b, t, heads, per_kv, d = q.shape
-    if rotates:
-        kw.update(key_rot=ops.key_rot, value_rot=ops.value_rot)
-        k_mean = tuple(None if mu is None else jnp.einsum("ke,ked->kd", mu, ops.key_rot, precision=_HI)
-                       for mu in ops.k_mean)
-    else:
-        q, k_mean = _rotated(q, ops), ops.k_mean
-    q_rows = q.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
     num_layers = ops.k[0].codes.shape[1]
     slot = ops.index[0] * num_layers + ops.index[1]
     def slots(x):  # [G, N, ...] → [G·N, ...]
         return x if x is None or not flat else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    if rotates:
+        kw.update(key_rot=slots(ops.key_rot), value_rot=slots(ops.value_rot))
+        key_rot = base.at(ops.key_rot, ops.index)
+        k_mean = tuple(None if mu is None else jnp.einsum("ke,ked->kd", mu, key_rot, precision=_HI)
+                       for mu in ops.k_mean)
+    else:
+        q, k_mean = _rotated(q, ops), ops.k_mean
+    q_rows = q.transpose(0, 2, 1, 3, 4).reshape(b, heads, t * per_kv, d)
     def streams(codes):
         codes = map(PackedCodes.effective, codes)
         return tuple(QuantStream(slots(c.codes), slots(c.scale), slots(c.offset)) for c in codes)
@@ -522,7 +525,7 @@ class LoopQuant(base.CacheFormat):
             index,
             tuple(state[r].k for r in links), tuple(state[r].v for r in links),
             tuple(state[r].k_alpha for r in links[:-1]), tuple(state[r].v_alpha for r in links[:-1]),
-            tuple(None if means is None else means[r] for r in links), calib.key_rot[index], calib.value_rot[index])
+            tuple(None if means is None else means[r] for r in links), calib.key_rot, calib.value_rot)
 
     def attend(self, state, index, loop, q: Queries, lengths: Lengths, calib: RotationCalib,
                visible: Visible | None = None, table: base.Table | None = None) -> base.Partial:

@@ -64,19 +64,19 @@ ROTATION_CASES = (NATIVE_CASES[5], NATIVE_CASES[4], Q("d32-gqa", 32, 4, ((2, 16)
 
 @pytest.mark.parametrize("cfg", ROTATION_CASES, ids=lambda c: c.name)
 def test_packed_chains_rotate_themselves(cfg):
-    """Given the rotations, the kernel takes the queries in the original basis and returns acc there: the
-    reference on rotated queries, its acc un-rotated."""
+    """Given the rotations of every slot [M, K, D, D], the kernel takes the queries in the original basis, rotates
+    them by its slot's and returns acc there: the reference on rotated queries, its acc un-rotated."""
     (q, *rest), kw = quant_cases.make_inputs(cfg, seeded(cfg.name))
-    keys = jax.random.split(jax.random.key(len(cfg.name)), 2 * q.shape[1])
-    d = q.shape[3]
-    key_rot, value_rot = (jnp.stack([rotation.random_orthogonal(k, d) for k in half])
-                          for half in (keys[: q.shape[1]], keys[q.shape[1]:]))
+    heads, d, slot = q.shape[1], q.shape[3], rest[-1]
+    keys = jax.random.split(jax.random.key(len(cfg.name)), 2 * cfg.slots * heads)
+    key_rot, value_rot = (jnp.stack([rotation.random_orthogonal(k, d) for k in half]).reshape(cfg.slots, heads, d, d)
+                          for half in (keys[: cfg.slots * heads], keys[cfg.slots * heads:]))
     out = jax.jit(lambda *a: cpu_kernels.residual_decode_attention(*a, **kw, key_rot=key_rot, value_rot=value_rot))(
         q, *rest)
     hi = jax.lax.Precision.HIGHEST
     acc, m, l = ra.residual_decode_attention_reference(
-        jnp.einsum("bkrd,ked->bkre", q.astype(jnp.float32), key_rot, precision=hi), *rest, **kw)
-    want = (jnp.einsum("bkre,ked->bkrd", acc, value_rot, precision=hi), m, l)
+        jnp.einsum("bkrd,ked->bkre", q.astype(jnp.float32), key_rot[slot], precision=hi), *rest, **kw)
+    want = (jnp.einsum("bkre,ked->bkrd", acc, value_rot[slot], precision=hi), m, l)
     assert_partial_close(out, want, cfg.lengths, TOL)
 
 
@@ -248,8 +248,9 @@ def test_bad_input_is_named():
     u = jnp.eye(args[0].shape[3])
     with pytest.raises(ValueError, match="key_rot and value_rot come together"):
         cpu_kernels.residual_decode_attention(*args, **kw, key_rot=jnp.stack([u, u]))
-    with pytest.raises(ValueError, match=r"rotations must be float32 \[2, 128, 128\], got float32\[1, 128, 128\]"):
-        cpu_kernels.residual_decode_attention(*args, **kw, key_rot=u[None], value_rot=u[None])
+    with pytest.raises(ValueError, match=r"rotations must be float32 \[2, 2, 128, 128\] \(the links' slot axes, "
+                                         r"then \[K, D, D\]\), got float32\[2, 128, 128\]"):
+        cpu_kernels.residual_decode_attention(*args, **kw, key_rot=jnp.stack([u, u]), value_rot=jnp.stack([u, u]))
     q, k, v, lengths, slot = dense_cases.make_inputs(DENSE_CASES[0], seeded("bad"))[0]
     with pytest.raises(ValueError, match="want k = v"):
         cpu_kernels.dense_decode_attention(q, k, v[..., :8], lengths, slot)
