@@ -326,8 +326,7 @@ def residual_decode_attention(
     float32. Given `key_rot` and `value_rot` [M, K, D, D] (stacked over the links' slot axes, `slot` picking
     one, so that a stacked calibration is read where it lies), the kernel rotates itself: q comes in the
     original basis (each row rotated, q̃ = U_k q) and acc goes back to it (acc·U_v); `mean_scores` are still
-    q̃·μ_i. Launch
-    keywords of the Pallas kernel are accepted and ignored."""
+    q̃·μ_i. Launch keywords of the Pallas kernel are accepted and ignored."""
     del launch
     keys, values, k_alpha, v_alpha = tuple(keys), tuple(values), tuple(k_alpha), tuple(v_alpha)
     _check_query(q, lengths)
