@@ -754,7 +754,7 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
     if (p.mean_scores)
       for (int i = 0; i < kc.n; ++i) means[i * rows + r] = p.mean_scores[qrow * kc.n + i];
   }
-  if (p.key_rot) rotation<false>(p.key_rot + (p.slot * p.K + k) * d * d, d, rows, rotated, q);
+  if (p.key_rot) rotation<false>(p.slot_rotation(p.key_rot, k), d, rows, rotated, q);
   float* qsum[kMaxLinks];  // Σ_{c∈g} q_c per key link, row and group (qsum_stride per row)
   for (int i = 0; i < kc.n; ++i) {
     const int g = kc.link[i].group, stride = qsum_stride(d / g);
@@ -827,7 +827,7 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
       }
   }
   if (p.value_rot) {
-    rotation<true>(p.value_rot + (p.slot * p.K + k) * d * d, d, rows, acc, rotated);
+    rotation<true>(p.slot_rotation(p.value_rot, k), d, rows, acc, rotated);
     std::copy(rotated, rotated + rows * d, acc);
   }
 }

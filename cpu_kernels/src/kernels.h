@@ -68,6 +68,9 @@ struct Problem {
   const float* key_rot = nullptr;      // [M, K, D, D] or nullptr: q already rotated
   const float* value_rot = nullptr;    // [M, K, D, D] or nullptr: acc left in the rotated value basis
 
+  // The slot's rotation of kv head k in u (key_rot or value_rot).
+  const float* slot_rotation(const float* u, int64_t k) const { return u + (slot * K + k) * D * D; }
+
   // Flat index of token s of (b, k) in the slot: rows of every [M, NP, K, P, ...] leaf. Tokens of one page
   // are consecutive rows.
   int64_t token(int64_t b, int64_t k, int64_t s) const {
