@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--token-budget", type=cli.positive_int,
                    help="tokens per engine step, decode tokens first (default max(--chunk, 2048), vLLM's on a CPU)")
     p.add_argument("--page-size", type=cli.positive_int,
-                   help="tokens per cache page (default 16; on a TPU 128, its kernels' lanes)")
+                   help="tokens per cache page (default 64 on a CPU, 128 on a TPU, 16 on a GPU)")
     p.add_argument("--no-prefix-cache", action="store_true", help="never share pages between requests")
     p.add_argument("--max-waiting", type=cli.positive_int, default=256, help="queued requests before 429")
     p.add_argument("--host", default="127.0.0.1")

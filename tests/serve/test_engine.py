@@ -16,7 +16,7 @@ from rq_jax.data import Addition
 from rq_jax.sampling import Sampler, SamplingConfig, choose_tokens
 from rq_jax.serve import Engine, ParamError, SamplingParams
 from rq_jax.serve import model_runner, programs, sizing
-from rq_jax.serve.sizing import DEFAULT_MAX_ROWS
+from rq_jax.serve.sizing import DEFAULT_MAX_ROWS, default_page_size
 from rq_jax.serve.metrics import ServeMetrics
 from rq_jax.tokenizer import load_tokenizer
 
@@ -117,7 +117,8 @@ def test_huginns_random_state_shares_pages_only_between_requests_of_one_seed():
 @pytest.fixture(scope="module")
 def ouro():
     model, tokenizer, stops = load("ouro-small")
-    engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=16, chunk=16)
+    engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=16, chunk=16,
+                    page_size=16)
     assert engine.runner.decode_rows == (1, 2, 4, 8, 16) and engine.runner.token_buckets == (16,)
     engine.warm_up()
     return model, tokenizer, stops, engine
@@ -126,7 +127,8 @@ def ouro():
 def test_warm_up_stops_between_programs(ouro):
     """Asked to stop (SIGTERM while warming up), the warm-up returns before its next program, not ready."""
     model, tokenizer, stops, _ = ouro
-    engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=2, chunk=16)
+    engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=2, chunk=16,
+                    page_size=16)
     asked = iter([False, True])  # the first program runs, then the stop comes
     seconds = engine.warm_up(stop=lambda: next(asked))
     assert list(seconds) == ["decode 1"] and not engine.ready
@@ -247,7 +249,8 @@ def test_prompts_of_many_widths_in_one_step_equal_the_sampler():
     dense cache: what is tested is the scheduling, and the residual format compiles each program 3-4x slower;
     the exactness tests above cover the formats.)"""
     model, tokenizer, stops = load("ouro-small")
-    engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=128, num_slots=5, chunk=64)
+    engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=128, num_slots=5, chunk=64,
+                    page_size=16)
     assert engine.runner.token_buckets == (16, 32, 64)
     steps, call, launch = [], engine.runner._call, engine.runner.launch
 
@@ -347,7 +350,7 @@ def test_requests_that_cannot_be_served_are_refused_by_name(ouro):
                           (dict(num_slots=0), "num_slots must be ≥ 1, got 0"),
                           (dict(num_slots=2, chunk=32, token_budget=16), "must hold a prompt chunk (32)")]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
-            Engine(model, tokenizer, **{"fmt": get_format("dense"), "max_len": 64, **kwargs})
+            Engine(model, tokenizer, **{"fmt": get_format("dense"), "max_len": 64, "page_size": 16, **kwargs})
 
 
 def test_a_format_that_needs_data_wants_its_calibration():
@@ -358,14 +361,16 @@ def test_a_format_that_needs_data_wants_its_calibration():
 
 
 def test_pages_follow_the_memory_budget_and_the_formats_bytes():
-    """At one budget the residual [2,2,2,4] pool holds about 5x dense bf16's pages; a page is a 16th of a
-    64-token row's bytes, and the pool's arrays take exactly pages × page bytes."""
+    """At one budget the residual [2,2,2,4] pool holds about 5x dense bf16's pages; a page of the CPU's
+    default 64 tokens is a quarter of a 256-token row's bytes, and the pool's arrays take exactly pages × page
+    bytes."""
     model, tokenizer, _ = load("ouro-small")
     budget = 2**24
-    engines = {name: Engine(model, tokenizer, get_format(name), max_len=64, memory_bytes=budget)
+    engines = {name: Engine(model, tokenizer, get_format(name), max_len=256, memory_bytes=budget)
                for name in ("dense", "residual")}
     for name, engine in engines.items():
-        row = cache_bytes(model.config, get_format(name), 64, num_loops=4).total
+        row = cache_bytes(model.config, get_format(name), 256, num_loops=4).total
+        assert engine.page_size == default_page_size() == 64
         assert engine.page_bytes * 4 == row and engine.num_pages == budget // engine.page_bytes
         pool = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
         assert pool == engine.num_pages * engine.page_bytes, name

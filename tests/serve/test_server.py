@@ -29,7 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 FOLDER = REPO / "checkpoints" / "huginn-small"
 #: --drain-timeout: time enough on a loaded machine for the stream test_sigterm_drains_and_exits_cleanly drains.
 ARGS = ["--model", "huginn", "--cache", "residual", "--max-slots", "4", "--max-len", "48", "--chunk", "32",
-        "--max-waiting", "64", "--drain-timeout", "600"]
+        "--max-waiting", "64", "--drain-timeout", "600", "--page-size", "16"]
 MODEL = "huginn-small"
 #: A retrieval context in the models' format (checkpoints/*/README.md), then one query: 20 tokens.
 RETRIEVAL = "q5;B1;m9;x3;a7;Z0;\nm"

@@ -29,7 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 SECONDS = float(os.environ.get("RQ_SOAK_SECONDS", "20"))
 #: Pages for 12 × 16 tokens of the residual cache (13,056 bytes a page), up to 12 decoding, 16 waiting.
 ARGS = ["--model", "ouro", "--cache", "residual", "--memory-gb", "0.000146", "--max-len", "64", "--chunk", "16",
-        "--max-waiting", "16", "--drain-timeout", "120"]
+        "--max-waiting", "16", "--drain-timeout", "120", "--page-size", "16"]
 CLIENTS = 2 * (12 + 16)  # twice what runs and waits
 RSS_GROWTH = 200 * 2**20
 #: Bad requests and the field each 400 names.
