@@ -33,8 +33,8 @@ def compute_dtype(model) -> str:
     return next(jnp.dtype(m.dtype).name for _, m in nnx.iter_modules(model) if isinstance(m, nnx.Embed))
 
 
-#: Tokens per page on a CPU. A pool leaf keeps a page's tokens of one kv head together, and a residual page is 14
-#: such runs for a two-link chain (codes, scales, offsets and α of keys and values), most of them 2 bytes a token:
+#: Tokens per page on a CPU. A pool leaf keeps a page's tokens of one kv head together, and a two-link residual
+#: chain reads 14 such runs a page (codes, scales, offsets and α of keys and values), most of them 2 bytes a token:
 #: at 16 tokens each is half a cache line at a random address, and the native kernel waits on memory page by page.
 #: Alternating in one process, 64-token pages took residual's decode step to 0.85x its time on 16-token pages at
 #: 64 rows of 768 tokens and 0.86x at 16 rows of 2,000, dense bf16's to 0.95x and 0.93x (docs/performance.md,
