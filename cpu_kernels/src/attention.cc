@@ -18,8 +18,10 @@
 // Codes are read where they lie (planar packing: byte j of a token holds channel pJ + j of every plane p,
 // J = D·bits/8). Blocked links (J and the group size multiples of the block width W <= kLanes bytes) widen
 // W bytes once and take every plane out of them with a shift and a mask: each plane is W channels of one
-// group, converted to float and multiplied into the query (keys) or the weight (values). Other shapes run
-// channel by channel over the token's unpacked codes.
+// group, converted to float and multiplied into the query (keys) or the weight (values). One query row (a
+// decode step) with 16-lane blocks of codes up to 4 bits wide (AVX-512) looks them up instead, in a table of
+// the token's dequantized values per group (`Blocks::lookup`). Other shapes run channel by channel over the
+// token's unpacked codes.
 //
 // An item has one query row per query head of its kv head in a decode step, and that times the chunk's
 // tokens for a prompt chunk (R = T·H/K). Many rows take a chunk W tokens at a time: the W tokens are
@@ -312,6 +314,19 @@ struct Blocks {
     return __builtin_convertvector(x, typename V<W>::f);
   }
 
+  // Codes of at most 4 bits in blocks of 16 lanes are looked up rather than converted: a shuffle of 16 floats
+  // keeps its index's low 4 bits, so plane p of x0 shifted down indexes a group's table of dequantized values,
+  // table(s, o)[i] = s·(i mod 2^BITS) + o, with no mask, no conversion and the offset in it.
+  static constexpr bool kLookup = W == 16 && BITS <= 4;
+  static typename V<W>::f table(float s, float o) {
+    typename V<W>::f iota;
+    for (int i = 0; i < W; ++i) iota[i] = float(i & kMask);
+    return iota * s + o;
+  }
+  static typename V<W>::f lookup(typename V<W>::i x0, int p, typename V<W>::f table) {
+    return __builtin_shuffle(table, p ? x0 >> (p * BITS) : x0);
+  }
+
   // Token j's channels, scaled: blocks [N] of codes × their group's scale (token j's bytes [J] of `stored`,
   // its scales [NG] of `scale`).
   static void scaled(const uint8_t* stored, const float* scale, int j, typename V<W>::f* out) {
@@ -345,27 +360,52 @@ void key_blocked(const Link&, const uint8_t* codes, int n, int rows, const float
                  const float* scale, const float* offset, const float* coef, float* scores) {
   using B = Blocks<D, BITS, W, G>;
   using F = typename V<W>::f;
-  if (rows == 1) {
+  if (rows == 1) {  // per token its W lanes of products; W tokens' lanes summed at once (`hsums`)
     F qb[B::N];
     for (int i = 0; i < B::N; ++i) qb[i] = load<F>(q + B::channel(i));
-    for (int j = 0; j < n; ++j) {
+    const auto products = [&](int j) -> F {
       const uint8_t* c = codes + j * B::J;
       const float* s = scale + j * B::NG;
-      F part[B::NG];  // per group, q_g · c_g
-      bool first[B::NG];
-      for (int g = 0; g < B::NG; ++g) first[g] = true;
-      for (int h = 0; h < B::H; ++h) {
-        const auto x0 = widen<W>(c + W * h);
-        for (int p = 0; p < B::P; ++p) {
-          const int i = h * B::P + p, g = B::group(i);
-          const F t = B::codes(x0, p) * qb[i];
-          part[g] = first[g] ? t : part[g] + t;
-          first[g] = false;
+      const float* o = offset + j * B::NG;
+      if constexpr (B::kLookup) {  // q × the looked-up values, offsets included
+        F table[B::NG], a[2] = {};
+        for (int g = 0; g < B::NG; ++g) table[g] = B::table(s[g], o[g]);
+        for (int h = 0; h < B::H; ++h) {
+          const auto x0 = widen<W>(c + W * h);
+          for (int p = 0; p < B::P; ++p) {
+            const int i = h * B::P + p;
+            a[i % 2] += B::lookup(x0, p, table[B::group(i)]) * qb[i];
+          }
         }
+        return a[0] + a[1];
+      } else {
+        F part[B::NG];  // per group, q_g · c_g
+        bool first[B::NG];
+        for (int g = 0; g < B::NG; ++g) first[g] = true;
+        for (int h = 0; h < B::H; ++h) {
+          const auto x0 = widen<W>(c + W * h);
+          for (int p = 0; p < B::P; ++p) {
+            const int i = h * B::P + p, g = B::group(i);
+            const F u = B::codes(x0, p) * qb[i];
+            part[g] = first[g] ? u : part[g] + u;
+            first[g] = false;
+          }
+        }
+        F a = offset_lanes<W, B::NG>(o, qsum);
+        for (int g = 0; g < B::NG; ++g) a += part[g] * s[g];
+        return a;
       }
-      F a = offset_lanes<W, B::NG>(offset + j * B::NG, qsum);
-      for (int g = 0; g < B::NG; ++g) a += part[g] * s[g];
-      scores[j] += coef[j] * hsum(a);
+    };
+    for (int j0 = 0; j0 < n; j0 += W) {
+      const int m = std::min(W, n - j0);
+      F t[W];
+      for (int jj = 0; jj < W; ++jj) t[jj] = jj < m ? products(j0 + jj) : F{};
+      const F sums = hsums<W>(t);
+      if (m == W) {
+        store(scores + j0, load<F>(scores + j0) + load<F>(coef + j0) * sums);
+      } else {
+        for (int jj = 0; jj < m; ++jj) scores[j0 + jj] += coef[j0 + jj] * sums[jj];
+      }
     }
     return;
   }
@@ -394,10 +434,14 @@ void key_blocked(const Link&, const uint8_t* codes, int n, int rows, const float
 
 // offacc[0 .. ng) += Σ_j w[j] · offset[j][:] over a chunk, as one vector when ng <= kLanes.
 inline void add_offsets(int ng, int n, const float* w, const float* offset, float* offacc) {
-  if (ng <= kLanes) {
-    vf t = vf{};
-    for (int j = 0; j < n; ++j) t += w[j] * load<vf>(offset + j * ng);
-    for (int g = 0; g < ng; ++g) offacc[g] += t[g];
+  if (ng <= kLanes) {  // four sums, so that the adds do not wait on each other
+    vf t[4] = {};
+    int j = 0;
+    for (; j + 4 <= n; j += 4)
+      for (int u = 0; u < 4; ++u) t[u] += w[j + u] * load<vf>(offset + (j + u) * ng);
+    for (; j < n; ++j) t[0] += w[j] * load<vf>(offset + j * ng);
+    const vf sum = (t[0] + t[1]) + (t[2] + t[3]);
+    for (int g = 0; g < ng; ++g) offacc[g] += sum[g];
     return;
   }
   for (int j = 0; j < n; ++j)
@@ -409,25 +453,33 @@ void value_blocked(const Link&, const uint8_t* codes, int n, int rows, const flo
                    const float* offset, float* acc, float* offacc, int offacc_stride) {
   using B = Blocks<D, BITS, W, G>;
   using F = typename V<W>::f;
-  for (int r = 0; r < rows; ++r) add_offsets(B::NG, n, w + r * kChunk, offset, offacc + r * offacc_stride);
   if (rows == 1) {  // the accumulator in registers across the chunk
+    if constexpr (!B::kLookup) add_offsets(B::NG, n, w, offset, offacc);
     F a[B::N];
     for (int i = 0; i < B::N; ++i) a[i] = load<F>(acc + B::channel(i));
     for (int j = 0; j < n; ++j) {
       const uint8_t* c = codes + j * B::J;
       const float* s = scale + j * B::NG;
       const float wj = w[j];
+      F table[B::NG];  // looked up: w·D(c), offsets included
+      if constexpr (B::kLookup)
+        for (int g = 0; g < B::NG; ++g) table[g] = B::table(wj * s[g], wj * offset[j * B::NG + g]);
       for (int h = 0; h < B::H; ++h) {
         const auto x0 = widen<W>(c + W * h);
         for (int p = 0; p < B::P; ++p) {
           const int i = h * B::P + p;
-          a[i] += B::codes(x0, p) * (wj * s[B::group(i)]);
+          if constexpr (B::kLookup) {
+            a[i] += B::lookup(x0, p, table[B::group(i)]);
+          } else {
+            a[i] += B::codes(x0, p) * (wj * s[B::group(i)]);
+          }
         }
       }
     }
     for (int i = 0; i < B::N; ++i) store(acc + B::channel(i), a[i]);
     return;
   }
+  for (int r = 0; r < rows; ++r) add_offsets(B::NG, n, w + r * kChunk, offset, offacc + r * offacc_stride);
   for (int j0 = 0; j0 < n; j0 += W) {  // W tokens decoded once, each row's accumulator in registers over them
     const int m = std::min(W, n - j0);
     F blk[W][B::N];
