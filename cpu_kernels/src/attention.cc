@@ -5,29 +5,30 @@
 // a few widenings use intrinsics where GCC's generic lowering goes lane by lane.
 //
 // An item walks its tokens in chunks of up to kChunk, each read a page's run of rows at a time (`Segment`:
-// a chunk spans pages). Per chunk: every link's metadata is decoded to float32 (scales token-major, offsets
-// group-major), the α chains multiplied out per token, then
+// a chunk spans pages). Per chunk: every link's metadata is decoded to float32 (token-major), the α chains
+// multiplied out per token, then
 //
-//   score = Σ_i (Π_{j<i} αk_j) · ( Σ_g scale_ig · (q_g · c_ig) + Σ_g offset_ig · Σ_{c∈g} q_c + q·μ_i ) / √D
-//   acc  += Σ_i (Π_{j<i} αv_j) · p · ( scale_ig · c_ig + offset_ig )        (rotated value basis)
+//   score = Σ_i (Π_{j<i} αk_j) · ( q · D_i(c) + q·μ_i ) / √D,   D_i(c) = scale_ig · c + offset_ig per group g
+//   acc  += Σ_i (Π_{j<i} αv_j) · p · D_i(c)                       (rotated value basis)
 //
-// with an online softmax across chunks, and the offsets' part of acc summed per group and spread over the
-// group's channels once at the end. Given the rotations, an item rotates its query rows first (q̃ = U_k q) and
-// takes acc back to the original basis last (acc·U_v).
+// with an online softmax across chunks. Given the rotations, an item rotates its query rows first (q̃ = U_k q)
+// and takes acc back to the original basis last (acc·U_v).
+//
+// An item has one query row per query head of its kv head in a decode step, and that times the chunk's
+// tokens for a prompt chunk (R = T·H/K). One row reads the chain link by link (key and value functions).
+// Many rows rebuild the chunk's K and V rows once, Σ_i (Π αs) · D_i(c), and attend over them as over dense
+// rows: kLanes tokens at a time, each row's values accumulating in registers over them and the keys' products
+// from `row_scores` (transposed blocks, four rows at a time), so that every link's codes are decoded once
+// rather than once per row.
 //
 // Codes are read where they lie (planar packing: byte j of a token holds channel pJ + j of every plane p,
 // J = D·bits/8). Blocked links (J and the group size multiples of the block width W <= kLanes bytes) widen
 // W bytes once and take every plane out of them with a shift and a mask: each plane is W channels of one
-// group, converted to float and multiplied into the query (keys) or the weight (values). One query row (a
-// decode step) with 16-lane blocks of codes up to 4 bits wide (AVX-512) looks them up instead, in a table of
-// the token's dequantized values per group (`Blocks::lookup`). Other shapes run channel by channel over the
-// token's unpacked codes.
-//
-// An item has one query row per query head of its kv head in a decode step, and that times the chunk's
-// tokens for a prompt chunk (R = T·H/K). Many rows take a chunk W tokens at a time: the W tokens are
-// decoded (or, dense, read) once, each row's values accumulate in registers over them, and the keys'
-// products come from `row_scores` (transposed blocks, four rows at a time) rather than one horizontal sum
-// per row and token.
+// group, converted to float. With 16-lane blocks of codes up to 4 bits wide (AVX-512) they are looked up
+// instead, in a per-token table of the group's dequantized values (`Blocks::lookup`). One row's keys sum each
+// token's products across lanes 16 tokens at once (`hsums`); its values keep a link's offsets apart when not
+// looked up (summed per group and spread over the group's channels once at the end). Other shapes run channel
+// by channel over the token's unpacked codes.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -280,20 +281,32 @@ void chain_coefs(const Chain& c, int64_t tok0, int n, float* coef) {
 
 // ---- link functions ---------------------------------------------------------------------------------------
 //
-// key:   scores[r][j] += coef[j] · q_r · D(c_j),   D(c) = scale_g · c + offset_g per channel group g
-// value: acc[r] += Σ_j w[r][j] · scale_jg · c_j,  offacc[r][g] += Σ_j w[r][j] · offset_jg
-// over a chunk's n tokens (w: the softmax weights × the α chain). `codes` points at the chunk's first token,
-// scale and offset are the chunk's [n, ng] (padded by kLanes), qsum [rows, kLanes·⌈ng/kLanes⌉] the query's
-// sum over each group (zero past ng: q · D(c) = Σ_g scale_g · (q_g · c_g) + offset · qsum), scores and w
-// [rows, kChunk], q and acc [rows, D], offacc [rows, offacc_stride].
+// One query row (a decode step) reads a chain link by link:
+//   key:     scores[j] += coef[j] · q · D(c_j),   D(c) = scale_g · c + offset_g per channel group g
+//   value:   acc += Σ_j w[j] · D(c_j)
+// with w the softmax weights × the α chain. Many rows (a prompt chunk, grouped queries) rebuild the chain's
+// K or V rows once, out[j] += coef[j] · D(c_j), and attend over them as over dense rows (`block_scores`).
+// Over a chunk's n tokens: `codes` points at the chunk's first token, scale and offset are the chunk's [n, ng]
+// (padded by kLanes), qsum [kLanes·⌈ng/kLanes⌉] the query's sum over each group (zero past ng:
+// q · D(c) = Σ_g scale_g · (q_g · c_g) + offset · qsum), scores and w [n], q and acc [D], offacc [ng] (a value's
+// offsets apart: acc += Σ_j w[j] · scale_jg · c_j and offacc[g] += Σ_j w[j] · offset_jg, unless looked up),
+// out [n, D].
 
-// A row's stride in qsum: ng rounded up to whole vectors.
+// A row's length in qsum: ng rounded up to whole vectors.
 constexpr int qsum_stride(int ng) { return (ng + kLanes - 1) / kLanes * kLanes; }
 
-using KeyFn = void (*)(const Link&, const uint8_t* codes, int n, int rows, const float* q, const float* qsum,
+using KeyFn = void (*)(const Link&, const uint8_t* codes, int n, const float* q, const float* qsum,
                        const float* scale, const float* offset, const float* coef, float* scores);
-using ValueFn = void (*)(const Link&, const uint8_t* codes, int n, int rows, const float* w, const float* scale,
-                         const float* offset, float* acc, float* offacc, int offacc_stride);
+using ValueFn = void (*)(const Link&, const uint8_t* codes, int n, const float* w, const float* scale,
+                         const float* offset, float* acc, float* offacc);
+using RebuildFn = void (*)(const Link&, const uint8_t* codes, int n, const float* scale, const float* offset,
+                           const float* coef, float* out);
+
+struct LinkFns {
+  KeyFn key;
+  ValueFn value;
+  RebuildFn rebuild;
+};
 
 // Blocks of W channels, G to a group: block (h, p) is plane p of bytes [Wh, W(h+1)), channels pJ + Wh ..
 // pJ + W(h+1) - 1, in group (pJ + Wh) / (WG). Block i = hP + p.
@@ -326,17 +339,6 @@ struct Blocks {
   static typename V<W>::f lookup(typename V<W>::i x0, int p, typename V<W>::f table) {
     return __builtin_shuffle(table, p ? x0 >> (p * BITS) : x0);
   }
-
-  // Token j's channels, scaled: blocks [N] of codes × their group's scale (token j's bytes [J] of `stored`,
-  // its scales [NG] of `scale`).
-  static void scaled(const uint8_t* stored, const float* scale, int j, typename V<W>::f* out) {
-    const uint8_t* c = stored + j * J;
-    const float* s = scale + j * NG;
-    for (int h = 0; h < H; ++h) {
-      const auto x0 = widen<W>(c + W * h);
-      for (int p = 0; p < P; ++p) out[h * P + p] = codes(x0, p) * s[group(h * P + p)];
-    }
-  }
 };
 
 // A token's offsets times the query's group sums, Σ_g offset_g · qsum_g, as lanes to add before a horizontal
@@ -356,79 +358,56 @@ inline typename V<W>::f offset_lanes(const float* offset, const float* qsum) {
 }
 
 template <int D, int BITS, int W, int G>
-void key_blocked(const Link&, const uint8_t* codes, int n, int rows, const float* q, const float* qsum,
-                 const float* scale, const float* offset, const float* coef, float* scores) {
+void key_blocked(const Link&, const uint8_t* codes, int n, const float* q, const float* qsum, const float* scale,
+                 const float* offset, const float* coef, float* scores) {
   using B = Blocks<D, BITS, W, G>;
   using F = typename V<W>::f;
-  if (rows == 1) {  // per token its W lanes of products; W tokens' lanes summed at once (`hsums`)
-    F qb[B::N];
-    for (int i = 0; i < B::N; ++i) qb[i] = load<F>(q + B::channel(i));
-    const auto products = [&](int j) -> F {
-      const uint8_t* c = codes + j * B::J;
-      const float* s = scale + j * B::NG;
-      const float* o = offset + j * B::NG;
-      if constexpr (B::kLookup) {  // q × the looked-up values, offsets included
-        F table[B::NG], a[2] = {};
-        for (int g = 0; g < B::NG; ++g) table[g] = B::table(s[g], o[g]);
-        for (int h = 0; h < B::H; ++h) {
-          const auto x0 = widen<W>(c + W * h);
-          for (int p = 0; p < B::P; ++p) {
-            const int i = h * B::P + p;
-            a[i % 2] += B::lookup(x0, p, table[B::group(i)]) * qb[i];
-          }
+  // per token its W lanes of products; W tokens' lanes summed at once (`hsums`)
+  F qb[B::N];
+  for (int i = 0; i < B::N; ++i) qb[i] = load<F>(q + B::channel(i));
+  const auto products = [&](int j) -> F {
+    const uint8_t* c = codes + j * B::J;
+    const float* s = scale + j * B::NG;
+    const float* o = offset + j * B::NG;
+    if constexpr (B::kLookup) {  // q × the looked-up values, offsets included
+      F table[B::NG], a[2] = {};
+      for (int g = 0; g < B::NG; ++g) table[g] = B::table(s[g], o[g]);
+      for (int h = 0; h < B::H; ++h) {
+        const auto x0 = widen<W>(c + W * h);
+        for (int p = 0; p < B::P; ++p) {
+          const int i = h * B::P + p;
+          a[i % 2] += B::lookup(x0, p, table[B::group(i)]) * qb[i];
         }
-        return a[0] + a[1];
-      } else {
-        F part[B::NG];  // per group, q_g · c_g
-        bool first[B::NG];
-        for (int g = 0; g < B::NG; ++g) first[g] = true;
-        for (int h = 0; h < B::H; ++h) {
-          const auto x0 = widen<W>(c + W * h);
-          for (int p = 0; p < B::P; ++p) {
-            const int i = h * B::P + p, g = B::group(i);
-            const F u = B::codes(x0, p) * qb[i];
-            part[g] = first[g] ? u : part[g] + u;
-            first[g] = false;
-          }
+      }
+      return a[0] + a[1];
+    } else {
+      F part[B::NG];  // per group, q_g · c_g
+      bool first[B::NG];
+      for (int g = 0; g < B::NG; ++g) first[g] = true;
+      for (int h = 0; h < B::H; ++h) {
+        const auto x0 = widen<W>(c + W * h);
+        for (int p = 0; p < B::P; ++p) {
+          const int i = h * B::P + p, g = B::group(i);
+          const F u = B::codes(x0, p) * qb[i];
+          part[g] = first[g] ? u : part[g] + u;
+          first[g] = false;
         }
-        F a = offset_lanes<W, B::NG>(o, qsum);
-        for (int g = 0; g < B::NG; ++g) a += part[g] * s[g];
-        return a;
       }
-    };
-    for (int j0 = 0; j0 < n; j0 += W) {
-      const int m = std::min(W, n - j0);
-      F t[W];
-      for (int jj = 0; jj < W; ++jj) t[jj] = jj < m ? products(j0 + jj) : F{};
-      const F sums = hsums<W>(t);
-      if (m == W) {
-        store(scores + j0, load<F>(scores + j0) + load<F>(coef + j0) * sums);
-      } else {
-        for (int jj = 0; jj < m; ++jj) scores[j0 + jj] += coef[j0 + jj] * sums[jj];
-      }
+      F a = offset_lanes<W, B::NG>(o, qsum);
+      for (int g = 0; g < B::NG; ++g) a += part[g] * s[g];
+      return a;
     }
-    return;
-  }
-  int ch[B::N];
-  for (int i = 0; i < B::N; ++i) ch[i] = B::channel(i);
-  for (int j0 = 0; j0 < n; j0 += W) {  // W tokens decoded once, then every row's query over them
+  };
+  for (int j0 = 0; j0 < n; j0 += W) {
     const int m = std::min(W, n - j0);
-    F blk[W][B::N], off[B::NG];  // codes × scale per token; the tokens' offsets per group, a lane each
-    for (int g = 0; g < B::NG; ++g) off[g] = F{};
-    for (int jj = 0; jj < m; ++jj) {
-      B::scaled(codes, scale, j0 + jj, blk[jj]);
-      for (int g = 0; g < B::NG; ++g) off[g][jj] = offset[(j0 + jj) * B::NG + g];
+    F t[W];
+    for (int jj = 0; jj < W; ++jj) t[jj] = jj < m ? products(j0 + jj) : F{};
+    const F sums = hsums<W>(t);
+    if (m == W) {
+      store(scores + j0, load<F>(scores + j0) + load<F>(coef + j0) * sums);
+    } else {
+      for (int jj = 0; jj < m; ++jj) scores[j0 + jj] += coef[j0 + jj] * sums[jj];
     }
-    row_scores<W, B::N>(&blk[0][0], m, ch, q, D, rows, [&](int r, F sums) {
-      const float* qs = qsum + r * qsum_stride(B::NG);
-      for (int g = 0; g < B::NG; ++g) sums += off[g] * qs[g];
-      float* out = scores + r * kChunk + j0;
-      if (m == W) {
-        store(out, load<F>(out) + load<F>(coef + j0) * sums);
-      } else {
-        for (int jj = 0; jj < m; ++jj) out[jj] += coef[j0 + jj] * sums[jj];
-      }
-    });
   }
 }
 
@@ -449,50 +428,59 @@ inline void add_offsets(int ng, int n, const float* w, const float* offset, floa
 }
 
 template <int D, int BITS, int W, int G>
-void value_blocked(const Link&, const uint8_t* codes, int n, int rows, const float* w, const float* scale,
-                   const float* offset, float* acc, float* offacc, int offacc_stride) {
+void value_blocked(const Link&, const uint8_t* codes, int n, const float* w, const float* scale, const float* offset,
+                   float* acc, float* offacc) {
   using B = Blocks<D, BITS, W, G>;
   using F = typename V<W>::f;
-  if (rows == 1) {  // the accumulator in registers across the chunk
-    if constexpr (!B::kLookup) add_offsets(B::NG, n, w, offset, offacc);
-    F a[B::N];
-    for (int i = 0; i < B::N; ++i) a[i] = load<F>(acc + B::channel(i));
-    for (int j = 0; j < n; ++j) {
-      const uint8_t* c = codes + j * B::J;
-      const float* s = scale + j * B::NG;
-      const float wj = w[j];
-      F table[B::NG];  // looked up: w·D(c), offsets included
-      if constexpr (B::kLookup)
-        for (int g = 0; g < B::NG; ++g) table[g] = B::table(wj * s[g], wj * offset[j * B::NG + g]);
-      for (int h = 0; h < B::H; ++h) {
-        const auto x0 = widen<W>(c + W * h);
-        for (int p = 0; p < B::P; ++p) {
-          const int i = h * B::P + p;
-          if constexpr (B::kLookup) {
-            a[i] += B::lookup(x0, p, table[B::group(i)]);
-          } else {
-            a[i] += B::codes(x0, p) * (wj * s[B::group(i)]);
-          }
+  if constexpr (!B::kLookup) add_offsets(B::NG, n, w, offset, offacc);
+  F a[B::N];  // the accumulator in registers across the chunk
+  for (int i = 0; i < B::N; ++i) a[i] = load<F>(acc + B::channel(i));
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* c = codes + j * B::J;
+    const float* s = scale + j * B::NG;
+    const float wj = w[j];
+    F table[B::NG];  // looked up: w·D(c), offsets included
+    if constexpr (B::kLookup)
+      for (int g = 0; g < B::NG; ++g) table[g] = B::table(wj * s[g], wj * offset[j * B::NG + g]);
+    for (int h = 0; h < B::H; ++h) {
+      const auto x0 = widen<W>(c + W * h);
+      for (int p = 0; p < B::P; ++p) {
+        const int i = h * B::P + p;
+        if constexpr (B::kLookup) {
+          a[i] += B::lookup(x0, p, table[B::group(i)]);
+        } else {
+          a[i] += B::codes(x0, p) * (wj * s[B::group(i)]);
         }
       }
     }
-    for (int i = 0; i < B::N; ++i) store(acc + B::channel(i), a[i]);
-    return;
   }
-  for (int r = 0; r < rows; ++r) add_offsets(B::NG, n, w + r * kChunk, offset, offacc + r * offacc_stride);
-  for (int j0 = 0; j0 < n; j0 += W) {  // W tokens decoded once, each row's accumulator in registers over them
-    const int m = std::min(W, n - j0);
-    F blk[W][B::N];
-    for (int jj = 0; jj < m; ++jj) B::scaled(codes, scale, j0 + jj, blk[jj]);
-    for (int r = 0; r < rows; ++r) {
-      float* ar = acc + r * D;
-      F a[B::N];
-      for (int i = 0; i < B::N; ++i) a[i] = load<F>(ar + B::channel(i));
-      for (int jj = 0; jj < m; ++jj) {
-        const float wr = w[r * kChunk + j0 + jj];
-        for (int i = 0; i < B::N; ++i) a[i] += blk[jj][i] * wr;
+  for (int i = 0; i < B::N; ++i) store(acc + B::channel(i), a[i]);
+}
+
+template <int D, int BITS, int W, int G>
+void rebuild_blocked(const Link&, const uint8_t* codes, int n, const float* scale, const float* offset,
+                     const float* coef, float* out) {
+  using B = Blocks<D, BITS, W, G>;
+  using F = typename V<W>::f;
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* c = codes + j * B::J;
+    const float *s = scale + j * B::NG, *o = offset + j * B::NG;
+    float* x = out + j * D;
+    F table[B::NG];  // looked up: coef·D(c)
+    if constexpr (B::kLookup)
+      for (int g = 0; g < B::NG; ++g) table[g] = B::table(coef[j] * s[g], coef[j] * o[g]);
+    for (int h = 0; h < B::H; ++h) {
+      const auto x0 = widen<W>(c + W * h);
+      for (int p = 0; p < B::P; ++p) {
+        const int i = h * B::P + p, g = B::group(i);
+        F v;
+        if constexpr (B::kLookup) {
+          v = B::lookup(x0, p, table[g]);
+        } else {
+          v = (B::codes(x0, p) * s[g] + o[g]) * coef[j];
+        }
+        store(x + B::channel(i), load<F>(x + B::channel(i)) + v);
       }
-      for (int i = 0; i < B::N; ++i) store(ar + B::channel(i), a[i]);
     }
   }
 }
@@ -505,59 +493,67 @@ void unpack(const uint8_t* c, int bits, int d, float* out) {
     for (int j = 0; j < per; ++j) out[p * per + j] = float((c[j] >> (p * bits)) & mask);
 }
 
-// Channel by channel, for head dims and groups the blocked functions do not cover.
-void key_any(const Link& ln, const uint8_t* codes, int n, int rows, const float* q, const float*,
-             const float* scale, const float* offset, const float* coef, float* scores) {
-  const int d = ln.dim, g = ln.group, ng = d / g, bytes = d * ln.bits / 8;
-  float cf[kMaxDim];
+// Channel by channel, for head dims and groups the blocked functions do not cover: token j's D(c) [d].
+void dequantize(const Link& ln, const uint8_t* codes, const float* scale, const float* offset, int j, float* out) {
+  const int d = ln.dim, g = ln.group, ng = d / g;
+  unpack(codes + j * (d * ln.bits / 8), ln.bits, d, out);
+  for (int c = 0; c < d; ++c) out[c] = out[c] * scale[j * ng + c / g] + offset[j * ng + c / g];
+}
+
+void key_any(const Link& ln, const uint8_t* codes, int n, const float* q, const float*, const float* scale,
+             const float* offset, const float* coef, float* scores) {
+  float x[kMaxDim];
   for (int j = 0; j < n; ++j) {
-    unpack(codes + j * bytes, ln.bits, d, cf);
-    for (int c = 0; c < d; ++c) cf[c] = cf[c] * scale[j * ng + c / g] + offset[j * ng + c / g];
-    for (int r = 0; r < rows; ++r) {
-      float s = 0.0f;
-      for (int c = 0; c < d; ++c) s += q[r * d + c] * cf[c];
-      scores[r * kChunk + j] += coef[j] * s;
-    }
+    dequantize(ln, codes, scale, offset, j, x);
+    float s = 0.0f;
+    for (int c = 0; c < ln.dim; ++c) s += q[c] * x[c];
+    scores[j] += coef[j] * s;
   }
 }
 
-void value_any(const Link& ln, const uint8_t* codes, int n, int rows, const float* w, const float* scale,
-               const float* offset, float* acc, float* offacc, int offacc_stride) {
-  const int d = ln.dim, g = ln.group, ng = d / g, bytes = d * ln.bits / 8;
-  for (int r = 0; r < rows; ++r) add_offsets(ng, n, w + r * kChunk, offset, offacc + r * offacc_stride);
-  float cf[kMaxDim];
+void value_any(const Link& ln, const uint8_t* codes, int n, const float* w, const float* scale,
+               const float* offset, float* acc, float*) {
+  float x[kMaxDim];
   for (int j = 0; j < n; ++j) {
-    unpack(codes + j * bytes, ln.bits, d, cf);
-    for (int r = 0; r < rows; ++r)
-      for (int gi = 0; gi < ng; ++gi) {
-        const float ws = w[r * kChunk + j] * scale[j * ng + gi];
-        for (int c = gi * g; c < (gi + 1) * g; ++c) acc[r * d + c] += ws * cf[c];
-      }
+    dequantize(ln, codes, scale, offset, j, x);
+    for (int c = 0; c < ln.dim; ++c) acc[c] += w[j] * x[c];
   }
 }
+
+void rebuild_any(const Link& ln, const uint8_t* codes, int n, const float* scale, const float* offset,
+                 const float* coef, float* out) {
+  float x[kMaxDim];
+  for (int j = 0; j < n; ++j) {
+    dequantize(ln, codes, scale, offset, j, x);
+    for (int c = 0; c < ln.dim; ++c) out[j * ln.dim + c] += coef[j] * x[c];
+  }
+}
+
+template <int D, int BITS, int W, int G>
+constexpr LinkFns blocked_fns{key_blocked<D, BITS, W, G>, value_blocked<D, BITS, W, G>, rebuild_blocked<D, BITS, W, G>};
 
 template <int D, int W, int G>
-bool blocked_bits(int bits, KeyFn* kf, ValueFn* vf_) {
+bool blocked_bits(int bits, LinkFns* fns) {
   if constexpr (D % (W * G)) {
     return false;
   } else {
     switch (bits) {
-      case 1: *kf = key_blocked<D, 1, W, G>; *vf_ = value_blocked<D, 1, W, G>; return true;
-      case 2: *kf = key_blocked<D, 2, W, G>; *vf_ = value_blocked<D, 2, W, G>; return true;
-      case 4: *kf = key_blocked<D, 4, W, G>; *vf_ = value_blocked<D, 4, W, G>; return true;
-      case 8: *kf = key_blocked<D, 8, W, G>; *vf_ = value_blocked<D, 8, W, G>; return true;
+      case 1: *fns = blocked_fns<D, 1, W, G>; return true;
+      case 2: *fns = blocked_fns<D, 2, W, G>; return true;
+      case 4: *fns = blocked_fns<D, 4, W, G>; return true;
+      case 8: *fns = blocked_fns<D, 8, W, G>; return true;
     }
     return false;
   }
 }
 
 template <int W, int G>
-bool blocked_dim(int d, int bits, KeyFn* kf, ValueFn* vf_) {
+bool blocked_dim(int d, int bits, LinkFns* fns) {
   switch (d) {
-    case 64: return blocked_bits<64, W, G>(bits, kf, vf_);
-    case 96: return blocked_bits<96, W, G>(bits, kf, vf_);
-    case 128: return blocked_bits<128, W, G>(bits, kf, vf_);
-    case 256: return blocked_bits<256, W, G>(bits, kf, vf_);
+    case 64: return blocked_bits<64, W, G>(bits, fns);
+    case 96: return blocked_bits<96, W, G>(bits, fns);
+    case 128: return blocked_bits<128, W, G>(bits, fns);
+    case 256: return blocked_bits<256, W, G>(bits, fns);
   }
   return false;
 }
@@ -565,26 +561,26 @@ bool blocked_dim(int d, int bits, KeyFn* kf, ValueFn* vf_) {
 // Blocks of W bytes (the target's width or half of it, at least 4: D = 96 at 2 bits has 24 bytes a token),
 // groups of 1 to 8 blocks.
 template <int W>
-bool blocked(const Link& ln, KeyFn* kf, ValueFn* vf_) {
+bool blocked(const Link& ln, LinkFns* fns) {
   if constexpr (W < 4) {
     return false;
   } else {
     if ((ln.dim * ln.bits / 8) % W || ln.group % W) return false;
     switch (ln.group / W) {
-      case 1: return blocked_dim<W, 1>(ln.dim, ln.bits, kf, vf_);
-      case 2: return blocked_dim<W, 2>(ln.dim, ln.bits, kf, vf_);
-      case 4: return blocked_dim<W, 4>(ln.dim, ln.bits, kf, vf_);
-      case 8: return blocked_dim<W, 8>(ln.dim, ln.bits, kf, vf_);
+      case 1: return blocked_dim<W, 1>(ln.dim, ln.bits, fns);
+      case 2: return blocked_dim<W, 2>(ln.dim, ln.bits, fns);
+      case 4: return blocked_dim<W, 4>(ln.dim, ln.bits, fns);
+      case 8: return blocked_dim<W, 8>(ln.dim, ln.bits, fns);
     }
     return false;
   }
 }
 
 // The link's functions: blocked with the widest block its bytes and groups allow, else channel by channel.
-void link_fns(const Link& ln, KeyFn* kf, ValueFn* vf_) {
-  if (blocked<kLanes>(ln, kf, vf_) || blocked<kLanes / 2>(ln, kf, vf_)) return;
-  *kf = key_any;
-  *vf_ = value_any;
+LinkFns link_fns(const Link& ln) {
+  LinkFns fns{key_any, value_any, rebuild_any};
+  if (!blocked<kLanes>(ln, &fns)) blocked<kLanes / 2>(ln, &fns);
+  return fns;
 }
 
 // ---- the online softmax ---------------------------------------------------------------------------------
@@ -706,6 +702,113 @@ inline int64_t flat(const Segment* seg, int count, int j) {
   return seg[g].tok + (j - seg[g].j0);
 }
 
+// ---- attention over float rows --------------------------------------------------------------------------
+//
+// A chunk's n tokens as float32 rows: dense reads them from the pool, a quantized chain's many-row item rebuilds
+// them. `rows_scores`: scores [rows, kChunk] = inv · q_r · K_j; `rows_values`: acc [rows, d] += Σ_j w[r][j] · V_j.
+// With D a multiple of kLanes, kLanes tokens are read at a time (read(j, blocks [D / kLanes])) and serve every
+// row (`row_scores`); D = 0 runs channel by channel over read(j, floats [d]).
+
+template <int D, class Read>
+void rows_scores(int d, int rows, const float* q, int n, float inv, float* scores, Read read) {
+  if constexpr (D == 0) {
+    float x[kMaxDim];
+    for (int j = 0; j < n; ++j) {
+      read(j, x);
+      for (int r = 0; r < rows; ++r) {
+        float s = 0.0f;
+        for (int c = 0; c < d; ++c) s += q[r * d + c] * x[c];
+        scores[r * kChunk + j] = s * inv;
+      }
+    }
+  } else {
+    constexpr int NB = D / kLanes;
+    int ch[NB];
+    for (int c = 0; c < NB; ++c) ch[c] = kLanes * c;
+    vf blk[kLanes][NB];  // up to kLanes tokens' rows, read once for every query row
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+      const int nb = std::min(kLanes, n - j0);
+      for (int j = 0; j < nb; ++j) read(j0 + j, blk[j]);
+      row_scores<kLanes, NB>(&blk[0][0], nb, ch, q, D, rows, [&](int r, vf sums) {
+        float* out = scores + r * kChunk + j0;
+        if (nb == kLanes) {
+          store(out, sums * inv);
+        } else {
+          for (int j = 0; j < nb; ++j) out[j] = sums[j] * inv;
+        }
+      });
+    }
+  }
+}
+
+template <int D, class Read>
+void rows_values(int d, int rows, const float* w, int n, float* acc, Read read) {
+  if constexpr (D == 0) {
+    float x[kMaxDim];
+    for (int j = 0; j < n; ++j) {
+      read(j, x);
+      for (int r = 0; r < rows; ++r) {
+        const float wr = w[r * kChunk + j];
+        for (int c = 0; c < d; ++c) acc[r * d + c] += wr * x[c];
+      }
+    }
+  } else {
+    constexpr int NB = D / kLanes;
+    vf blk[kLanes][NB];
+    for (int j0 = 0; j0 < n; j0 += kLanes) {
+      const int nb = std::min(kLanes, n - j0);
+      for (int j = 0; j < nb; ++j) read(j0 + j, blk[j]);
+      for (int r = 0; r < rows; ++r) {  // each row's accumulator in registers over the tokens
+        float* a = acc + r * D;
+        vf ar[NB];
+        for (int c = 0; c < NB; ++c) ar[c] = load<vf>(a + kLanes * c);
+        for (int j = 0; j < nb; ++j) {
+          const float wr = w[r * kChunk + j0 + j];
+          for (int c = 0; c < NB; ++c) ar[c] += blk[j][c] * wr;
+        }
+        for (int c = 0; c < NB; ++c) store(a + kLanes * c, ar[c]);
+      }
+    }
+  }
+}
+
+// Reading rows x [n, d] from a buffer, in the form rows_scores<D> and rows_values<D> take.
+template <int D>
+auto row_reader(int d, const float* x) {
+  if constexpr (D == 0) {
+    return [d, x](int j, float* out) { std::copy(x + j * d, x + (j + 1) * d, out); };
+  } else {
+    return [x](int j, vf* out) {
+      for (int c = 0; c < D / kLanes; ++c) out[c] = load<vf>(x + j * D + kLanes * c);
+    };
+  }
+}
+
+// The two over rows x [n, d] in a buffer, picked once per item by d (`buffer_fns`).
+struct BufferFns {
+  void (*scores)(int d, int rows, const float* q, int n, float* scores, const float* x);
+  void (*values)(int d, int rows, const float* w, int n, float* acc, const float* x);
+};
+
+template <int D>
+constexpr BufferFns buffer_fns_of{
+    [](int d, int rows, const float* q, int n, float* scores, const float* x) {
+      rows_scores<D>(d, rows, q, n, 1.0f, scores, row_reader<D>(d, x));
+    },
+    [](int d, int rows, const float* w, int n, float* acc, const float* x) {
+      rows_values<D>(d, rows, w, n, acc, row_reader<D>(d, x));
+    }};
+
+BufferFns buffer_fns(int d) {
+  switch (d % kLanes ? 0 : d) {
+    case 64: return buffer_fns_of<64>;
+    case 96: return buffer_fns_of<96>;
+    case 128: return buffer_fns_of<128>;
+    case 256: return buffer_fns_of<256>;
+  }
+  return buffer_fns_of<0>;
+}
+
 // ---- quantized chains --------------------------------------------------------------------------------------
 
 // The rotations of an item's rows, x [rows, d] with u [d, d] (z = U x): `rotation<false>` takes the queries into
@@ -776,30 +879,31 @@ void rotation(const float* u, int d, int rows, const float* x, float* out) {
 
 void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
   const int d = int(p.D), rows = int(p.rows);
+  const bool one = rows == 1;  // link by link; else the chain's rows rebuilt in kx and vx
   const Chain& kc = p.keys;
   const Chain& vc = p.values;
   init_partial(rows, d, acc, m, l);
-  KeyFn kfn[kMaxLinks];
-  ValueFn vfn[kMaxLinks];
-  ValueFn unused_v;
-  KeyFn unused_k;
-  for (int i = 0; i < kc.n; ++i) link_fns(kc.link[i], &kfn[i], &unused_v);
-  for (int i = 0; i < vc.n; ++i) link_fns(vc.link[i], &unused_k, &vfn[i]);
-  int v_off[kMaxLinks + 1] = {0};  // value link i's groups start at v_off[i] of a row's offset accumulator
+  LinkFns kfn[kMaxLinks], vfn[kMaxLinks];
+  for (int i = 0; i < kc.n; ++i) kfn[i] = link_fns(kc.link[i]);
+  for (int i = 0; i < vc.n; ++i) vfn[i] = link_fns(vc.link[i]);
+  const BufferFns rebuilt = buffer_fns(d);
+  int v_off[kMaxLinks + 1] = {0};  // value link i's groups start at v_off[i] of the offset accumulator
   for (int i = 0; i < vc.n; ++i) v_off[i + 1] = v_off[i] + d / vc.link[i].group;
-  const int v_groups = v_off[vc.n];
+  const int v_groups = one ? v_off[vc.n] : 0;
   const int row_bufs = p.key_rot || p.value_rot ? 2 : 1;  // q, and the rotations' other buffer
   size_t floats = row_bufs * Arena::rounded(rows * d) + 2 * Arena::rounded(rows * kChunk) +
-                  Arena::rounded(rows * v_groups) + Arena::rounded(kc.n * rows) +
-                  2 * Arena::rounded(kMaxLinks * kChunk);
+                  Arena::rounded(v_groups) + Arena::rounded(kc.n * rows) + 2 * Arena::rounded(kMaxLinks * kChunk) +
+                  (one ? 0 : 2 * Arena::rounded(kChunk * d));
   for (int i = 0; i < kc.n; ++i)
-    floats += Arena::rounded(rows * qsum_stride(d / kc.link[i].group)) + LinkMeta::floats(kc.link[i]);
+    floats += (one ? Arena::rounded(qsum_stride(d / kc.link[i].group)) : 0) + LinkMeta::floats(kc.link[i]);
   for (int i = 0; i < vc.n; ++i) floats += LinkMeta::floats(vc.link[i]);
   Arena arena(floats);
   float *q = arena.take(rows * d), *scores = arena.take(rows * kChunk), *w = arena.take(rows * kChunk);
-  float *offacc = arena.zeros(rows * v_groups), *means = arena.take(kc.n * rows);
+  float *offacc = arena.zeros(v_groups), *means = arena.take(kc.n * rows);
   float *k_coef = arena.take(kMaxLinks * kChunk), *v_coef = arena.take(kMaxLinks * kChunk);
   float* rotated = row_bufs == 2 ? arena.take(rows * d) : nullptr;
+  float* kx = one ? nullptr : arena.take(kChunk * d);
+  float* vx = one ? nullptr : arena.take(kChunk * d);
   for (int r = 0; r < rows; ++r) {
     const int64_t qrow = (b * p.K + k) * p.R + p.row0 + r;
     load_row(p.q, p.q_bf16, qrow, d, &(p.key_rot ? rotated : q)[r * d]);
@@ -807,16 +911,12 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
       for (int i = 0; i < kc.n; ++i) means[i * rows + r] = p.mean_scores[qrow * kc.n + i];
   }
   if (p.key_rot) rotation<false>(p.slot_rotation(p.key_rot, k), d, rows, rotated, q);
-  float* qsum[kMaxLinks];  // Σ_{c∈g} q_c per key link, row and group (qsum_stride per row)
-  for (int i = 0; i < kc.n; ++i) {
-    const int g = kc.link[i].group, stride = qsum_stride(d / g);
-    qsum[i] = arena.zeros(rows * stride);  // zero past the groups
-    for (int r = 0; r < rows; ++r)
-      for (int gi = 0; gi < d / g; ++gi) {
-        float sum = 0.0f;
-        for (int c = gi * g; c < (gi + 1) * g; ++c) sum += q[r * d + c];
-        qsum[i][r * stride + gi] = sum;
-      }
+  float* qsum[kMaxLinks] = {};  // one row: Σ_{c∈g} q_c per key link and group
+  for (int i = 0; i < kc.n && one; ++i) {
+    const int g = kc.link[i].group;
+    qsum[i] = arena.zeros(qsum_stride(d / g));  // zero past the groups
+    for (int gi = 0; gi < d / g; ++gi)
+      for (int c = gi * g; c < (gi + 1) * g; ++c) qsum[i][gi] += q[c];
   }
   LinkMeta k_meta[kMaxLinks], v_meta[kMaxLinks];
   for (int i = 0; i < kc.n; ++i) k_meta[i].init(kc.link[i], arena);
@@ -833,50 +933,64 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
         if (c->alpha[i]) prefetch_rows(c->alpha[i], 2, seg, count);
       }
   };
-  for_chunks(p, b, k, s0, s1, prefetch, [&](const Segment* seg, int count, int n) {
-    for (int g = 0; g < count; ++g) chain_coefs(kc, seg[g].tok, seg[g].n, k_coef + seg[g].j0);
-    std::fill(scores, scores + rows * kChunk, 0.0f);
-    for (int i = 0; i < kc.n; ++i) {
-      const Link& ln = kc.link[i];
-      const float* coef = &k_coef[i * kChunk];
+  // fn(i, ln, segment, its codes, scales, offsets) for each link of chain c over a chunk's segments
+  const auto each_link = [&](const Chain& c, LinkMeta* meta, const Segment* seg, int count, auto fn) {
+    for (int i = 0; i < c.n; ++i) {
+      const Link& ln = c.link[i];
       const int ng = d / ln.group;
       for (int g = 0; g < count; ++g) {
         const Segment& sg = seg[g];
-        k_meta[i].decode(ln, sg.tok, sg.n, sg.j0);
-        kfn[i](ln, ln.codes + sg.tok * (d * ln.bits / 8), sg.n, rows, q, qsum[i], k_meta[i].scale + sg.j0 * ng,
-               k_meta[i].offset + sg.j0 * ng, coef + sg.j0, scores + sg.j0);
+        meta[i].decode(ln, sg.tok, sg.n, sg.j0);
+        fn(i, ln, sg, ln.codes + sg.tok * (d * ln.bits / 8), meta[i].scale + sg.j0 * ng, meta[i].offset + sg.j0 * ng);
       }
-      if (p.mean_scores)
+    }
+  };
+  // The chunk's rows of chain c, Σ_i coef_i · D_i(c), rebuilt in x [n, d].
+  const auto rebuild = [&](const Chain& c, const LinkFns* fns, LinkMeta* meta, const float* coef, const Segment* seg,
+                           int count, int n, float* x) {
+    std::fill(x, x + n * d, 0.0f);
+    each_link(c, meta, seg, count, [&](int i, const Link& ln, const Segment& sg, const uint8_t* codes,
+                                       const float* scale, const float* offset) {
+      fns[i].rebuild(ln, codes, sg.n, scale, offset, &coef[i * kChunk + sg.j0], x + sg.j0 * d);
+    });
+  };
+  for_chunks(p, b, k, s0, s1, prefetch, [&](const Segment* seg, int count, int n) {
+    for (int g = 0; g < count; ++g) chain_coefs(kc, seg[g].tok, seg[g].n, k_coef + seg[g].j0);
+    if (one) {
+      std::fill(scores, scores + kChunk, 0.0f);
+      each_link(kc, k_meta, seg, count, [&](int i, const Link& ln, const Segment& sg, const uint8_t* codes,
+                                             const float* scale, const float* offset) {
+        kfn[i].key(ln, codes, sg.n, q, qsum[i], scale, offset, &k_coef[i * kChunk + sg.j0], scores + sg.j0);
+      });
+    } else {
+      rebuild(kc, kfn, k_meta, k_coef, seg, count, n, kx);
+      rebuilt.scores(d, rows, q, n, scores, kx);
+    }
+    if (p.mean_scores)
+      for (int i = 0; i < kc.n; ++i)
         for (int r = 0; r < rows; ++r) {  // + coef · q·μ
           const float mu = means[i * rows + r];
-          for (int j = 0; j < n; ++j) scores[r * kChunk + j] += coef[j] * mu;
+          for (int j = 0; j < n; ++j) scores[r * kChunk + j] += k_coef[i * kChunk + j] * mu;
         }
-    }
     for (int r = 0; r < rows; ++r)
       for (int j = 0; j < n; ++j) scores[r * kChunk + j] *= inv;
     softmax_step(rows, n, scores, m, l, acc, d, offacc, v_groups);
     for (int g = 0; g < count; ++g) chain_coefs(vc, seg[g].tok, seg[g].n, v_coef + seg[g].j0);
-    for (int i = 0; i < vc.n; ++i) {
-      const Link& ln = vc.link[i];
-      const float* coef = &v_coef[i * kChunk];
-      const int ng = d / ln.group;
-      for (int r = 0; r < rows; ++r)
-        for (int j = 0; j < n; ++j) w[r * kChunk + j] = scores[r * kChunk + j] * coef[j];
-      for (int g = 0; g < count; ++g) {
-        const Segment& sg = seg[g];
-        v_meta[i].decode(ln, sg.tok, sg.n, sg.j0);
-        vfn[i](ln, ln.codes + sg.tok * (d * ln.bits / 8), sg.n, rows, w + sg.j0, v_meta[i].scale + sg.j0 * ng,
-               v_meta[i].offset + sg.j0 * ng, acc, &offacc[v_off[i]], v_groups);
-      }
+    if (one) {
+      each_link(vc, v_meta, seg, count, [&](int i, const Link& ln, const Segment& sg, const uint8_t* codes,
+                                             const float* scale, const float* offset) {
+        for (int j = 0; j < sg.n; ++j) w[sg.j0 + j] = scores[sg.j0 + j] * v_coef[i * kChunk + sg.j0 + j];
+        vfn[i].value(ln, codes, sg.n, w + sg.j0, scale, offset, acc, &offacc[v_off[i]]);
+      });
+    } else {
+      rebuild(vc, vfn, v_meta, v_coef, seg, count, n, vx);
+      rebuilt.values(d, rows, scores, n, acc, vx);
     }
   });
-  for (int i = 0; i < vc.n; ++i) {
-    const int g = vc.link[i].group, ng = d / g;
-    for (int r = 0; r < rows; ++r)
-      for (int gi = 0; gi < ng; ++gi) {
-        const float o = offacc[r * v_groups + v_off[i] + gi];
-        for (int c = 0; c < g; ++c) acc[r * d + gi * g + c] += o;
-      }
+  for (int i = 0; i < vc.n && one; ++i) {  // the offsets' sums spread over their groups' channels
+    const int g = vc.link[i].group;
+    for (int gi = 0; gi < d / g; ++gi)
+      for (int c = 0; c < g; ++c) acc[gi * g + c] += offacc[v_off[i] + gi];
   }
   if (p.value_rot) {
     rotation<true>(p.slot_rotation(p.value_rot, k), d, rows, acc, rotated);
@@ -892,100 +1006,45 @@ inline vf dense_block(const void* row, bool bf16, int c) {
   return bits_as<vf>(widen<kLanes>(static_cast<const uint16_t*>(row) + kLanes * c) << 16);
 }
 
+// D = 0: any head dim, channel by channel.
 template <int D>
-void dense_blocked(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
-  constexpr int NB = D / kLanes;
-  const int rows = int(p.rows);
-  init_partial(rows, D, acc, m, l);
-  Arena arena(Arena::rounded(rows * D) + Arena::rounded(rows * kChunk));
-  float *q = arena.take(rows * D), *scores = arena.take(rows * kChunk);
-  for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, D, &q[r * D]);
-  const int64_t row_bytes = D * p.kv_bytes();
-  const char* kbase = static_cast<const char*>(p.k);
-  const char* vbase = static_cast<const char*>(p.v);
-  const float inv = 1.0f / std::sqrt(float(D));
-  const auto prefetch = [&](const Segment* seg, int count) {
-    prefetch_rows(kbase, row_bytes, seg, count);
-    prefetch_rows(vbase, row_bytes, seg, count);
-  };
-  vf blk[kLanes][NB];  // up to kLanes tokens' K or V rows, read once for every query row
-  const auto read = [&](const char* base, const Segment* seg, int count, int j0, int n) {
-    for (int j = 0; j < n; ++j) {
-      const void* row = base + flat(seg, count, j0 + j) * row_bytes;
-      for (int c = 0; c < NB; ++c) blk[j][c] = dense_block(row, p.kv_bf16, c);
-    }
-  };
-  int ch[NB];
-  for (int c = 0; c < NB; ++c) ch[c] = kLanes * c;
-  for_chunks(p, b, k, s0, s1, prefetch, [&](const Segment* seg, int count, int n) {
-    for (int j0 = 0; j0 < n; j0 += kLanes) {
-      const int nb = std::min(kLanes, n - j0);
-      read(kbase, seg, count, j0, nb);
-      row_scores<kLanes, NB>(&blk[0][0], nb, ch, q, D, rows, [&](int r, vf sums) {
-        float* out = scores + r * kChunk + j0;
-        if (nb == kLanes) {
-          store(out, sums * inv);
-        } else {
-          for (int j = 0; j < nb; ++j) out[j] = sums[j] * inv;
-        }
-      });
-    }
-    softmax_step(rows, n, scores, m, l, acc, D, nullptr, 0);
-    for (int j0 = 0; j0 < n; j0 += kLanes) {
-      const int nb = std::min(kLanes, n - j0);
-      read(vbase, seg, count, j0, nb);
-      for (int r = 0; r < rows; ++r) {
-        float* a = acc + r * D;
-        vf ar[NB];
-        for (int c = 0; c < NB; ++c) ar[c] = load<vf>(a + kLanes * c);
-        for (int j = 0; j < nb; ++j) {
-          const float wr = scores[r * kChunk + j0 + j];
-          for (int c = 0; c < NB; ++c) ar[c] += blk[j][c] * wr;
-        }
-        for (int c = 0; c < NB; ++c) store(a + kLanes * c, ar[c]);
-      }
-    }
-  });
-}
-
-void dense_any(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
+void dense_item_of(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
   const int d = int(p.D), rows = int(p.rows);
   init_partial(rows, d, acc, m, l);
-  std::vector<float> q(rows * d), row(d), scores(rows * kChunk);
+  Arena arena(Arena::rounded(rows * d) + Arena::rounded(rows * kChunk));
+  float *q = arena.take(rows * d), *scores = arena.take(rows * kChunk);
   for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, d, &q[r * d]);
-  const float inv = 1.0f / std::sqrt(float(d));
   const int64_t row_bytes = d * p.kv_bytes();
+  const float inv = 1.0f / std::sqrt(float(d));
   const auto prefetch = [&](const Segment* seg, int count) {
     prefetch_rows(p.k, row_bytes, seg, count);
     prefetch_rows(p.v, row_bytes, seg, count);
   };
   for_chunks(p, b, k, s0, s1, prefetch, [&](const Segment* seg, int count, int n) {
-    for (int j = 0; j < n; ++j) {
-      load_row(p.k, p.kv_bf16, flat(seg, count, j), d, row.data());
-      for (int r = 0; r < rows; ++r) {
-        float s = 0.0f;
-        for (int c = 0; c < d; ++c) s += q[r * d + c] * row[c];
-        scores[r * kChunk + j] = s * inv;
+    const auto reader = [&](const void* base) {  // the chunk's rows where they lie in the pool
+      const auto row = [&, base](int j) { return static_cast<const char*>(base) + flat(seg, count, j) * row_bytes; };
+      if constexpr (D == 0) {
+        return [&, row](int j, float* out) { load_row(row(j), p.kv_bf16, 0, d, out); };
+      } else {
+        return [&, row](int j, vf* out) {
+          const char* r = row(j);
+          for (int c = 0; c < D / kLanes; ++c) out[c] = dense_block(r, p.kv_bf16, c);
+        };
       }
-    }
-    softmax_step(rows, n, scores.data(), m, l, acc, d, nullptr, 0);
-    for (int j = 0; j < n; ++j) {
-      load_row(p.v, p.kv_bf16, flat(seg, count, j), d, row.data());
-      for (int r = 0; r < rows; ++r) {
-        const float wr = scores[r * kChunk + j];
-        for (int c = 0; c < d; ++c) acc[r * d + c] += wr * row[c];
-      }
-    }
+    };
+    rows_scores<D>(d, rows, q, n, inv, scores, reader(p.k));
+    softmax_step(rows, n, scores, m, l, acc, d, nullptr, 0);
+    rows_values<D>(d, rows, scores, n, acc, reader(p.v));
   });
 }
 
 void dense_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
   switch (p.D) {
-    case 64: return dense_blocked<64>(p, b, k, s0, s1, acc, m, l);
-    case 96: return dense_blocked<96>(p, b, k, s0, s1, acc, m, l);
-    case 128: return dense_blocked<128>(p, b, k, s0, s1, acc, m, l);
-    case 256: return dense_blocked<256>(p, b, k, s0, s1, acc, m, l);
-    default: return dense_any(p, b, k, s0, s1, acc, m, l);
+    case 64: return dense_item_of<64>(p, b, k, s0, s1, acc, m, l);
+    case 96: return dense_item_of<96>(p, b, k, s0, s1, acc, m, l);
+    case 128: return dense_item_of<128>(p, b, k, s0, s1, acc, m, l);
+    case 256: return dense_item_of<256>(p, b, k, s0, s1, acc, m, l);
+    default: return dense_item_of<0>(p, b, k, s0, s1, acc, m, l);
   }
 }
 
