@@ -26,9 +26,9 @@
 // W bytes once and take every plane out of them with a shift and a mask: each plane is W channels of one
 // group, converted to float. With 16-lane blocks of codes up to 4 bits wide (AVX-512) they are looked up
 // instead, in a per-token table of the group's dequantized values (`Blocks::lookup`). One row's keys sum each
-// token's products across lanes 16 tokens at once (`hsums`); its values keep a link's offsets apart when not
-// looked up (summed per group and spread over the group's channels once at the end). Other shapes run channel
-// by channel over the token's unpacked codes.
+// token's products across lanes W tokens at once (`hsums`); its blocked values, when not looked up, keep a
+// link's offsets apart (summed per group and spread over the group's channels once at the end). Other shapes
+// run channel by channel over the token's unpacked codes.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
