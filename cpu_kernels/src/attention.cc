@@ -285,7 +285,7 @@ void chain_coefs(const Chain& c, int64_t tok0, int n, float* coef) {
 //   key:     scores[j] += coef[j] · q · D(c_j),   D(c) = scale_g · c + offset_g per channel group g
 //   value:   acc += Σ_j w[j] · D(c_j)
 // with w the softmax weights × the α chain. Many rows (a prompt chunk, grouped queries) rebuild the chain's
-// K or V rows once, out[j] += coef[j] · D(c_j), and attend over them as over dense rows (`block_scores`).
+// K or V rows once, out[j] += coef[j] · D(c_j), and attend over them as over dense rows (`rows_scores`).
 // Over a chunk's n tokens: `codes` points at the chunk's first token, scale and offset are the chunk's [n, ng]
 // (padded by kLanes), qsum [kLanes·⌈ng/kLanes⌉] the query's sum over each group (zero past ng:
 // q · D(c) = Σ_g scale_g · (q_g · c_g) + offset · qsum), scores and w [n], q and acc [D], offacc [ng] (a value's
