@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -277,6 +278,22 @@ void chain_coefs(const Chain& c, int64_t tok0, int n, float* coef) {
     const uint16_t* a = c.alpha[i - 1] + tok0;
     for (int j = 0; j < n; ++j) out[j] = prev[j] * from_bf16(a[j]);
   }
+}
+
+// ---- head dims -------------------------------------------------------------------------------------------
+
+// fn(std::integral_constant<int, D>) for the head dims the kernels are compiled for (D = 64, 96, 128, 256:
+// multiples of every build's kLanes), else fn(std::integral_constant<int, 0>): any width, at run time.
+template <class Fn>
+auto by_dim(int d, Fn fn) {
+  static_assert(96 % kLanes == 0);
+  switch (d) {
+    case 64: return fn(std::integral_constant<int, 64>{});
+    case 96: return fn(std::integral_constant<int, 96>{});
+    case 128: return fn(std::integral_constant<int, 128>{});
+    case 256: return fn(std::integral_constant<int, 256>{});
+  }
+  return fn(std::integral_constant<int, 0>{});
 }
 
 // ---- link functions ---------------------------------------------------------------------------------------
@@ -549,13 +566,13 @@ bool blocked_bits(int bits, LinkFns* fns) {
 
 template <int W, int G>
 bool blocked_dim(int d, int bits, LinkFns* fns) {
-  switch (d) {
-    case 64: return blocked_bits<64, W, G>(bits, fns);
-    case 96: return blocked_bits<96, W, G>(bits, fns);
-    case 128: return blocked_bits<128, W, G>(bits, fns);
-    case 256: return blocked_bits<256, W, G>(bits, fns);
-  }
-  return false;
+  return by_dim(d, [&](auto D) {
+    if constexpr (D == 0) {
+      return false;
+    } else {
+      return blocked_bits<D, W, G>(bits, fns);
+    }
+  });
 }
 
 // Blocks of W bytes (the target's width or half of it, at least 4: D = 96 at 2 bits has 24 bytes a token),
@@ -800,13 +817,7 @@ constexpr BufferFns buffer_fns_of{
     }};
 
 BufferFns buffer_fns(int d) {
-  switch (d % kLanes ? 0 : d) {
-    case 64: return buffer_fns_of<64>;
-    case 96: return buffer_fns_of<96>;
-    case 128: return buffer_fns_of<128>;
-    case 256: return buffer_fns_of<256>;
-  }
-  return buffer_fns_of<0>;
+  return by_dim(d, [](auto D) { return buffer_fns_of<D>; });
 }
 
 // ---- quantized chains --------------------------------------------------------------------------------------
@@ -891,14 +902,14 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   for (int i = 0; i < vc.n; ++i) v_off[i + 1] = v_off[i] + d / vc.link[i].group;
   const int v_groups = one ? v_off[vc.n] : 0;
   const int row_bufs = p.key_rot || p.value_rot ? 2 : 1;  // q, and the rotations' other buffer
-  size_t floats = row_bufs * Arena::rounded(rows * d) + 2 * Arena::rounded(rows * kChunk) +
+  size_t floats = row_bufs * Arena::rounded(rows * d) + Arena::rounded(rows * kChunk) + Arena::rounded(kChunk) +
                   Arena::rounded(v_groups) + Arena::rounded(kc.n * rows) + 2 * Arena::rounded(kMaxLinks * kChunk) +
                   (one ? 0 : 2 * Arena::rounded(kChunk * d));
   for (int i = 0; i < kc.n; ++i)
     floats += (one ? Arena::rounded(qsum_stride(d / kc.link[i].group)) : 0) + LinkMeta::floats(kc.link[i]);
   for (int i = 0; i < vc.n; ++i) floats += LinkMeta::floats(vc.link[i]);
   Arena arena(floats);
-  float *q = arena.take(rows * d), *scores = arena.take(rows * kChunk), *w = arena.take(rows * kChunk);
+  float *q = arena.take(rows * d), *scores = arena.take(rows * kChunk), *w = arena.take(kChunk);  // w: one row
   float *offacc = arena.zeros(v_groups), *means = arena.take(kc.n * rows);
   float *k_coef = arena.take(kMaxLinks * kChunk), *v_coef = arena.take(kMaxLinks * kChunk);
   float* rotated = row_bufs == 2 ? arena.take(rows * d) : nullptr;
@@ -1039,13 +1050,7 @@ void dense_item_of(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
 }
 
 void dense_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, float* acc, float* m, float* l) {
-  switch (p.D) {
-    case 64: return dense_item_of<64>(p, b, k, s0, s1, acc, m, l);
-    case 96: return dense_item_of<96>(p, b, k, s0, s1, acc, m, l);
-    case 128: return dense_item_of<128>(p, b, k, s0, s1, acc, m, l);
-    case 256: return dense_item_of<256>(p, b, k, s0, s1, acc, m, l);
-    default: return dense_item_of<0>(p, b, k, s0, s1, acc, m, l);
-  }
+  by_dim(int(p.D), [&](auto D) { dense_item_of<D>(p, b, k, s0, s1, acc, m, l); });
 }
 
 }  // namespace
