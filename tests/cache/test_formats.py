@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rq_jax.cache import CacheCalib, Dense, LoopQuant, RotationCalib, base, cache_nbytes, default_calib, get_format
+from rq_jax.cache import loop_quant
 from rq_jax.cache.base import segments, split_loops
 from rq_jax.cache.kv import init_cache
 from rq_jax.config import preset
@@ -249,6 +250,17 @@ def test_calibrated_rotations_and_means_are_used():
     means = fitted.calibrate(base.Segment(0, 1, 4), k[None], v[None], jnp.array([8]))
     assert means.key_mean.shape == (1, 1, 4, 2, 16) and float(jnp.max(jnp.abs(means.key_mean))) > 0.1
     assert reconstruction_error(fitted, k, v)["k"].mean() < default["k"].mean()
+
+
+@pytest.mark.parametrize("rows,tokens", [(1, 1), (3, 1), (2, 9)], ids=["one row", "a step", "a prompt"])
+def test_the_writes_rotation_is_z_equals_u_x_in_either_operand_order(rows, tokens):
+    """`_rotate` puts U first below D vectors a head (4 and 12 of 16 here) and x first above (72): both give
+    z = U x in the encoder's [G, N, K, p, B, T, E] to float32 rounding (sums of 16 products of unit-scale values)."""
+    rng = np.random.default_rng(rows * 10 + tokens)
+    x = rng.normal(size=(2, 4, 1, rows, 2, tokens, 16)).astype(np.float32)  # [G, p, N, B, K, T, D]
+    u = rng.normal(size=(2, 1, 2, 16, 16)).astype(np.float32)  # [G, N, K, E, D]
+    want = np.einsum("gpnbktd,gnked->gnkpbte", x.astype(np.float64), u.astype(np.float64))
+    np.testing.assert_allclose(loop_quant._rotate(jnp.asarray(x), jnp.asarray(u)), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("policy,match", [
