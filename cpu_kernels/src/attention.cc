@@ -305,7 +305,7 @@ auto by_dim(int d, Fn fn) {
 // K or V rows once, out[j] += coef[j] · D(c_j), and attend over them as over dense rows (`rows_scores`).
 // Over a chunk's n tokens: `codes` points at the chunk's first token, scale and offset are the chunk's [n, ng]
 // (padded by kLanes), qsum [kLanes·⌈ng/kLanes⌉] the query's sum over each group (zero past ng:
-// q · D(c) = Σ_g scale_g · (q_g · c_g) + offset · qsum), scores and w [n], q and acc [D], offacc [ng] (a value's
+// q · D(c) = Σ_g scale_g · (q_g · c_g) + offset · qsum; null for keys that do not read it), scores and w [n], q and acc [D], offacc [ng] (a value's
 // offsets apart: acc += Σ_j w[j] · scale_jg · c_j and offacc[g] += Σ_j w[j] · offset_jg, unless looked up),
 // out [n, D].
 
@@ -323,6 +323,7 @@ struct LinkFns {
   KeyFn key;
   ValueFn value;
   RebuildFn rebuild;
+  bool qsum;  // key reads the query's group sums (blocked and not looked up)
 };
 
 // Blocks of W channels, G to a group: block (h, p) is plane p of bytes [Wh, W(h+1)), channels pJ + Wh ..
@@ -547,7 +548,8 @@ void rebuild_any(const Link& ln, const uint8_t* codes, int n, const float* scale
 }
 
 template <int D, int BITS, int W, int G>
-constexpr LinkFns blocked_fns{key_blocked<D, BITS, W, G>, value_blocked<D, BITS, W, G>, rebuild_blocked<D, BITS, W, G>};
+constexpr LinkFns blocked_fns{key_blocked<D, BITS, W, G>, value_blocked<D, BITS, W, G>, rebuild_blocked<D, BITS, W, G>,
+                               !Blocks<D, BITS, W, G>::kLookup};
 
 template <int D, int W, int G>
 bool blocked_bits(int bits, LinkFns* fns) {
@@ -595,7 +597,7 @@ bool blocked(const Link& ln, LinkFns* fns) {
 
 // The link's functions: blocked with the widest block its bytes and groups allow, else channel by channel.
 LinkFns link_fns(const Link& ln) {
-  LinkFns fns{key_any, value_any, rebuild_any};
+  LinkFns fns{key_any, value_any, rebuild_any, false};
   if (!blocked<kLanes>(ln, &fns)) blocked<kLanes / 2>(ln, &fns);
   return fns;
 }
@@ -906,7 +908,8 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
                   Arena::rounded(v_groups) + Arena::rounded(kc.n * rows) + 2 * Arena::rounded(kMaxLinks * kChunk) +
                   (one ? 0 : 2 * Arena::rounded(kChunk * d));
   for (int i = 0; i < kc.n; ++i)
-    floats += (one ? Arena::rounded(qsum_stride(d / kc.link[i].group)) : 0) + LinkMeta::floats(kc.link[i]);
+    floats += (one && kfn[i].qsum ? Arena::rounded(qsum_stride(d / kc.link[i].group)) : 0) +
+              LinkMeta::floats(kc.link[i]);
   for (int i = 0; i < vc.n; ++i) floats += LinkMeta::floats(vc.link[i]);
   Arena arena(floats);
   float *q = arena.take(rows * d), *scores = arena.take(rows * kChunk), *w = arena.take(kChunk);  // w: one row
@@ -922,8 +925,9 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
       for (int i = 0; i < kc.n; ++i) means[i * rows + r] = p.mean_scores[qrow * kc.n + i];
   }
   if (p.key_rot) rotation<false>(p.slot_rotation(p.key_rot, k), d, rows, rotated, q);
-  float* qsum[kMaxLinks] = {};  // one row: Σ_{c∈g} q_c per key link and group
+  float* qsum[kMaxLinks] = {};  // one row: Σ_{c∈g} q_c per group, for the key links that read it
   for (int i = 0; i < kc.n && one; ++i) {
+    if (!kfn[i].qsum) continue;
     const int g = kc.link[i].group;
     qsum[i] = arena.zeros(qsum_stride(d / g));  // zero past the groups
     for (int gi = 0; gi < d / g; ++gi)
