@@ -3,9 +3,9 @@ the calibration and the paged cache (a pool of pages, held as bits and donated t
 step writes it in place), and each request's PRNG chain; it knows nothing of text or scheduling.
 
 A plan's rows run in a few calls: the decode rows (one token each) in one call over the fewest rows of
-`decode_rows` (1, 2, 4, ... `max_rows`: a call's cost grows with its rows) that hold them, the prompt chunks in
-calls over `token_buckets` (16, 32, ... `chunk` tokens) × `prefill_rows` (1, 2, 4, ... as the token budget
-allows; each chunk padded to its call's width, chunks of far apart widths in calls of their own:
+`decode_rows` (1, 2, 3, 4, 6, 8, 12, ... `max_rows`: a call's cost grows with its rows) that hold them, the
+prompt chunks in calls over `token_buckets` (16, 32, ... `chunk` tokens) × `prefill_rows` (1, 2, 4, ... as the
+token budget allows; each chunk padded to its call's width, chunks of far apart widths in calls of their own:
 `sizing.prefill_groups`), and a prompt whose log-probabilities are asked for (`echo`) alone in a call of its own.
 Padding rows feed nothing and store nothing.
 
@@ -35,7 +35,7 @@ from rq_jax.cache.calib import CacheCalib
 from rq_jax.cache.kv import init_paged_cache
 from rq_jax.serve import programs
 from rq_jax.serve.scheduler import Chunk, StepPlan
-from rq_jax.serve.sizing import geometric, holding, prefill_groups
+from rq_jax.serve.sizing import geometric, holding, prefill_groups, row_counts
 
 
 class RowSpec(NamedTuple):
@@ -89,7 +89,7 @@ class ModelRunner:
         self.page_size, self.max_len, self.chunk = page_size, max_len, chunk
         self.pages_per_row = -(-max_len // page_size)
         self.timer = timer or (lambda phase, seconds, rows: None)
-        self.decode_rows = geometric(1, max_rows, 2)
+        self.decode_rows = row_counts(max_rows)
         self.token_buckets = geometric(min(16, chunk), chunk, 2)
         self.prefill_rows = {t: geometric(1, max(1, min(max_rows, token_budget // t)), 2) for t in self.token_buckets}
         self._graphdef, params, num_loops, self.calib, _ = setup.prepare(

@@ -124,8 +124,18 @@ def geometric(lo: int, hi: int, ratio: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+def row_counts(hi: int) -> tuple[int, ...]:
+    """1, 2, 3, 4, 6, 8, 12, ... (the powers of two and 1.5 times them) below hi, then hi: the compiled row
+    counts of a decode step, whose cost grows with its rows. A step padded to the next count runs less than
+    1.5x its rows (from 2 on), where powers of two alone would run up to 2x: Ouro-small's residual step over
+    82 rows of ~440 tokens took 7.6 ms as 96 rows against 8.2 ms as 128 (docs/performance.md, stop 68)."""
+    out = sorted({s for k in range(hi.bit_length()) for s in (2**k, 3 * 2**k // 2) if s < hi})
+    return tuple(out) + (hi,)
+
+
 def holding(sizes: Sequence[int], n: int) -> int | None:
-    """The first of the ascending compiled `sizes` (`geometric`'s) that holds `n`; None when none does."""
+    """The first of the ascending compiled `sizes` (`geometric`'s, `row_counts`') that holds `n`; None when
+    none does."""
     return next((s for s in sizes if s >= n), None)
 
 

@@ -53,7 +53,7 @@ def test_greedy_tokens_equal_the_samplers_whatever_joins_leaves_is_preempted_or_
     metrics = ServeMetrics("ouro-small", cache)
     engine = Engine(model, tokenizer, fmt, eos_ids=stops, max_len=32, num_slots=2, max_rows=6, page_size=4,
                     chunk=8, token_budget=16, metrics=metrics)
-    assert engine.num_pages == (2 if cache == "kivi" else 16) and engine.runner.decode_rows == (1, 2, 4, 6)
+    assert engine.num_pages == (2 if cache == "kivi" else 16) and engine.runner.decode_rows == (1, 2, 3, 4, 6)
     engine.warm_up()
     sums = additions(tokenizer, 6)
     prompts = sums[:4] + [tokenizer.encode(RETRIEVAL[0]).ids] + sums[4:] + [tokenizer.encode(q).ids
@@ -119,7 +119,7 @@ def ouro():
     model, tokenizer, stops = load("ouro-small")
     engine = Engine(model, tokenizer, get_format("dense"), eos_ids=stops, max_len=48, num_slots=16, chunk=16,
                     page_size=16)
-    assert engine.runner.decode_rows == (1, 2, 4, 8, 16) and engine.runner.token_buckets == (16,)
+    assert engine.runner.decode_rows == (1, 2, 3, 4, 6, 8, 12, 16) and engine.runner.token_buckets == (16,)
     engine.warm_up()
     return model, tokenizer, stops, engine
 
@@ -205,6 +205,18 @@ def test_a_stop_string_found_while_the_next_step_runs_drops_its_row(ouro, monkey
     assert list(other.tokens) == ref.tokens[0, : int(ref.num_generated[0])].tolist()
     assert engine.scheduler.pool.held == 0 and not engine.runner._rng
     engine.scheduler.check()
+
+
+def test_a_decode_step_runs_under_one_and_a_half_times_its_rows():
+    """`row_counts`: ascending, ending at the engine's most rows, and every step of n ≥ 2 rows runs in a
+    compiled count under 1.5·n (1 runs as 1)."""
+    assert sizing.row_counts(1) == (1,) and sizing.row_counts(6) == (1, 2, 3, 4, 6)
+    assert sizing.row_counts(100)[-3:] == (64, 96, 100)
+    for hi in (2, 7, 64, 100, 512):
+        counts = sizing.row_counts(hi)
+        assert list(counts) == sorted(set(counts)) and counts[-1] == hi
+        assert sizing.holding(counts, 1) == 1
+        assert all(sizing.holding(counts, n) < 1.5 * n for n in range(2, hi + 1)), hi
 
 
 def test_prompt_chunks_run_in_calls_of_their_widths_and_few_padding_rows():
@@ -307,8 +319,8 @@ def test_cancel_frees_the_pages_at_once(ouro):
 
 
 def test_decode_steps_run_the_running_rows(ouro, monkeypatch):
-    """Nine requests decode in steps of 16 rows (the smallest compiled size that holds them), whichever
-    pages they hold; as they finish the steps shrink to 8, 4 rows. Every request still gets the
+    """Nine requests decode in steps of 12 rows (the smallest compiled size that holds them), whichever
+    pages they hold; as they finish the steps shrink to 8, 6, 4 rows. Every request still gets the
     Sampler's tokens."""
     model, tokenizer, stops, engine = ouro
     sizes = []
@@ -323,7 +335,7 @@ def test_decode_steps_run_the_running_rows(ouro, monkeypatch):
     prompts = additions(tokenizer, 9)
     params = [SamplingParams(max_tokens=2 + i % 7) for i in range(9)]
     outs = engine.generate(prompts, params)
-    assert (9, 16) in sizes and (4, 4) in sizes
+    assert (9, 12) in sizes and (4, 4) in sizes
     assert all(rows == min(r for r in engine.runner.decode_rows if r >= real) for real, rows in sizes), sizes
     sampler = Sampler(model, SamplingConfig(max_new_tokens=8, stop_tokens=stops), get_format("dense"))
     for prompt, p, out in zip(prompts, params, outs):
