@@ -16,7 +16,9 @@ scripts/random_checkpoint.py writes); `prefix`, the GSM8K 3-shot chain-of-though
 ~770-token prefix, each format run with the prefix cache and without it (`--no-prefix-cache`).
 
 Per request: time to first token, inter-token latency, end to end; per load point (fixed concurrency or
-Poisson arrivals): output tok/s, req/s, peak concurrent sequences (from the client's clock: polling the
+Poisson arrivals): output tok/s, peak output tok/s (the most tokens received in one second, as vLLM's
+benchmark reports it: a decode-only stretch shows there, where the whole point's figure also pays for the
+prompts), req/s, peak concurrent sequences (from the client's clock: polling the
 server's /metrics would cost it CPU), medians / p99, and the engine's seconds and calls per program
 from /metrics before and after.
 
@@ -192,7 +194,7 @@ def engine_counters(text: str) -> dict:
 async def one_request(http, url: str, prompt: str | list[int], max_tokens: int) -> dict:
     """A streamed completion over aiohttp session `http`: time to first token, the gaps between tokens,
     end to end, tokens received (counted from the chunks' token ids; a chunk carries the tokens of one
-    engine step)."""
+    engine step) and when each arrived (`time.perf_counter`)."""
     start = time.perf_counter()
     times = []
     body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True, logprobs=0,
@@ -208,13 +210,19 @@ async def one_request(http, url: str, prompt: str | list[int], max_tokens: int) 
     if not times:
         return dict(error="no tokens")
     return dict(ttft=times[0] - start, itl=list(np.diff(times)), e2e=times[-1] - start, tokens=len(times),
-                streaming=(times[0], times[-1]))
+                streaming=(times[0], times[-1]), token_times=times)
 
 
 def peak_streaming(spans: list[tuple[float, float]]) -> int:
     """The most (first, last) token spans open at once (a span closing at a time another opens counts once)."""
     events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
     return max(itertools.accumulate(d for _, d in events), default=0)
+
+
+def peak_output(times: list[float], start: float) -> float:
+    """The most tokens received within one whole second after `start` (buckets [start + i, start + i + 1)),
+    per second: vLLM's "peak output token throughput" (0 without tokens)."""
+    return float(np.bincount(np.floor(np.subtract(times, start)).astype(int)).max()) if times else 0.0
 
 
 async def run_point(server: ServerProcess, prompts: list[tuple[str | list[int], int]], args,
@@ -256,13 +264,14 @@ async def run_point(server: ServerProcess, prompts: list[tuple[str | list[int], 
         results = [r for r in await asyncio.gather(*tasks) if r is not None]
         wall = time.perf_counter() - start
         after = engine_counters(await metrics_text(http))
-    return point_summary(results, wall, concurrency, rate, {k: after[k] - before[k] for k in after})
+    return point_summary(results, start, wall, concurrency, rate, {k: after[k] - before[k] for k in after})
 
 
-def point_summary(results: list[dict], wall: float, concurrency: int | None, rate: float | None,
+def point_summary(results: list[dict], start: float, wall: float, concurrency: int | None, rate: float | None,
                   engine: dict) -> dict:
-    """A load point's row from its requests' results (`one_request`'s), its wall seconds and the engine
-    counters it added: throughput, peak concurrent sequences, medians and p99 (ms; NaN without data)."""
+    """A load point's row from its requests' results (`one_request`'s), its start (`time.perf_counter`) and
+    wall seconds, and the engine counters it added: throughput, peak output tok/s (`peak_output`), peak
+    concurrent sequences, medians and p99 (ms; NaN without data)."""
     ok = [r for r in results if "error" not in r]
     itl = [x for r in ok for x in r["itl"]]
 
@@ -270,7 +279,8 @@ def point_summary(results: list[dict], wall: float, concurrency: int | None, rat
         return float(np.percentile(values, q) * 1e3) if values else float("nan")
 
     return dict(concurrency=concurrency, rate=rate, requests=len(ok), errors=len(results) - len(ok), wall_s=wall,
-                output_tok_s=sum(r["tokens"] for r in ok) / wall, req_s=len(ok) / wall,
+                output_tok_s=sum(r["tokens"] for r in ok) / wall,
+                peak_tok_s=peak_output([t for r in ok for t in r["token_times"]], start), req_s=len(ok) / wall,
                 peak_sequences=peak_streaming([r["streaming"] for r in ok]),
                 ttft_ms_p50=ms([r["ttft"] for r in ok], 50), ttft_ms_p99=ms([r["ttft"] for r in ok], 99),
                 itl_ms_p50=ms(itl, 50), itl_ms_p99=ms(itl, 99), e2e_ms_p50=ms([r["e2e"] for r in ok], 50),
@@ -318,6 +328,11 @@ def rate(x: float, decimals: int = 0) -> str:
     return f"{x:,.{decimals}f}" if x >= 10 ** (2 - decimals) else f"{x:.3g}"
 
 
+def peak_rate(tok_s: float | None) -> str:
+    """A peak tok/s in one second for a table; "—" (None) for a run recorded before it was measured."""
+    return "—" if tok_s is None else rate(tok_s)
+
+
 def load(point: dict) -> str:
     """A load point's label."""
     return f"concurrency {point['concurrency']}" if point["concurrency"] else f"Poisson {point['rate']:g} req/s"
@@ -358,12 +373,13 @@ def markdown(runs: list[dict], args) -> str:
     row = report.row
     lines = [f"{model_words(args)} ({args.checkpoint}), requests of {args.max_len} tokens{sizing_words(args)}, "
              f"{workload_words(args)} (greedy, ignore_eos); medians and p99 of one run.",
-             "", row(["format", "load", "requests", "output tok/s", "req/s", "peak sequences", "TTFT p50 / p99 ms",
-                      "ITL p50 / p99 ms", "e2e p50 / p99 ms"]), _rule(9)]
+             "", row(["format", "load", "requests", "output tok/s", "peak tok/s in 1 s", "req/s", "peak sequences",
+                      "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "e2e p50 / p99 ms"]), _rule(10)]
     for run in runs:
         for p in run["points"]:
-            lines.append(row([run["format"], load(p), p["requests"], rate(p["output_tok_s"]), rate(p["req_s"], 1),
-                              p["peak_sequences"], f"{p['ttft_ms_p50']:.1f} / {p['ttft_ms_p99']:.1f}",
+            lines.append(row([run["format"], load(p), p["requests"], rate(p["output_tok_s"]),
+                              peak_rate(p.get("peak_tok_s")), rate(p["req_s"], 1), p["peak_sequences"],
+                              f"{p['ttft_ms_p50']:.1f} / {p['ttft_ms_p99']:.1f}",
                               f"{p['itl_ms_p50']:.1f} / {p['itl_ms_p99']:.1f}",
                               f"{p['e2e_ms_p50']:.0f} / {p['e2e_ms_p99']:.0f}"]))
     lines += ["", "Where the engine's time went (wall seconds of each program with its results ready, from /metrics; "
@@ -394,14 +410,19 @@ def markdown(runs: list[dict], args) -> str:
     def peak(run):
         return max(p["peak_sequences"] for p in run["points"])
 
+    def burst(run):  # the most tokens in one second at any point; None for a run recorded before the field
+        return max((p.get("peak_tok_s") for p in run["points"]), default=None, key=lambda x: x or 0)
+
     lines += ["", row(["", f"requests of {args.max_len} tokens the cache holds", "peak concurrent sequences",
-                       "saturated output tok/s",
-                       "start-up s (cold / compile cache)", "peak RSS GB"]), _rule(6)]
+                       "saturated output tok/s", "peak tok/s in 1 s",
+                       "start-up s (cold / compile cache)", "peak RSS GB"]), _rule(7)]
     for run in runs:
-        lines.append(row([run["format"], run["slots"], peak(run), rate(sat(run)),
+        lines.append(row([run["format"], run["slots"], peak(run), rate(sat(run)), peak_rate(burst(run)),
                           f"{run['startup_cold_s']:.1f} / {run['startup_s']:.1f}", f"{run['rss_gb']:.2f}"]))
+    bursts = burst(residual) / burst(dense) if burst(residual) and burst(dense) else None
     lines.append(row(["residual / dense", f"{residual['slots'] / dense['slots']:.2f}x",
-                      f"{peak(residual) / peak(dense):.2f}x", f"{sat(residual) / sat(dense):.2f}x", "", ""]))
+                      f"{peak(residual) / peak(dense):.2f}x", f"{sat(residual) / sat(dense):.2f}x",
+                      "—" if bursts is None else f"{bursts:.2f}x", "", ""]))
     uncached = {r["format"].removesuffix(UNCACHED[0]): r for r in runs if r["format"].endswith(UNCACHED[0])}
     if uncached:
         lines += ["", "The prefix cache against none (same requests; prompt tokens computed, TTFT p50):", "",

@@ -45,14 +45,26 @@ def test_peak_streaming(spans, peak):
     assert serve.peak_streaming(spans) == peak
 
 
+@pytest.mark.parametrize("times,start,peak", [
+    ([], 0.0, 0.0), ([5.2], 5.0, 1.0),
+    ([10.1, 10.5, 10.99, 11.0, 11.2, 13.7], 10.0, 3.0),  # [10, 11) holds three; 11.0 opens the next second
+    ([10.1, 10.5, 10.99, 11.0, 11.2, 11.3, 11.9], 10.0, 4.0),
+])
+def test_peak_output(times, start, peak):
+    assert serve.peak_output(times, start) == peak
+
+
 def test_point_summary():
-    results = [dict(ttft=0.01, itl=[0.002, 0.004], e2e=0.02, tokens=3, streaming=(1.0, 1.5)),
-               dict(ttft=0.03, itl=[0.006], e2e=0.05, tokens=2, streaming=(1.2, 2.0)), dict(error=429)]
-    p = serve.point_summary(results, 2.0, 8, None, {"decode_calls": 4})
+    results = [dict(ttft=0.01, itl=[0.002, 0.004], e2e=0.02, tokens=3, streaming=(1.0, 1.5),
+                    token_times=[1.0, 1.002, 1.5]),
+               dict(ttft=0.03, itl=[0.006], e2e=0.05, tokens=2, streaming=(1.2, 2.0), token_times=[1.2, 2.0]),
+               dict(error=429)]
+    p = serve.point_summary(results, 0.9, 2.0, 8, None, {"decode_calls": 4})
     assert (p["requests"], p["errors"], p["output_tok_s"], p["req_s"], p["peak_sequences"]) == (2, 1, 2.5, 1.0, 2)
+    assert p["peak_tok_s"] == 4.0  # 1.0, 1.002, 1.2 and 1.5 within [0.9, 1.9)
     assert p["ttft_ms_p50"] == pytest.approx(20) and p["itl_ms_p50"] == pytest.approx(4)
     assert (p["concurrency"], p["rate"], p["engine"]) == (8, None, {"decode_calls": 4})
-    assert math.isnan(serve.point_summary([dict(error=503)], 1.0, None, 5.0, {})["e2e_ms_p99"])
+    assert math.isnan(serve.point_summary([dict(error=503)], 0.0, 1.0, None, 5.0, {})["e2e_ms_p99"])
 
 
 def test_the_checked_in_run_writes_the_same_tables_and_keys(tmp_path):

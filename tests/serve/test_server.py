@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -188,6 +189,20 @@ def test_64_concurrent_mixed_requests_on_4_slots(server, reference):
     assert later / 4 <= steps <= later
     assert metric(server, "pages_used") == 0
     assert metric(server, "engine_seconds_total") > busy
+
+
+def test_the_benchmark_client_counts_every_streamed_token(server):
+    """bench_serve.py's load point (`rq_jax.perf.serve.run_point`: aiohttp, streamed, ignore_eos) on the shared
+    server: 8 requests of 4 tokens at concurrency 4 all complete, each of their 32 tokens is counted once,
+    the peak second holds some and at most all of them, and the engine's counters show the point's calls."""
+    from rq_jax.perf import serve as bench
+
+    point = asyncio.run(bench.run_point(server, [(p, 4) for p in additions(8, offset=40)],
+                                        SimpleNamespace(max_seconds=300), concurrency=4))
+    assert (point["requests"], point["errors"], point["concurrency"]) == (8, 0, 4)
+    assert point["output_tok_s"] * point["wall_s"] == pytest.approx(32)
+    assert 1 <= point["peak_tok_s"] <= 32 and 1 <= point["peak_sequences"] <= 4
+    assert point["engine"]["decode_calls"] >= 3 and point["engine"]["prompt_tokens"] > 0
 
 
 def test_a_killed_client_frees_its_slot(server):
