@@ -411,7 +411,7 @@ def markdown(runs: list[dict], args) -> str:
         return max(p["peak_sequences"] for p in run["points"])
 
     def burst(run):  # the most tokens in one second at any point; None for a run recorded before the field
-        return max((p.get("peak_tok_s") for p in run["points"]), default=None, key=lambda x: x or 0)
+        return max((p["peak_tok_s"] for p in run["points"] if p.get("peak_tok_s") is not None), default=None)
 
     lines += ["", row(["", f"requests of {args.max_len} tokens the cache holds", "peak concurrent sequences",
                        "saturated output tok/s", "peak tok/s in 1 s",
