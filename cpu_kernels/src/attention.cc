@@ -304,10 +304,10 @@ auto by_dim(int d, Fn fn) {
 // with w the softmax weights × the α chain. Many rows (a prompt chunk, grouped queries) rebuild the chain's
 // K or V rows once, out[j] += coef[j] · D(c_j), and attend over them as over dense rows (`rows_scores`).
 // Over a chunk's n tokens: `codes` points at the chunk's first token, scale and offset are the chunk's [n, ng]
-// (padded by kLanes), qsum [kLanes·⌈ng/kLanes⌉] the query's sum over each group (zero past ng:
-// q · D(c) = Σ_g scale_g · (q_g · c_g) + offset · qsum; null for keys that do not read it), scores and w [n], q and acc [D], offacc [ng] (a value's
-// offsets apart: acc += Σ_j w[j] · scale_jg · c_j and offacc[g] += Σ_j w[j] · offset_jg, unless looked up),
-// out [n, D].
+// (padded by kLanes), qsum [kLanes·⌈ng/kLanes⌉] the query's sum over each group (zero past ng; null for the
+// keys that do not read it: q · D(c) = Σ_g scale_g · (q_g · c_g) + offset · qsum), scores and w [n], q and
+// acc [D], offacc [ng] (a value's offsets apart: acc += Σ_j w[j] · scale_jg · c_j and
+// offacc[g] += Σ_j w[j] · offset_jg, unless looked up), out [n, D].
 
 // A row's length in qsum: ng rounded up to whole vectors.
 constexpr int qsum_stride(int ng) { return (ng + kLanes - 1) / kLanes * kLanes; }
