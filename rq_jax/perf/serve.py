@@ -419,7 +419,8 @@ def markdown(runs: list[dict], args) -> str:
     for run in runs:
         lines.append(row([run["format"], run["slots"], peak(run), rate(sat(run)), peak_rate(burst(run)),
                           f"{run['startup_cold_s']:.1f} / {run['startup_s']:.1f}", f"{run['rss_gb']:.2f}"]))
-    bursts = burst(residual) / burst(dense) if burst(residual) and burst(dense) else None
+    bursts = (burst(residual), burst(dense))
+    bursts = bursts[0] / bursts[1] if all(bursts) else None
     lines.append(row(["residual / dense", f"{residual['slots'] / dense['slots']:.2f}x",
                       f"{peak(residual) / peak(dense):.2f}x", f"{sat(residual) / sat(dense):.2f}x",
                       "—" if bursts is None else f"{bursts:.2f}x", "", ""]))
