@@ -14,10 +14,10 @@ fixed-concurrency points (`--concurrency`, `max` = as many requests of `--max-le
 and Poisson arrival rates (`--rates`), each bounded by `--requests` and `--max-seconds`. Every request asks
 for exactly its tokens (`--max-tokens`, or the mixed workload's draw; greedy, `ignore_eos`). Per request: time
 to first token, inter-token latency, end to end; per point: output tok/s, peak output tok/s (the most
-tokens received in one second, vLLM's "peak output token throughput"), req/s, peak concurrent sequences
-(the most requests streaming at once, first token to last, from the client's clock: polling the server's
-/metrics would cost it CPU) and medians / p99. Writes PREFIX.md (tables), PREFIX.json and PREFIX.png
-(throughput and p99 latency against offered load).
+tokens received in one whole second, vLLM's "peak output token throughput"; "—" for a point under a
+second), req/s, peak concurrent sequences (the most requests streaming at once, first token to last, from the
+client's clock: polling the server's /metrics would cost it CPU) and medians / p99. Writes PREFIX.md (tables),
+PREFIX.json and PREFIX.png (throughput and p99 latency against offered load).
 """
 
 import argparse

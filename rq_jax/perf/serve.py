@@ -16,10 +16,10 @@ scripts/random_checkpoint.py writes); `prefix`, the GSM8K 3-shot chain-of-though
 ~770-token prefix, each format run with the prefix cache and without it (`--no-prefix-cache`).
 
 Per request: time to first token, inter-token latency, end to end; per load point (fixed concurrency or
-Poisson arrivals): output tok/s, peak output tok/s (the most tokens received in one second, as vLLM's
-benchmark reports it: a decode-only stretch shows there, where the whole point's figure also pays for the
-prompts), req/s, peak concurrent sequences (from the client's clock: polling the
-server's /metrics would cost it CPU), medians / p99, and the engine's seconds and calls per program
+Poisson arrivals): output tok/s, peak output tok/s (the most tokens received in one whole second, as vLLM's
+benchmark reports it, none for a point under a second: a decode-only stretch shows there, where the whole
+point's figure also pays for the prompts), req/s, peak concurrent sequences (from the client's clock: polling
+the server's /metrics would cost it CPU), medians / p99, and the engine's seconds and calls per program
 from /metrics before and after.
 
 `args` below is bench_serve.py's parsed command line: model, checkpoint, memory_gb (or max_slots), max_len,
@@ -219,10 +219,16 @@ def peak_streaming(spans: list[tuple[float, float]]) -> int:
     return max(itertools.accumulate(d for _, d in events), default=0)
 
 
-def peak_output(times: list[float], start: float) -> float:
-    """The most tokens received within one whole second after `start` (buckets [start + i, start + i + 1)),
-    per second: vLLM's "peak output token throughput" (0 without tokens)."""
-    return float(np.bincount(np.floor(np.subtract(times, start)).astype(int)).max()) if times else 0.0
+def peak_output(times: list[float], start: float, wall: float) -> float | None:
+    """The most tokens received within one whole second of a point that ran `wall` seconds from `start`
+    (buckets [start + i, start + i + 1) that end by start + wall), per second: vLLM's "peak output token
+    throughput", less its partial last second. None for a point shorter than a second: its tokens over a
+    second would read as a rate below its mean."""
+    whole = int(np.floor(wall))
+    if whole < 1:
+        return None
+    seconds = np.floor(np.subtract(times, start)).astype(int)
+    return float(np.bincount(seconds[seconds < whole], minlength=1).max())
 
 
 async def run_point(server: ServerProcess, prompts: list[tuple[str | list[int], int]], args,
@@ -280,7 +286,7 @@ def point_summary(results: list[dict], start: float, wall: float, concurrency: i
 
     return dict(concurrency=concurrency, rate=rate, requests=len(ok), errors=len(results) - len(ok), wall_s=wall,
                 output_tok_s=sum(r["tokens"] for r in ok) / wall,
-                peak_tok_s=peak_output([t for r in ok for t in r["token_times"]], start), req_s=len(ok) / wall,
+                peak_tok_s=peak_output([t for r in ok for t in r["token_times"]], start, wall), req_s=len(ok) / wall,
                 peak_sequences=peak_streaming([r["streaming"] for r in ok]),
                 ttft_ms_p50=ms([r["ttft"] for r in ok], 50), ttft_ms_p99=ms([r["ttft"] for r in ok], 99),
                 itl_ms_p50=ms(itl, 50), itl_ms_p99=ms(itl, 99), e2e_ms_p50=ms([r["e2e"] for r in ok], 50),
@@ -329,7 +335,8 @@ def rate(x: float, decimals: int = 0) -> str:
 
 
 def peak_rate(tok_s: float | None) -> str:
-    """A peak tok/s in one second for a table; "—" (None) for a run recorded before it was measured."""
+    """A peak tok/s in one second for a table; "—" (None) for a point shorter than a second, or a run recorded
+    before it was measured."""
     return "—" if tok_s is None else rate(tok_s)
 
 

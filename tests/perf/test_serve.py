@@ -45,13 +45,15 @@ def test_peak_streaming(spans, peak):
     assert serve.peak_streaming(spans) == peak
 
 
-@pytest.mark.parametrize("times,start,peak", [
-    ([], 0.0, 0.0), ([5.2], 5.0, 1.0),
-    ([10.1, 10.5, 10.99, 11.0, 11.2, 13.7], 10.0, 3.0),  # [10, 11) holds three; 11.0 opens the next second
-    ([10.1, 10.5, 10.99, 11.0, 11.2, 11.3, 11.9], 10.0, 4.0),
+@pytest.mark.parametrize("times,start,wall,peak", [
+    ([], 0.0, 1.0, 0.0), ([5.2], 5.0, 1.5, 1.0),
+    ([10.1, 10.5, 10.99, 11.0, 11.2, 13.7], 10.0, 4.0, 3.0),  # [10, 11) holds three; 11.0 opens the next second
+    ([10.1, 10.5, 10.99, 11.0, 11.2, 11.3, 11.9], 10.0, 2.0, 4.0),
+    ([10.1, 10.5, 11.0, 11.2, 11.3, 11.4], 10.0, 1.5, 2.0),  # [11, 11.5) is not a whole second
+    ([10.1, 10.2, 10.3], 10.0, 0.4, None),  # no whole second: 3 tokens a second would understate 7.5
 ])
-def test_peak_output(times, start, peak):
-    assert serve.peak_output(times, start) == peak
+def test_peak_output(times, start, wall, peak):
+    assert serve.peak_output(times, start, wall) == peak
 
 
 def test_point_summary():

@@ -194,14 +194,19 @@ def test_64_concurrent_mixed_requests_on_4_slots(server, reference):
 def test_the_benchmark_client_counts_every_streamed_token(server):
     """bench_serve.py's load point (`rq_jax.perf.serve.run_point`: aiohttp, streamed, ignore_eos) on the shared
     server: 8 requests of 4 tokens at concurrency 4 all complete, each of their 32 tokens is counted once,
-    the peak second holds some and at most all of them, and the engine's counters show the point's calls."""
+    the peak second (when the point lasts one) holds some and at most all of them, and the engine's counters
+    show the point's calls."""
     from rq_jax.perf import serve as bench
 
     point = asyncio.run(bench.run_point(server, [(p, 4) for p in additions(8, offset=40)],
                                         SimpleNamespace(max_seconds=300), concurrency=4))
     assert (point["requests"], point["errors"], point["concurrency"]) == (8, 0, 4)
     assert point["output_tok_s"] * point["wall_s"] == pytest.approx(32)
-    assert 1 <= point["peak_tok_s"] <= 32 and 1 <= point["peak_sequences"] <= 4
+    assert 1 <= point["peak_sequences"] <= 4
+    if point["wall_s"] >= 1:  # a whole second holds some of the tokens and at most all
+        assert 1 <= point["peak_tok_s"] <= 32
+    else:
+        assert point["peak_tok_s"] is None
     assert point["engine"]["decode_calls"] >= 3 and point["engine"]["prompt_tokens"] > 0
 
 
