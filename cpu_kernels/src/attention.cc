@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -682,32 +683,83 @@ inline void prefetch_line(const char* p) {
 #endif
 }
 
-// Prefetch the rows of a leaf of `row_bytes` bytes a token that the segments cover.
-inline void prefetch_rows(const void* base, int64_t row_bytes, const Segment* seg, int count) {
-  for (int g = 0; g < count; ++g) {
-    const char* first = static_cast<const char*>(base) + seg[g].tok * row_bytes;
-    const char* end = first + seg[g].n * row_bytes;
-    for (const char* x = first - (reinterpret_cast<uintptr_t>(first) & 63); x < end; x += 64) prefetch_line(x);
+// The lines a chunk's tokens fill in each leaf an item reads (`leaf`: its base and bytes a token), requested
+// while the chunk before it runs: `queue` takes the chunk's segments and splits their lines into `steps`
+// shares, `step` requests one share (the item calls it between the parts of its work), `drain` the rest.
+// Requested all at once before a chunk, a residual chunk's ~200 lines at 128 channels filled the core's
+// line-fill buffers, and the core waited on its prefetches before computing anything: spread over the
+// chunk's work, Ouro-1.4B's residual decode step at 20 rows × 3k tokens took 12% less time, dense's at
+// 128 rows × 600 tokens 30% less (the section "Prefetches spread over a chunk's work" of docs/performance.md).
+class LineQueue {
+ public:
+  void leaf(const void* base, int64_t row_bytes) { leaf_[leaves_++] = {static_cast<const char*>(base), row_bytes}; }
+
+  void queue(const Segment* seg, int count, int64_t steps) {
+    seg_ = seg;
+    count_ = count;
+    li_ = 0;
+    gi_ = -1;
+    x_ = end_ = nullptr;
+    int64_t lines = 0;
+    for (int l = 0; l < leaves_; ++l)
+      for (int g = 0; g < count; ++g) lines += seg[g].n * leaf_[l].row_bytes / 64 + 2;
+    share_ = (lines + steps - 1) / std::max<int64_t>(steps, 1);
   }
-}
+  void step() { issue(share_); }
+  void drain() { issue(std::numeric_limits<int64_t>::max()); }
+
+ private:
+  struct Leaf {
+    const char* base;
+    int64_t row_bytes;
+  };
+  static constexpr int kMaxLeaves = 2 * kMaxLinks * 4;  // two chains of links: codes, scale, offset, α
+
+  void issue(int64_t lines) {
+    for (; lines > 0; --lines, x_ += 64) {
+      while (x_ >= end_) {  // the next segment's rows: segment by segment, leaf by leaf
+        if (++gi_ >= count_) gi_ = 0, ++li_;
+        if (li_ >= leaves_ || count_ == 0) {
+          li_ = leaves_;
+          return;
+        }
+        const char* first = leaf_[li_].base + seg_[gi_].tok * leaf_[li_].row_bytes;
+        x_ = first - (reinterpret_cast<uintptr_t>(first) & 63);
+        end_ = first + seg_[gi_].n * leaf_[li_].row_bytes;
+      }
+      prefetch_line(x_);
+    }
+  }
+
+  Leaf leaf_[kMaxLeaves];
+  int leaves_ = 0;
+  const Segment* seg_ = nullptr;
+  int count_ = 0, li_ = 0, gi_ = -1;
+  const char *x_ = nullptr, *end_ = nullptr;
+  int64_t share_ = 0;
+};
 
 // The item's tokens [s0, s1) in chunks of at most kChunk, each in the segments of the pages it spans:
 // fn(segments, count, n). A chunk is one online-softmax step whatever the page size (chunks of a 16-token
 // page each: a dense decode call of 16 rows at 3k tokens took 372 rather than 350 ms; residual's the same).
-// Before a chunk runs, prefetch(segments, count) is called with the next chunk's (and first with the first
-// chunk's): a paged row's pages lie anywhere in the pool, where the hardware's prefetchers cannot follow
-// (residual's chains at 64 rows × 1k tokens in 16-token pages took twice as long as contiguous without it).
-template <class Prefetch, class Fn>
-void for_chunks(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, Prefetch prefetch, Fn fn) {
+// The first chunk's lines are requested together, not one miss after another; each later chunk's are queued
+// in `lines` in steps(count, n) shares while the chunk before it runs (fn calls lines.step()), the rest
+// requested before it starts: a paged row's pages lie anywhere in the pool, where the hardware's prefetchers
+// cannot follow (residual's chains at 64 rows × 1k tokens in 16-token pages took twice as long as contiguous
+// without prefetching; Ouro-1.4B's at 20 rows × 3k tokens in 64-token pages 22% longer).
+template <class Steps, class Fn>
+void for_chunks(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, LineQueue& lines, Steps steps, Fn fn) {
   Segment seg[2][kChunk];
   int n = int(std::min(int64_t(kChunk), s1 - s0)), cur = 0;
   int count = chunk_segments(p, b, k, s0, n, seg[0]);
-  prefetch(seg[0], count);  // the first chunk's lines requested together, not one miss after another
+  lines.queue(seg[0], count, 1);
+  lines.drain();
   for (int64_t t0 = s0; t0 < s1; cur ^= 1) {
     const int next = int(std::min(int64_t(kChunk), s1 - t0 - n));
     const int next_count = chunk_segments(p, b, k, t0 + n, next, seg[cur ^ 1]);
-    prefetch(seg[cur ^ 1], next_count);
+    lines.queue(seg[cur ^ 1], next_count, steps(next_count, next));
     fn(seg[cur], count, n);
+    lines.drain();
     t0 += n;
     n = next;
     count = next_count;
@@ -937,17 +989,17 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
   for (int i = 0; i < kc.n; ++i) k_meta[i].init(kc.link[i], arena);
   for (int i = 0; i < vc.n; ++i) v_meta[i].init(vc.link[i], arena);
   const float inv = 1.0f / std::sqrt(float(d));
-  const auto prefetch = [&](const Segment* seg, int count) {
-    for (const Chain* c : {&kc, &vc})
-      for (int i = 0; i < c->n; ++i) {
-        const Link& ln = c->link[i];
-        const int64_t meta_row = int64_t(d / ln.group) * meta_width(ln.meta);
-        prefetch_rows(ln.codes, d * ln.bits / 8, seg, count);
-        prefetch_rows(ln.scale, meta_row, seg, count);
-        prefetch_rows(ln.offset, meta_row, seg, count);
-        if (c->alpha[i]) prefetch_rows(c->alpha[i], 2, seg, count);
-      }
-  };
+  LineQueue lines;
+  for (const Chain* c : {&kc, &vc})
+    for (int i = 0; i < c->n; ++i) {
+      const Link& ln = c->link[i];
+      const int64_t meta_row = int64_t(d / ln.group) * meta_width(ln.meta);
+      lines.leaf(ln.codes, d * ln.bits / 8);
+      lines.leaf(ln.scale, meta_row);
+      lines.leaf(ln.offset, meta_row);
+      if (c->alpha[i]) lines.leaf(c->alpha[i], 2);
+    }
+  const auto steps = [&](int count, int) { return int64_t(kc.n + vc.n) * count; };  // a share per link's segment
   // fn(i, ln, segment, its codes, scales, offsets) for each link of chain c over a chunk's segments
   const auto each_link = [&](const Chain& c, LinkMeta* meta, const Segment* seg, int count, auto fn) {
     for (int i = 0; i < c.n; ++i) {
@@ -955,6 +1007,7 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
       const int ng = d / ln.group;
       for (int g = 0; g < count; ++g) {
         const Segment& sg = seg[g];
+        lines.step();
         meta[i].decode(ln, sg.tok, sg.n, sg.j0);
         fn(i, ln, sg, ln.codes + sg.tok * (d * ln.bits / 8), meta[i].scale + sg.j0 * ng, meta[i].offset + sg.j0 * ng);
       }
@@ -969,7 +1022,7 @@ void quant_item(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s1, 
       fns[i].rebuild(ln, codes, sg.n, scale, offset, &coef[i * kChunk + sg.j0], x + sg.j0 * d);
     });
   };
-  for_chunks(p, b, k, s0, s1, prefetch, [&](const Segment* seg, int count, int n) {
+  for_chunks(p, b, k, s0, s1, lines, steps, [&](const Segment* seg, int count, int n) {
     for (int g = 0; g < count; ++g) chain_coefs(kc, seg[g].tok, seg[g].n, k_coef + seg[g].j0);
     if (one) {
       std::fill(scores, scores + kChunk, 0.0f);
@@ -1031,13 +1084,16 @@ void dense_item_of(const Problem& p, int64_t b, int64_t k, int64_t s0, int64_t s
   for (int r = 0; r < rows; ++r) load_row(p.q, p.q_bf16, (b * p.K + k) * p.R + p.row0 + r, d, &q[r * d]);
   const int64_t row_bytes = d * p.kv_bytes();
   const float inv = 1.0f / std::sqrt(float(d));
-  const auto prefetch = [&](const Segment* seg, int count) {
-    prefetch_rows(p.k, row_bytes, seg, count);
-    prefetch_rows(p.v, row_bytes, seg, count);
-  };
-  for_chunks(p, b, k, s0, s1, prefetch, [&](const Segment* seg, int count, int n) {
+  LineQueue lines;
+  lines.leaf(p.k, row_bytes);
+  lines.leaf(p.v, row_bytes);
+  const auto steps = [](int, int n) { return int64_t(2) * n; };  // a share per K or V row read
+  for_chunks(p, b, k, s0, s1, lines, steps, [&](const Segment* seg, int count, int n) {
     const auto reader = [&](const void* base) {  // the chunk's rows where they lie in the pool
-      const auto row = [&, base](int j) { return static_cast<const char*>(base) + flat(seg, count, j) * row_bytes; };
+      const auto row = [&, base](int j) {
+        lines.step();
+        return static_cast<const char*>(base) + flat(seg, count, j) * row_bytes;
+      };
       if constexpr (D == 0) {
         return [&, row](int j, float* out) { load_row(row(j), p.kv_bf16, 0, d, out); };
       } else {
