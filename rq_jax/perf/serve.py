@@ -417,7 +417,7 @@ def markdown(runs: list[dict], args) -> str:
     def peak(run):
         return max(p["peak_sequences"] for p in run["points"])
 
-    def burst(run):  # the most tokens in one second at any point; None for a run recorded before the field
+    def burst(run):  # the most tokens in one whole second at any point; None when no point has the figure
         return max((p["peak_tok_s"] for p in run["points"] if p.get("peak_tok_s") is not None), default=None)
 
     lines += ["", row(["", f"requests of {args.max_len} tokens the cache holds", "peak concurrent sequences",
@@ -426,11 +426,10 @@ def markdown(runs: list[dict], args) -> str:
     for run in runs:
         lines.append(row([run["format"], run["slots"], peak(run), rate(sat(run)), peak_rate(burst(run)),
                           f"{run['startup_cold_s']:.1f} / {run['startup_s']:.1f}", f"{run['rss_gb']:.2f}"]))
-    bursts = (burst(residual), burst(dense))
-    bursts = bursts[0] / bursts[1] if all(bursts) else None
+    burst_residual, burst_dense = burst(residual), burst(dense)
     lines.append(row(["residual / dense", f"{residual['slots'] / dense['slots']:.2f}x",
                       f"{peak(residual) / peak(dense):.2f}x", f"{sat(residual) / sat(dense):.2f}x",
-                      "—" if bursts is None else f"{bursts:.2f}x", "", ""]))
+                      f"{burst_residual / burst_dense:.2f}x" if burst_residual and burst_dense else "—", "", ""]))
     uncached = {r["format"].removesuffix(UNCACHED[0]): r for r in runs if r["format"].endswith(UNCACHED[0])}
     if uncached:
         lines += ["", "The prefix cache against none (same requests; prompt tokens computed, TTFT p50):", "",
